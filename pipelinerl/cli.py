@@ -1,0 +1,58 @@
+"""`pipelinerl` entry point: parse, build, run. Heavy libraries are imported inside each command so
+that `pipelinerl --help` and `show-config` answer instantly."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipelinerl.config import ConfigError, TinyModelConfig, load_config, to_yaml
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config file (configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides, e.g. trainer.lr=1e-5 run_dir=runs/x")
+
+
+def cmd_show_config(args: argparse.Namespace) -> None:
+    print(to_yaml(load_config(args.config, args.overrides)), end="")
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> None:
+    from pipelinerl.tiny_model import build_tiny_model
+
+    shape = TinyModelConfig(seed=args.seed)
+    model, _ = build_tiny_model(args.out_dir, shape)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"tiny Qwen2 model ({n_params:,} parameters, seed {args.seed}) saved to {args.out_dir}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipelinerl", description="Reinforcement learning for LLMs with in-flight weight updates.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("show-config", help="print the resolved config (YAML + overrides) as YAML")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_show_config)
+
+    p = sub.add_parser("make-tiny-model", help="build the offline tiny Qwen2 model + tokenizer (HF format)")
+    p.add_argument("out_dir", help="folder to write (replaced if it exists)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
+    p.set_defaults(func=cmd_make_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ConfigError as err:  # user errors: a message that says how to fix it, not a traceback
+        print(f"pipelinerl {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
