@@ -1,0 +1,103 @@
+"""Child processes of a launcher: start with a log file each, watch, and shut down in order.
+
+Each role runs in its own process group (vLLM and DeepSpeed spawn grandchildren), so stopping a role
+signals the whole group. Children also get PR_SET_PDEATHSIG: if the launcher itself is killed with
+SIGKILL, the kernel sends them SIGTERM and nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: process groups still let the launcher stop children it outlives
+        pass
+
+
+@dataclass
+class Role:
+    """One child process: what to run and where its output goes."""
+
+    name: str  # e.g. "server0", "actor", "trainer"
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
+
+
+class RoleFailed(RuntimeError):
+    """A child exited on its own: names the role, its exit code and its log."""
+
+    def __init__(self, role: Role, returncode: int):
+        self.role, self.returncode = role, returncode
+        super().__init__(f"role `{role.name}` exited with code {returncode}; its log: {role.log_path}")
+
+
+class Supervisor:
+    """Starts roles, reports the first one that exits, and stops the rest in reverse start order."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, tuple[Role, subprocess.Popen]] = {}
+
+    def start(self, role: Role) -> subprocess.Popen:
+        assert role.name not in self.running, role.name
+        role.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(role.log_path, "ab") as out:
+            proc = subprocess.Popen(role.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, **role.env}, preexec_fn=_die_with_parent)
+        self.running[role.name] = (role, proc)
+        log.info("started %s (pid %d), log %s", role.name, proc.pid, role.log_path)
+        return proc
+
+    def check(self) -> None:
+        """Raise RoleFailed for the first role that has exited (any exit is unexpected while running)."""
+        for role, proc in self.running.values():
+            if proc.poll() is not None:
+                raise RoleFailed(role, proc.returncode)
+
+    def wait_for(self, name: str, timeout_s: float | None = None, poll_s: float = 0.5) -> int:
+        """Wait for one role to exit by itself, failing fast if another role dies meanwhile."""
+        role, proc = self.running[name]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while proc.poll() is None:
+            for other, other_proc in self.running.values():
+                if other.name != name and other_proc.poll() is not None:
+                    raise RoleFailed(other, other_proc.returncode)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"role `{name}` still running after {timeout_s:.0f} s; log: {role.log_path}")
+            time.sleep(poll_s)
+        return proc.returncode
+
+    def stop_all(self, grace_s: float = 20.0) -> None:
+        """SIGTERM each role's process group, newest first; SIGKILL what outlives the grace period."""
+        for name in reversed(list(self.running)):
+            role, proc = self.running[name]
+            _signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s ignored SIGTERM for %.0f s; killing it", name, grace_s)
+            _signal_group(proc, signal.SIGKILL)  # grandchildren that outlived their parent
+            proc.wait()
+        self.running.clear()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
