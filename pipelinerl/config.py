@@ -233,12 +233,19 @@ class RLConfig:
     gae_lambda: float = 1.0  # GAE lambda (value_function only)
     value_coef: float = 0.5  # weight of the critic's squared error (value_function only)
     dpo_beta: float = 0.1  # online DPO temperature (algorithm=dpo only)
+    dpo_reference: str = "behaviour"  # DPO's reference log-probs (algorithm=dpo only): behaviour (the
+    #                                    sampling policy's, no reference server; a moving trust region) |
+    #                                    reference (the reference server's, classic DPO anchored at the start)
 
     def __post_init__(self) -> None:
         _check_choice(self.algorithm, ("grpo", "dpo"), "rl.algorithm")
         _check_choice(self.baseline, ("mean", "leave_one_out"), "rl.baseline")
         _check_positive(self.ppo_clip, "rl.ppo_clip", allow_null=True)
         _check(self.tis_cap is None or self.tis_cap >= 1.0, "rl.tis_cap", "must be >= 1, or null for no cap")
+        _check(self.ppo_clip is None or self.tis_cap is None, "rl.tis_cap",
+               "ppo_clip and tis_cap both reshape the importance ratio; set at most one of them")
+        _check(self.algorithm == "grpo" or not self.value_function, "rl.value_function",
+               "the critic's GAE advantages apply to algorithm=grpo only; DPO uses no advantages")
         _check(self.max_token_lag is None or self.max_token_lag >= 0, "rl.max_token_lag",
                "must be >= 0, or null to keep every token")
         _check(self.kl_coef >= 0, "rl.kl_coef", "must be >= 0")
@@ -246,6 +253,12 @@ class RLConfig:
         _check(0.0 <= self.gae_lambda <= 1.0, "rl.gae_lambda", "must be in [0, 1]")
         _check(self.value_coef >= 0, "rl.value_coef", "must be >= 0")
         _check_positive(self.dpo_beta, "rl.dpo_beta")
+        _check_choice(self.dpo_reference, ("behaviour", "reference"), "rl.dpo_reference")
+
+    @property
+    def needs_reference_logprobs(self) -> bool:
+        """Whether the trainer must fetch reference-model log-probs for each sample."""
+        return self.kl_coef > 0 or (self.algorithm == "dpo" and self.dpo_reference == "reference")
 
 
 @dataclass

@@ -1,0 +1,131 @@
+"""The RL objective of one packed micro-batch: `compute_loss`, the trainer's single entry point.
+
+Every term is a *sum* over this micro-batch's tokens (or DPO pairs) divided by ``num_sequences``, the
+number of sequences in the whole optimizer step (all micro-batches, all ranks). So summing the
+micro-batch losses of a step gives the same value and gradient whatever the packing (seed 000: loss
+normalised by the number of sequences, every token weighs the same).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pipelinerl.config import RLConfig
+from pipelinerl.rl.stats import token_stats
+
+
+def kept_tokens(mask_T: torch.Tensor, lag_T: torch.Tensor, max_token_lag: Optional[int]) -> torch.Tensor:
+    """Completion tokens that get loss: seed 001 proposes excluding tokens of very high lag."""
+    if max_token_lag is None:
+        return mask_T
+    return mask_T & (lag_T <= max_token_lag)
+
+
+def _policy_gradient(new_T, behaviour_T, advantages_T, keep_T, cfg: RLConfig):
+    """Per-token surrogate (to be maximised) and clip/cap counts.
+
+    Default (seed 000): ratio * A with ratio = exp(new - behaviour), no clamping, so the gradient is
+    A * ratio * grad(log pi). tis_cap: sg(min(ratio, cap) / ratio) * ratio * A, whose gradient is
+    A * min(ratio, cap) * grad(log pi) (truncated IS keeps a gradient on capped tokens, unlike PPO).
+    ppo_clip: min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A).
+    """
+    ratio_T = (new_T - behaviour_T).exp()
+    counts = {}
+    if cfg.ppo_clip is not None:
+        eps = cfg.ppo_clip
+        clipped_T = ratio_T.clamp(1 - eps, 1 + eps) * advantages_T
+        surrogate_T = torch.minimum(ratio_T * advantages_T, clipped_T)
+        active_T = ((advantages_T > 0) & (ratio_T > 1 + eps)) | ((advantages_T < 0) & (ratio_T < 1 - eps))
+        counts["ppo_clipped_tokens"] = (active_T & keep_T).sum().double()
+    elif cfg.tis_cap is not None:
+        weight_T = ratio_T.detach().clamp(max=cfg.tis_cap)
+        surrogate_T = (weight_T / ratio_T.detach()) * ratio_T * advantages_T
+        counts["tis_capped_tokens"] = ((ratio_T.detach() > cfg.tis_cap) & keep_T).sum().double()
+    else:
+        surrogate_T = ratio_T * advantages_T
+    return -(surrogate_T * keep_T).sum(), counts
+
+
+def _dense(index_T: torch.Tensor) -> torch.Tensor:
+    return torch.unique(index_T, return_inverse=True)[1]
+
+
+def _dpo(new_T, reference_T, roles_T, keep_T, seq_index_T, group_index_T, beta: float):
+    """Online DPO (seed 004) on each group's (chosen, rejected) pair; both must be in this micro-batch.
+
+    margin_g = [log pi(c) - log ref(c)] - [log pi(r) - log ref(r)], sequence log-probs summed over kept
+    tokens; loss_g = -log sigmoid(beta * margin_g).
+    """
+    assert group_index_T is not None, "algorithm=dpo needs group_index_T (pairs are matched by group)"
+    assert bool(((roles_T == 1) | (roles_T == -1) | (roles_T == 0)).all()), "dpo roles must be +1/-1/0"
+    seq_T, group_T = _dense(seq_index_T), _dense(group_index_T)
+    num_seq, num_groups = int(seq_T.max()) + 1, int(group_T.max()) + 1
+    # Each sequence's group and role, read from its tokens (constant within a sequence).
+    seq_group_S = torch.zeros(num_seq, dtype=torch.long, device=new_T.device).scatter(0, seq_T, group_T)
+    seq_role_S = torch.zeros(num_seq, dtype=torch.long, device=new_T.device).scatter(0, seq_T, roles_T.long())
+    chosen_G = torch.bincount(seq_group_S[seq_role_S == 1], minlength=num_groups)
+    rejected_G = torch.bincount(seq_group_S[seq_role_S == -1], minlength=num_groups)
+    assert bool((chosen_G == rejected_G).all()) and int(chosen_G.max()) <= 1, \
+        "a DPO pair must be whole inside one micro-batch: one chosen and one rejected sequence per group"
+    contribution_T = roles_T * (new_T - reference_T) * keep_T
+    margin_G = torch.zeros(num_groups, dtype=new_T.dtype, device=new_T.device).index_add(0, group_T, contribution_T)
+    pair_G = chosen_G == 1
+    margin_P = margin_G[pair_G]
+    counts = {"dpo_pairs": pair_G.sum().double(), "dpo_correct_pairs": (margin_P > 0).sum().double(),
+              "dpo_margin_sum": margin_P.detach().double().sum()}
+    return -F.logsigmoid(beta * margin_P).sum(), counts
+
+
+def compute_loss(new_logprobs_T: torch.Tensor, behaviour_logprobs_T: torch.Tensor, advantages_T: torch.Tensor,
+                 mask_T: torch.Tensor, lag_T: torch.Tensor, seq_index_T: torch.Tensor, num_sequences: int,
+                 cfg: RLConfig, ref_logprobs_T: Optional[torch.Tensor] = None,
+                 values_T: Optional[torch.Tensor] = None, returns_T: Optional[torch.Tensor] = None,
+                 group_index_T: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss (scalar, to minimise) of one packed micro-batch and its statistics (see rl/stats.py).
+
+    T = packed tokens of several sequences. new_logprobs_T: log pi_current(token) (carries the gradient);
+    behaviour_logprobs_T: log-probs returned by the inference server that sampled the token;
+    advantages_T: the sequence's advantage on each of its tokens (grpo), GAE advantages
+    (value_function), or the DPO role +1 chosen / -1 rejected / 0 unpaired (dpo, see `dpo_roles`);
+    mask_T: bool, completion tokens that may get loss; lag_T: trainer version - version that produced
+    the token; seq_index_T / group_index_T: any integer id of each token's sequence / prompt group
+    (group ids needed by dpo only); num_sequences: sequences in the whole optimizer step, all ranks.
+    ref_logprobs_T: reference-model log-probs, needed when cfg.needs_reference_logprobs.
+    values_T (with gradient) and returns_T: critic values and GAE returns, needed when cfg.value_function.
+    """
+    assert new_logprobs_T.dim() == 1 and new_logprobs_T.shape == behaviour_logprobs_T.shape == mask_T.shape
+    assert num_sequences > 0
+    mask_T = mask_T.bool()
+    keep_T = kept_tokens(mask_T, lag_T, cfg.max_token_lag)
+    behaviour_T = behaviour_logprobs_T.detach().to(new_logprobs_T.dtype)
+    advantages_T = advantages_T.detach().to(new_logprobs_T.dtype)
+    stats = token_stats(new_logprobs_T, behaviour_T, lag_T, mask_T, keep_T)
+    stats["sequences"] = stats["tokens"].new_tensor(float(torch.unique(seq_index_T).numel()))
+    if cfg.needs_reference_logprobs:
+        assert ref_logprobs_T is not None, "this RL config needs ref_logprobs_T (kl_coef > 0 or dpo reference)"
+        ref_logprobs_T = ref_logprobs_T.detach().to(new_logprobs_T.dtype)
+    if cfg.algorithm == "dpo":
+        reference_T = ref_logprobs_T if cfg.dpo_reference == "reference" else behaviour_T
+        main, counts = _dpo(new_logprobs_T, reference_T, advantages_T, keep_T, seq_index_T, group_index_T,
+                            cfg.dpo_beta)
+    else:
+        main, counts = _policy_gradient(new_logprobs_T, behaviour_T, advantages_T, keep_T, cfg)
+    loss = main / num_sequences
+    stats.update(counts)
+    stats[f"{cfg.algorithm}_loss"] = loss.detach().double()
+    if cfg.kl_coef > 0:
+        # k3 estimator of KL(pi || ref) per token: exp(ref - new) - (ref - new) - 1 (Schulman 2020).
+        log_ref_ratio_T = ref_logprobs_T - new_logprobs_T
+        k3_T = log_ref_ratio_T.exp() - log_ref_ratio_T - 1
+        kl_loss = cfg.kl_coef * (k3_T * keep_T).sum() / num_sequences
+        stats["kl_loss"] = kl_loss.detach().double()
+        loss = loss + kl_loss
+    if cfg.value_function:
+        assert values_T is not None and returns_T is not None, "value_function needs values_T and returns_T"
+        value_loss = cfg.value_coef * (((values_T - returns_T.detach()) ** 2) * keep_T).sum() / num_sequences
+        stats["value_loss"] = value_loss.detach().double()
+        loss = loss + value_loss
+    return loss, stats

@@ -1,0 +1,219 @@
+"""compute_loss against a float64 per-sequence loop, hand-computed numbers and the packing invariance."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from pipelinerl.config import ConfigError, RLConfig
+from pipelinerl.rl import compute_loss, merge_stats, summarize_stats
+
+
+def make_sequences(seed, num_groups=3, group_size=4, max_len=7):
+    """Random sequences: prompt tokens (mask 0) then completion tokens, with lags and log-probs."""
+    rng = random.Random(seed)
+    seqs = []
+    for g in range(num_groups):
+        for k in range(group_size):
+            n = rng.randint(2, max_len)
+            prompt = rng.randint(0, 2)
+            seqs.append({
+                "id": 100 * g + k, "group": 7 * g + 3, "adv": rng.uniform(-1.5, 1.5),
+                "role": 1 if k == 0 else (-1 if k == 1 else 0),
+                "new": [rng.uniform(-3.0, -0.05) for _ in range(n)],
+                "beh": [rng.uniform(-3.0, -0.05) for _ in range(n)],
+                "ref": [rng.uniform(-3.0, -0.05) for _ in range(n)],
+                "val": [rng.uniform(-1, 1) for _ in range(n)],
+                "ret": [rng.uniform(-1, 1) for _ in range(n)],
+                "mask": [t >= prompt for t in range(n)],
+                "lag": [rng.randint(0, 5) for _ in range(n)],
+            })
+    return seqs
+
+
+def reference_loss(seqs, num_sequences, cfg):
+    """The objective written token by token in float64, one sequence at a time."""
+    total = 0.0
+    margins = {}
+    for s in seqs:
+        for t in range(len(s["new"])):
+            if not s["mask"][t] or (cfg.max_token_lag is not None and s["lag"][t] > cfg.max_token_lag):
+                continue
+            new, beh, ref, adv = s["new"][t], s["beh"][t], s["ref"][t], s["adv"]
+            r = math.exp(new - beh)
+            if cfg.algorithm == "dpo":
+                anchor = ref if cfg.dpo_reference == "reference" else beh
+                margins[s["group"]] = margins.get(s["group"], 0.0) + s["role"] * (new - anchor)
+            elif cfg.ppo_clip is not None:
+                total -= min(r * adv, min(max(r, 1 - cfg.ppo_clip), 1 + cfg.ppo_clip) * adv)
+            elif cfg.tis_cap is not None:
+                total -= min(r, cfg.tis_cap) * adv
+            else:
+                total -= r * adv
+            total += cfg.kl_coef * (math.exp(ref - new) - (ref - new) - 1)
+            if cfg.value_function:
+                total += cfg.value_coef * (s["val"][t] - s["ret"][t]) ** 2
+    for margin in margins.values():
+        total += math.log1p(math.exp(-cfg.dpo_beta * margin))
+    return total / num_sequences
+
+
+def pack(seqs, dtype=torch.float64):
+    """Concatenate sequences into one micro-batch; 'new' and 'val' are leaves that collect gradients."""
+    cat = lambda key, dt=dtype: torch.cat([torch.tensor(s[key], dtype=dt) for s in seqs])
+    new_leaves = [torch.tensor(s["new"], dtype=dtype, requires_grad=True) for s in seqs]
+    val_leaves = [torch.tensor(s["val"], dtype=dtype, requires_grad=True) for s in seqs]
+    per_token = lambda key: torch.cat([torch.full((len(s["new"]),), s[key]) for s in seqs])
+    batch = dict(new_logprobs_T=torch.cat(new_leaves), behaviour_logprobs_T=cat("beh"), mask_T=cat("mask", torch.bool),
+                 lag_T=cat("lag", torch.long), seq_index_T=per_token("id"), ref_logprobs_T=cat("ref"),
+                 values_T=torch.cat(val_leaves), returns_T=cat("ret"), group_index_T=per_token("group"))
+    return batch, new_leaves, val_leaves
+
+
+def run_loss(seqs, num_sequences, cfg):
+    batch, new_leaves, val_leaves = pack(seqs)
+    key = "role" if cfg.algorithm == "dpo" else "adv"
+    adv_T = torch.cat([torch.full((len(s["new"]),), float(s[key]), dtype=torch.float64) for s in seqs])
+    loss, stats = compute_loss(advantages_T=adv_T, num_sequences=num_sequences, cfg=cfg, **batch)
+    return loss, stats, new_leaves, val_leaves
+
+
+CONFIGS = {
+    "default": RLConfig(),
+    "ppo_clip": RLConfig(ppo_clip=0.2),
+    "tis_cap": RLConfig(tis_cap=1.5),
+    "lag_drop": RLConfig(max_token_lag=2),
+    "kl": RLConfig(kl_coef=0.3),
+    "value": RLConfig(value_function=True, value_coef=0.7),
+    "dpo_behaviour": RLConfig(algorithm="dpo", dpo_beta=0.5),
+    "dpo_reference": RLConfig(algorithm="dpo", dpo_beta=0.5, dpo_reference="reference"),
+    "all_pg": RLConfig(ppo_clip=0.1, max_token_lag=3, kl_coef=0.1, value_function=True, baseline="leave_one_out"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_loss_equals_float64_per_sequence_loop(name):
+    cfg = CONFIGS[name]
+    for seed in range(3):
+        seqs = make_sequences(seed)
+        loss, _, _, _ = run_loss(seqs, num_sequences=24, cfg=cfg)
+        assert loss.item() == pytest.approx(reference_loss(seqs, 24, cfg), rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_loss_and_gradient_do_not_depend_on_packing(name):
+    cfg = CONFIGS[name]
+    seqs = make_sequences(seed=5, num_groups=4)
+    whole, _, new_w, val_w = run_loss(seqs, len(seqs), cfg)
+    whole.backward()
+    # Split the step's groups (DPO pairs must stay together) into micro-batches in a shuffled order.
+    order = list(range(4))
+    random.Random(1).shuffle(order)
+    total, grads_new, grads_val, parts = 0.0, {}, {}, []
+    for chunk in ([order[0]], order[1:3], [order[3]]):
+        part = [s for g in chunk for s in seqs[4 * g: 4 * g + 4]]
+        loss, stats, new_p, val_p = run_loss(part, len(seqs), cfg)
+        loss.backward()
+        total += loss.item()
+        parts.append(stats)
+        for s, leaf_n, leaf_v in zip(part, new_p, val_p):
+            grads_new[s["id"]], grads_val[s["id"]] = leaf_n.grad, leaf_v.grad
+    assert total == pytest.approx(whole.item(), rel=1e-12, abs=1e-14)
+    for s, leaf_n, leaf_v in zip(seqs, new_w, val_w):
+        torch.testing.assert_close(grads_new[s["id"]], leaf_n.grad, rtol=1e-12, atol=1e-15)
+        if cfg.value_function:
+            torch.testing.assert_close(grads_val[s["id"]], leaf_v.grad, rtol=1e-12, atol=1e-15)
+    _, whole_stats, _, _ = run_loss(seqs, len(seqs), cfg)
+    merged, reference = summarize_stats(merge_stats(parts)), summarize_stats(whole_stats)
+    assert merged.keys() == reference.keys()
+    for key in reference:
+        assert merged[key] == pytest.approx(reference[key], rel=1e-9, nan_ok=True), key
+
+
+def test_default_gradient_is_advantage_times_ratio():
+    """d loss / d new_t = -A * exp(new_t - beh_t) / num_sequences on completion tokens, 0 elsewhere."""
+    seqs = make_sequences(seed=2)
+    loss, _, new_leaves, _ = run_loss(seqs, 10, RLConfig())
+    loss.backward()
+    for s, leaf in zip(seqs, new_leaves):
+        expected = [-s["adv"] * math.exp(n - b) / 10 if m else 0.0
+                    for n, b, m in zip(s["new"], s["beh"], s["mask"])]
+        torch.testing.assert_close(leaf.grad, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_tis_gradient_is_capped_weight_and_ppo_zeroes_clipped_tokens():
+    new = torch.tensor([math.log(0.5), math.log(0.9), math.log(0.2)], dtype=torch.float64, requires_grad=True)
+    beh = torch.log(torch.tensor([0.25, 0.9, 0.4], dtype=torch.float64))  # ratios 2, 1, 0.5
+    adv, mask, lag, seq = torch.tensor([1.0, 1.0, -1.0], dtype=torch.float64), torch.ones(3, dtype=torch.bool), \
+        torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)
+    loss, stats = compute_loss(new, beh, adv, mask, lag, seq, 2, RLConfig(tis_cap=1.5))
+    loss.backward()
+    assert loss.item() == pytest.approx(-(1.5 + 1.0 - 0.5) / 2)
+    torch.testing.assert_close(new.grad, torch.tensor([-1.5, -1.0, 0.5], dtype=torch.float64) / 2)
+    assert summarize_stats(stats)["tis_capped_frac"] == pytest.approx(1 / 3)
+    new.grad = None
+    loss, stats = compute_loss(new, beh, adv, mask, lag, seq, 2, RLConfig(ppo_clip=0.2))
+    loss.backward()
+    # ratio 2 with A>0 is clipped at 1.2 (no gradient); ratio 0.5 with A<0 is clipped at 0.8 (no gradient).
+    assert loss.item() == pytest.approx(-(1.2 + 1.0 - 0.8) / 2)
+    torch.testing.assert_close(new.grad, torch.tensor([0.0, -0.5, 0.0], dtype=torch.float64))
+    assert summarize_stats(stats)["ppo_clipped_frac"] == pytest.approx(2 / 3)
+
+
+def test_lag_filter_drops_exactly_the_stale_tokens():
+    new = torch.full((6,), -1.0, dtype=torch.float64, requires_grad=True)
+    beh = torch.full((6,), -1.0, dtype=torch.float64)
+    mask = torch.tensor([0, 1, 1, 1, 1, 1], dtype=torch.bool)
+    lag = torch.tensor([9, 0, 3, 4, 5, 1])
+    loss, stats = compute_loss(new, beh, torch.ones(6, dtype=torch.float64), mask, lag, torch.zeros(6), 1,
+                               RLConfig(max_token_lag=3))
+    loss.backward()
+    assert loss.item() == pytest.approx(-3.0)
+    assert new.grad.tolist() == [0.0, -1.0, -1.0, 0.0, 0.0, -1.0]
+    summary = summarize_stats(stats)
+    assert summary["kept_tokens"] == 3 and summary["lag_drop_frac"] == pytest.approx(2 / 5)
+    assert summary["lag_max"] == 5 and summary["lag_mean"] == pytest.approx(13 / 5)  # the prompt token's lag is ignored
+
+
+def test_dpo_loss_hand_computed():
+    # Group 0: chosen (2 tokens), rejected (1 token), an unpaired attempt; group 1 has no pair.
+    new = torch.tensor([-0.5, -1.0, -2.0, -0.1, -0.3, -0.4], dtype=torch.float64, requires_grad=True)
+    beh = torch.tensor([-1.0, -1.0, -1.5, -3.0, -0.3, -0.4], dtype=torch.float64)
+    roles = torch.tensor([1, 1, -1, 0, 0, 0], dtype=torch.float64)
+    seq, group = torch.tensor([0, 0, 1, 2, 3, 4]), torch.tensor([0, 0, 0, 0, 1, 1])
+    mask, lag = torch.ones(6, dtype=torch.bool), torch.zeros(6, dtype=torch.long)
+    loss, stats = compute_loss(new, beh, roles, mask, lag, seq, 5, RLConfig(algorithm="dpo", dpo_beta=2.0),
+                               group_index_T=group)
+    margin = (0.5 + 0.0) - (-0.5)  # chosen's log-ratio sum minus rejected's
+    assert loss.item() == pytest.approx(-math.log(1 / (1 + math.exp(-2.0 * margin))) / 5)
+    summary = summarize_stats(stats)
+    assert summary["dpo_pairs"] == 1 and summary["dpo_accuracy"] == 1 and summary["dpo_margin"] == pytest.approx(1.0)
+    loss.backward()
+    g = 2.0 * (1 - 1 / (1 + math.exp(-2.0))) / 5  # -d/dm log sigmoid(beta m) * beta / N
+    torch.testing.assert_close(new.grad, torch.tensor([-g, -g, g, 0, 0, 0], dtype=torch.float64))
+
+
+def test_dpo_rejects_a_pair_split_across_micro_batches():
+    new = torch.zeros(2, dtype=torch.float64)
+    with pytest.raises(AssertionError, match="whole inside one micro-batch"):
+        compute_loss(new, new, torch.tensor([1.0, 0.0]), torch.ones(2, dtype=torch.bool), torch.zeros(2),
+                     torch.tensor([0, 1]), 4, RLConfig(algorithm="dpo"), group_index_T=torch.tensor([3, 3]))
+
+
+def test_kl_term_hand_computed():
+    new = torch.tensor([math.log(0.5)], dtype=torch.float64)
+    ref = torch.tensor([math.log(0.25)], dtype=torch.float64)
+    loss, stats = compute_loss(new, new, torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.bool),
+                               torch.zeros(1), torch.zeros(1), 1, RLConfig(kl_coef=2.0), ref_logprobs_T=ref)
+    assert loss.item() == pytest.approx(2.0 * (0.5 - math.log(0.5) - 1))
+    assert stats["kl_loss"].item() == pytest.approx(loss.item())
+
+
+def test_config_rejects_conflicting_options():
+    with pytest.raises(ConfigError, match="rl.tis_cap"):
+        RLConfig(ppo_clip=0.2, tis_cap=2.0)
+    with pytest.raises(ConfigError, match="rl.dpo_reference"):
+        RLConfig(dpo_reference="sft")
+    assert RLConfig(algorithm="dpo", dpo_reference="reference").needs_reference_logprobs
+    assert not RLConfig(algorithm="dpo").needs_reference_logprobs and RLConfig(kl_coef=0.1).needs_reference_logprobs
