@@ -192,6 +192,11 @@ class TrainerConfig:
     adam_eps: float = 1e-8  # AdamW epsilon
     grad_clip: Optional[float] = 1.0  # max global gradient L2 norm; null = no clipping
     gradient_checkpointing: bool = False  # recompute activations in backward (long sequences on GPU)
+    attn_implementation: str = "sdpa"  # sdpa (any device; packed sequences get a block-diagonal mask) |
+    #                                    flash_attention_2 (GPU with flash-attn installed; varlen kernels)
+    deepspeed_config: dict = field(default_factory=dict)  # merged over the generated DeepSpeed config,
+    #                                    e.g. {zero_optimization: {reduce_bucket_size: 5e8}}; {} = none
+    dist_timeout_s: float = 1800.0  # a trainer collective (all-reduce, gather) waiting longer fails
     broadcast_bucket_mb: float = 256.0  # weights are broadcast in buckets of at most this many MiB
     broadcast_checksums: bool = False  # debug: servers check a per-tensor checksum after each update
     data_timeout_s: float = 3600.0  # fail if the rollout stream yields nothing for this long
@@ -214,6 +219,11 @@ class TrainerConfig:
         _check_positive(self.grad_clip, "trainer.grad_clip", allow_null=True)
         _check_positive(self.broadcast_bucket_mb, "trainer.broadcast_bucket_mb")
         _check_positive(self.data_timeout_s, "trainer.data_timeout_s")
+        _check_choice(self.attn_implementation, ("sdpa", "flash_attention_2"), "trainer.attn_implementation")
+        _check_positive(self.dist_timeout_s, "trainer.dist_timeout_s")
+        _check("train_batch_size" not in self.deepspeed_config
+               and "gradient_accumulation_steps" not in self.deepspeed_config, "trainer.deepspeed_config",
+               "batch sizes come from trainer.samples_per_step and micro_batch_tokens; remove them here")
 
 
 @dataclass

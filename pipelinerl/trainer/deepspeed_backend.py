@@ -1,0 +1,221 @@
+"""The trainer contract on DeepSpeed ZeRO (stages 0-3): NCCL + bf16 on GPUs, gloo + float32 on CPU.
+
+Loss weighting. A micro-batch's loss is its share of the step's loss (sum over its tokens / sequences in
+the whole step), so the step's gradient is the plain sum of micro-batch gradients over every rank.
+DeepSpeed instead averages gradients over data-parallel ranks; `backward` multiplies by world_size to
+undo that exactly. Gradient accumulation is unmanaged (`managed_gradient_accumulation: false`): the
+number of micro-batches varies with packing, and `optimizer_step` is the only accumulation boundary.
+ZeRO-2/3 reduce gradients (and ZeRO-3 gathers parameters) on every micro-batch, so every rank must run
+the same number of them: `accumulate` pads the shorter ranks with zero-loss micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from pipelinerl.config import TrainerConfig
+from pipelinerl.trainer.dist import DistInfo, all_reduce_max
+from pipelinerl.trainer.packing import MicroBatch, padding_micro_batch
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Files of an HF folder that describe weights; everything else (config, tokenizer) is copied as-is.
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def deepspeed_config(cfg: TrainerConfig, dtype: str, world_size: int) -> dict:
+    """The DeepSpeed JSON config; cfg.deepspeed_config is merged over it (cluster tuning)."""
+    zero = {"stage": cfg.zero_stage}
+    if cfg.zero_stage == 3:
+        # Weights are gathered module by module for broadcasts and checkpoints, never as one 16-bit copy.
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    base = {
+        "train_batch_size": world_size,  # bookkeeping only: accumulation is unmanaged (module docstring)
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": cfg.grad_clip or 0.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "fp16": {"enabled": dtype == "float16"},
+        "zero_allow_untested_optimizer": True,  # torch AdamW: no JIT-compiled FusedAdam (FACTS.md)
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    return _merge(base, cfg.deepspeed_config)
+
+
+def lr_factor(step: int, cfg: TrainerConfig) -> float:
+    """Multiplier of cfg.lr for optimizer step `step` (0-based): linear warm-up, then the schedule."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    if cfg.lr_schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def completion_logprobs(model, micro_batch: MicroBatch, device: torch.device) -> torch.Tensor:
+    """[N] float32 log-probs of a packed micro-batch's completion tokens under `model` (an HF causal LM
+    or the DeepSpeed engine wrapping one)."""
+    input_ids = micro_batch.input_ids.to(device)
+    target_pos = micro_batch.target_pos_N.to(device)
+    # No attention mask: transformers isolates the packed sequences from the position-id restarts.
+    # Only rows that predict a completion token go through the LM head (the vocabulary is large).
+    out = model(input_ids=input_ids, position_ids=micro_batch.position_ids.to(device), use_cache=False,
+                logits_to_keep=target_pos - 1)
+    logits_NV = out.logits[0].float()
+    targets_N = input_ids[0, target_pos]
+    return logits_NV.gather(-1, targets_N[:, None])[:, 0] - logits_NV.logsumexp(-1)
+
+
+class DeepSpeedTrainer:
+    """See contract.Trainer. `broadcaster` (rank 0 only) is a weights.WeightBroadcaster, or None to
+    gather without sending (benchmarks, tests)."""
+
+    def __init__(self, cfg: TrainerConfig, dist: DistInfo, dtype: str = "float32", broadcaster=None):
+        self.cfg, self.dist, self.dtype, self.broadcaster = cfg, dist, dtype, broadcaster
+        self.engine = None
+        self.model_path: Optional[Path] = None
+        self._hf_ds_config = None  # must outlive from_pretrained for ZeRO-3 (transformers keeps a weakref)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(f"cuda:{self.dist.local_rank}") if self.dist.backend == "nccl" else torch.device("cpu")
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def init(self, model_path: str) -> None:
+        import deepspeed
+        from torch.optim.lr_scheduler import LambdaLR
+        from transformers import AutoModelForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+
+        self.model_path = Path(model_path)
+        ds_config = deepspeed_config(self.cfg, self.dtype, self.dist.world_size)
+        if self.cfg.zero_stage == 3:
+            # Makes from_pretrained load each tensor straight into its ZeRO-3 shard (FACTS.md).
+            self._hf_ds_config = HfDeepSpeedConfig(ds_config)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=TORCH_DTYPES[self.dtype], attn_implementation=self.cfg.attn_implementation)
+        model.config.use_cache = False
+        if self.cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        cfg = self.cfg
+
+        def make_optimizer(params):
+            return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
+                                     weight_decay=cfg.weight_decay)
+
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), optimizer=make_optimizer, config=ds_config,
+            lr_scheduler=lambda opt: LambdaLR(opt, lambda step: lr_factor(step, cfg)))
+
+    def forward(self, micro_batch: MicroBatch) -> torch.Tensor:
+        return completion_logprobs(self.engine, micro_batch, self.device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DeepSpeed divides by the data-parallel size when it reduces; the loss is already this rank's
+        # share of a sum, so scale it back (exact for power-of-two world sizes).
+        self.engine.backward(loss * self.dist.world_size, scale_wrt_gas=False)
+
+    def optimizer_step(self) -> dict[str, float]:
+        lr = float(self.engine.get_lr()[0])
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return {"grad_norm": float(norm) if norm is not None else float("nan"), "lr": lr}
+
+    def accumulate(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> list[dict]:
+        """Forward + loss + backward over this rank's micro-batches, padded to the ranks' maximum count.
+        loss_fn(micro_batch, new_logprobs_N) -> (loss share, stats). Returns the real batches' stats."""
+        count = all_reduce_max(len(micro_batches))
+        names = micro_batches[0].fields_N.keys() if micro_batches else ()
+        padded = micro_batches + [padding_micro_batch(names)] * (count - len(micro_batches))
+        stats = []
+        for mb in padded:
+            new_N = self.forward(mb)
+            if mb.is_padding:
+                loss = new_N.sum() * 0.0  # touches every parameter, adds nothing
+            else:
+                loss, mb_stats = loss_fn(mb, new_N)
+                stats.append(mb_stats)
+            self.backward(loss)
+        return stats
+
+    def _modules_with_params(self) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
+        """Parameters grouped by owning module, in a fixed order shared by metas and tensors."""
+        for prefix, module in self.module.named_modules():
+            own = [(f"{prefix}.{n}" if prefix else n, p) for n, p in module.named_parameters(recurse=False)]
+            if own:
+                yield own
+
+    def named_shapes(self) -> list[tuple[str, str, list[int]]]:
+        """(HF name, dtype, full shape) of every parameter, without gathering (ZeRO-3 keeps ds_shape)."""
+        return [(name, str(p.dtype).removeprefix("torch."), list(getattr(p, "ds_shape", p.shape)))
+                for own in self._modules_with_params() for name, p in own]
+
+    def gathered_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full parameters, one module at a time. A collective under ZeRO-3: every rank must exhaust it.
+        Each tensor is valid until the next one is requested (its module is then re-partitioned)."""
+        import deepspeed
+
+        for own in self._modules_with_params():
+            with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
+                for name, p in own:
+                    yield name, p.data
+
+    def broadcast_weights(self, version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        tensors = (t for _, t in self.gathered_parameters())
+        if self.dist.is_main and self.broadcaster is not None:
+            from pipelinerl.weights import TensorMeta
+
+            metas = [TensorMeta(name=n, dtype=d, shape=s) for n, d, s in self.named_shapes()]
+            timings = dict(self.broadcaster.broadcast(version, metas, tensors))
+        else:
+            timings = {"bytes": float(sum(t.numel() * t.element_size() for t in tensors))}
+        timings["broadcast_total_s"] = time.perf_counter() - start
+        return timings
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """CPU copies of all weights on rank 0 (empty elsewhere); a collective under ZeRO-3."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in self.gathered_parameters()
+                if self.dist.is_main}
+
+    def save_hf(self, out_dir: Path) -> None:
+        """HF folder loadable by transformers and vLLM: gathered weights + the source's config/tokenizer."""
+        state = self.full_state_dict()
+        if not self.dist.is_main:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for src in self.model_path.iterdir():
+            if src.is_file() and not any(src.match(p) for p in _WEIGHT_FILES):
+                shutil.copy2(src, out_dir / src.name)
+        self.module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+
+    def save_state(self, out_dir: Path) -> None:
+        """DeepSpeed engine state (sharded weights, optimizer, schedule); every rank writes its shard."""
+        self.engine.save_checkpoint(str(out_dir), tag="state", save_latest=False)
+
+    def load_state(self, in_dir: Path) -> None:
+        path, _ = self.engine.load_checkpoint(str(in_dir), tag="state")
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed state under {in_dir}/state")

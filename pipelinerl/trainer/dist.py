@@ -1,0 +1,84 @@
+"""Rank, world size and the trainer's process group: read once at start-up, then passed in.
+
+torchrun, the `deepspeed` launcher and Slurm+srun (through torchrun) all export RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT; a bare `python` process is rank 0 of 1.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the trainer's data-parallel group."""
+
+    rank: int  # global rank; rank 0 gathers weights, broadcasts them and writes checkpoints
+    world_size: int  # data-parallel ranks (ZeRO shards over all of them)
+    local_rank: int  # rank on this node: picks the GPU
+    backend: str  # nccl (GPUs) | gloo (CPU)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def read_dist_env(environ=os.environ) -> DistInfo:
+    """The launcher's view of this process; NCCL when CUDA is present, else gloo."""
+    import torch
+
+    rank = int(environ.get("RANK", 0))
+    world_size = int(environ.get("WORLD_SIZE", 1))
+    local_rank = int(environ.get("LOCAL_RANK", 0))
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world_size}; launch with torchrun or deepspeed")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend)
+
+
+def init_process_group(info: DistInfo, timeout_s: float) -> None:
+    """Join the trainer's default group. A collective that waits longer than timeout_s fails (no hang)."""
+    import deepspeed
+    import torch
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if info.backend == "nccl":
+        torch.cuda.set_device(info.local_rank)
+    deepspeed.init_distributed(dist_backend=info.backend, timeout=timedelta(seconds=timeout_s),
+                               rank=info.rank, world_size=info.world_size, verbose=False)
+
+
+def all_reduce_max(value: int) -> int:
+    """The largest of every rank's value (micro-batch counts, stop flags)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Element-wise sums over ranks (loss and token counts for logging)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()

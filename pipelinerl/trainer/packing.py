@@ -1,0 +1,107 @@
+"""Packing variable-length samples into micro-batches, and splitting a step's samples among ranks.
+
+A packed micro-batch is one row: sequences concatenated, position ids restarting at 0 for each. With no
+attention mask, transformers derives a block-diagonal causal mask from those restarts (sdpa) or uses
+varlen kernels (flash-attention), so attention never crosses sequences and nothing is padded.
+
+Per-token tensors live on completion tokens only (suffix _N): the loss needs nothing else. Pure torch:
+no process groups here; the backend pads ranks to equal micro-batch counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One completion with its prompt, as the trainer sees it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    index: int  # position of the sample in its optimizer step (0..N-1), the same on every rank
+    token_fields: dict[str, list[float]] = field(default_factory=dict)  # one value per completion token
+
+    def __post_init__(self) -> None:
+        assert self.prompt_ids, "a sample needs at least one prompt token to condition the first completion token"
+        for name, values in self.token_fields.items():
+            assert len(values) == len(self.completion_ids), f"{name}: one value per completion token"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass
+class MicroBatch:
+    """Samples packed into one row; index tensors select the completion tokens."""
+
+    input_ids: torch.Tensor  # [1, L] long
+    position_ids: torch.Tensor  # [1, L] long, restarting at 0 for each sequence
+    target_pos_N: torch.Tensor  # [N] long: row position of each completion token (predicted from pos - 1)
+    seq_index_N: torch.Tensor  # [N] long: the token's Sample.index (step-wide, independent of packing)
+    fields_N: dict[str, torch.Tensor]  # [N] float64 per token field
+    num_sequences: int
+    is_padding: bool = False  # an empty stand-in that keeps ranks' collectives in step; its loss is 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def _row(samples: list[Sample]) -> MicroBatch:
+    ids, pos, target, seq = [], [], [], []
+    for s in samples:
+        start = len(ids) + len(s.prompt_ids)
+        ids += s.prompt_ids + s.completion_ids
+        pos += range(s.num_tokens)
+        target += range(start, start + len(s.completion_ids))
+        seq += [s.index] * len(s.completion_ids)
+    names = samples[0].token_fields.keys()
+    fields = {n: torch.tensor([v for s in samples for v in s.token_fields[n]], dtype=torch.float64) for n in names}
+    return MicroBatch(
+        input_ids=torch.tensor([ids], dtype=torch.long), position_ids=torch.tensor([pos], dtype=torch.long),
+        target_pos_N=torch.tensor(target, dtype=torch.long), seq_index_N=torch.tensor(seq, dtype=torch.long),
+        fields_N=fields, num_sequences=len(samples))
+
+
+def pack(samples: list[Sample], micro_batch_tokens: int) -> list[MicroBatch]:
+    """First-fit decreasing into rows of at most micro_batch_tokens tokens.
+
+    A sample longer than the budget gets a row to itself (truncating it would change the objective).
+    Deterministic: ties in length keep the samples' order.
+    """
+    bins: list[list[Sample]] = []
+    room: list[int] = []
+    for s in sorted(samples, key=lambda s: -s.num_tokens):
+        slot = next((i for i, r in enumerate(room) if r >= s.num_tokens), None)
+        if slot is None:
+            bins.append([s])
+            room.append(micro_batch_tokens - s.num_tokens)
+        else:
+            bins[slot].append(s)
+            room[slot] -= s.num_tokens
+    return [_row(b) for b in bins]
+
+
+def split_among_ranks(samples: list[Sample], world_size: int) -> list[list[Sample]]:
+    """Balance tokens over ranks (longest first onto the least-loaded rank); every rank computes the
+    same split from the same list, so no data travels between ranks."""
+    shares: list[list[Sample]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for s in sorted(samples, key=lambda s: -s.num_tokens):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        shares[r].append(s)
+        load[r] += s.num_tokens
+    return [sorted(share, key=lambda s: s.index) for share in shares]
+
+
+def padding_micro_batch(field_names) -> MicroBatch:
+    """Two pad tokens and one target: enough for a forward/backward that touches every parameter."""
+    return MicroBatch(
+        input_ids=torch.zeros((1, 2), dtype=torch.long), position_ids=torch.tensor([[0, 1]]),
+        target_pos_N=torch.tensor([1]), seq_index_N=torch.tensor([0]),
+        fields_N={n: torch.zeros(1, dtype=torch.float64) for n in field_names}, num_sequences=0,
+        is_padding=True)
