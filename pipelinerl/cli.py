@@ -28,6 +28,18 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> None:
     print(f"tiny Qwen2 model ({n_params:,} parameters, seed {args.seed}) saved to {args.out_dir}")
 
 
+def cmd_streams_inspect(args: argparse.Namespace) -> None:
+    import json
+
+    from pipelinerl.streams import format_inspect, inspect
+
+    try:
+        report = inspect(args.run_dir)
+    except FileNotFoundError as err:
+        raise SystemExit(f"pipelinerl streams inspect: error: {err}") from None
+    print(json.dumps(report, indent=2) if args.json else format_inspect(report))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipelinerl", description="Reinforcement learning for LLMs with in-flight weight updates.")
@@ -41,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", help="folder to write (replaced if it exists)")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
     p.set_defaults(func=cmd_make_tiny_model)
+
+    p = sub.add_parser("streams", help="rollout stream tools")
+    streams = p.add_subparsers(dest="streams_command", required=True, metavar="STREAMS_COMMAND")
+    p = streams.add_parser("inspect", help="per-writer counts, tokens, reward mean and lag histograms")
+    p.add_argument("run_dir", help="the run directory (its streams/ folder is read, never modified)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_streams_inspect)
     return parser
 
 

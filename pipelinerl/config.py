@@ -273,19 +273,25 @@ class RLConfig:
 
 @dataclass
 class StreamsConfig:
-    """Arrow rollout streams under RUN_DIR/streams: whole segments published by rename, readers poll."""
+    """Arrow rollout streams under RUN_DIR/streams: whole segments published by rename, readers poll
+    (pipelinerl/streams/__init__.py describes the protocol)."""
 
-    segment_max_rows: int = 256  # a writer publishes its segment at this many samples...
-    segment_max_bytes: int = 64 * 2**20  # ...or this many bytes of Arrow data...
-    segment_max_seconds: float = 5.0  # ...or when its oldest buffered sample is this old
-    poll_interval_s: float = 0.2  # how often readers look for new segments
-    retention: str = "keep"  # consumed segments: keep | delete (once a checkpoint covers them)
+    segment_max_rows: int = 256  # a writer publishes its segment at this many samples (whole groups)...
+    segment_max_bytes: int = 64 * 2**20  # ...or at this many bytes of Arrow data...
+    segment_max_seconds: float = 5.0  # ...or when its oldest buffered group is this many seconds old
+    poll_interval_s: float = 0.2  # seconds between a waiting reader's directory listings
+    fsync: bool = True  # fsync each segment before its rename and its folder after; false = faster,
+    #                      but a machine crash may lose (and a restarted writer renumber) recent segments
+    dedup_window: Optional[int] = 100_000  # sample ids a reader remembers to drop duplicates (~120 bytes
+    #                                         each); null = all of them (memory grows with the run)
+    retention: str = "keep"  # consumed segments: keep | delete (by `release`, once a checkpoint covers them)
 
     def __post_init__(self) -> None:
         _check_positive(self.segment_max_rows, "streams.segment_max_rows")
         _check_positive(self.segment_max_bytes, "streams.segment_max_bytes")
         _check_positive(self.segment_max_seconds, "streams.segment_max_seconds")
         _check_positive(self.poll_interval_s, "streams.poll_interval_s")
+        _check_positive(self.dedup_window, "streams.dedup_window", allow_null=True)
         _check_choice(self.retention, ("keep", "delete"), "streams.retention")
 
 

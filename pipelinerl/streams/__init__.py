@@ -1,0 +1,38 @@
+"""Arrow rollout streams: actors write, the trainer reads, through files in the run directory.
+
+Parallel filesystems (Lustre, GPFS, NFS) give no reliable locks, inotify or append visibility, so:
+
+* **Publishing.** A writer (one per actor process) buffers whole groups, encodes a segment (Arrow IPC
+  file, one record batch per group), writes it under a hidden temporary name, fsyncs it, and renames it
+  into place as `<seq>.<crc32>.arrow`. A reader sees a whole segment or nothing; a writer killed at any
+  point leaves at most a temporary file that readers never open and the writer's next incarnation
+  deletes. With `streams.fsync` the folder is fsynced after the rename as well, so a segment a reader
+  has consumed cannot vanish in a machine crash and be renumbered with other data.
+* **Order.** Each writer's segments are read in sequence order; writers are interleaved round-robin by
+  segment, in writer-id order, among the segments visible at each listing. Readers poll.
+* **Cursor.** Per writer, the (segment seq, group index) of the next unread group. Readers hand out only
+  whole groups and move the cursor as they do, so a reader rebuilt from a saved cursor neither repeats
+  nor skips a group, whatever it had loaded but not handed out when it died.
+* **Sharding.** `shard=(rank, world)`: every rank reads every segment and keeps the groups that a fixed
+  function of (writer, seq, group index) assigns to it; shares are disjoint and complete, and they
+  differ by at most one group per segment. Chosen over one reader that scatters to the ranks because it
+  needs no collective (streams stay free of torch and process groups) and no rank waits on another's
+  I/O; the cost, every rank reading every segment, is small: rollouts are token ids, ~100 MB per step
+  at 32B scale against a step of minutes. Each rank keeps its own cursor.
+* **Faults.** A segment whose CRC-32 or Arrow structure is wrong is renamed to `*.corrupt`, logged
+  (logging.ERROR) and skipped. Duplicate sample ids are dropped: the seen-set holds the last
+  `streams.dedup_window` ids (FIFO; ~120 bytes each, so 100k ids is ~12 MB); older duplicates pass.
+  Dedup runs on every group before sharding, so all ranks agree on duplicates from one writer. The
+  seen-set is not part of the cursor: after a resume, duplicates of samples read before it pass.
+* **Retention.** `release(run_dir, topic, cursors, cfg)` deletes the segments all ranks' cursors have
+  passed (with `retention: delete`); call it only after the checkpoint that holds those cursors is
+  written. The newest file of each writer stays, so a restarted writer continues its numbering.
+"""
+
+from pipelinerl.streams.reader import StreamReader, StreamTimeout, release
+from pipelinerl.streams.report import format_inspect, inspect
+from pipelinerl.streams.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION, Rollout
+from pipelinerl.streams.writer import StreamWriter
+
+__all__ = ["ROLLOUT_SCHEMA", "SCHEMA_VERSION", "Rollout", "StreamReader", "StreamTimeout", "StreamWriter",
+           "format_inspect", "inspect", "release"]

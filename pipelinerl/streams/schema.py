@@ -1,0 +1,183 @@
+"""The rollout row: one row per sample (completion), its Arrow schema and validation on write.
+
+This is the contract between actors and the trainer (STYLE.md #1): both sides import it from here.
+Token-level columns are Arrow lists; `behaviour_logprobs[i]` and `versions[i]` describe
+`completion_token_ids[i]` (the policy version is the trainer step whose weights produced that token).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, Sequence, Union
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+SCHEMA_VERSION = 1  # bump on any incompatible change; readers refuse versions they do not know
+SCHEMA_VERSION_KEY = b"pipelinerl.rollout_schema_version"
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string(), nullable=False),  # the G attempts at one prompt share it
+        pa.field("sample_id", pa.string(), nullable=False),  # unique over the whole stream
+        pa.field("prompt_token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("completion_token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("behaviour_logprobs", pa.list_(pa.float32()), nullable=False),  # one per completion token
+        pa.field("versions", pa.list_(pa.int32()), nullable=False),  # policy version per completion token
+        pa.field("reward", pa.float64(), nullable=False),
+        pa.field("finished", pa.bool_(), nullable=False),  # ended with EOS / a stop string
+        pa.field("truncated", pa.bool_(), nullable=False),  # hit the max_new_tokens limit
+        pa.field("task", pa.string(), nullable=False),
+        pa.field("metadata", pa.string(), nullable=False),  # JSON object text (answers, scores, ...)
+        pa.field("actor_id", pa.string(), nullable=False),
+        pa.field("created_at", pa.float64(), nullable=False),  # unix seconds: completion received by the actor
+        pa.field("written_at", pa.float64(), nullable=False),  # unix seconds: row accepted by the writer
+    ],
+    metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()},
+)
+
+_STRING_COLUMNS = ("run_id", "group_id", "sample_id", "task", "actor_id")
+_OPTIONAL_FIELDS = ("metadata", "created_at", "written_at")  # defaults: "{}", now, set by the writer
+
+TokenSeq = Union[Sequence[int], Any]  # a list, or a 1-D numpy array (taken without a copy)
+
+
+@dataclass
+class Rollout:
+    """One sample as the actor hands it to `StreamWriter.write`. Plain dicts with these keys work too."""
+
+    run_id: str
+    group_id: str
+    sample_id: str
+    prompt_token_ids: TokenSeq
+    completion_token_ids: TokenSeq
+    behaviour_logprobs: TokenSeq
+    versions: TokenSeq
+    reward: float
+    finished: bool
+    truncated: bool
+    task: str
+    actor_id: str
+    metadata: Union[str, dict] = "{}"  # a dict is serialised to JSON; a string must already be JSON
+    created_at: float = field(default_factory=time.time)
+
+
+def _as_mapping(row: Union[Rollout, Mapping[str, Any]]) -> Mapping[str, Any]:
+    if isinstance(row, Rollout):
+        return {f.name: getattr(row, f.name) for f in fields(Rollout)}  # no deep copy of token lists
+    if isinstance(row, Mapping):
+        return row
+    raise ValueError(f"a rollout row must be a Rollout or a mapping, got {type(row).__name__}")
+
+
+def _check_row(row: Mapping[str, Any]) -> None:
+    """Per-row checks that are cheap in Python (lengths, scalars); element types are checked by column."""
+    sid = row.get("sample_id")
+    where = f"rollout row (sample_id={sid!r})"
+    missing = [n for n in ROLLOUT_SCHEMA.names if n not in row and n not in _OPTIONAL_FIELDS]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
+    for name in _STRING_COLUMNS:
+        if not isinstance(row[name], str) or (name in ("group_id", "sample_id") and not row[name]):
+            raise ValueError(f"{where}: `{name}` must be a non-empty string, got {row[name]!r}")
+    n = len(row["completion_token_ids"])
+    for name in ("behaviour_logprobs", "versions"):
+        if len(row[name]) != n:
+            raise ValueError(f"{where}: `{name}` has {len(row[name])} entries but the completion has "
+                             f"{n} tokens; there must be one per completion token")
+    for name in ("finished", "truncated"):
+        if not isinstance(row[name], bool):
+            raise ValueError(f"{where}: `{name}` must be a bool, got {row[name]!r}")
+    reward = row["reward"]
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or math.isnan(reward):
+        raise ValueError(f"{where}: `reward` must be a number (not NaN), got {reward!r}")
+
+
+def _metadata_text(row: Mapping[str, Any]) -> str:
+    meta = row.get("metadata", "{}")
+    if isinstance(meta, dict):
+        return json.dumps(meta, sort_keys=True)
+    try:
+        json.loads(meta)
+    except (TypeError, ValueError):
+        raise ValueError(f"rollout row (sample_id={row['sample_id']!r}): `metadata` must be a dict or "
+                         f"JSON text, got {meta!r}") from None
+    return meta
+
+
+def _list_column(values: list, name: str, value_type: pa.DataType) -> pa.Array:
+    """A list column from per-row sequences. Types are inferred first, so floats passed as token ids
+    are refused instead of being silently truncated (a plain typed `pa.array` would truncate)."""
+    try:
+        inferred = pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+        raise ValueError(f"`{name}` must hold numbers: {err}") from None
+    item = inferred.type.value_type
+    is_int = pa.types.is_integer(item) or pa.types.is_null(item)
+    if pa.types.is_integer(value_type) and not is_int:
+        raise ValueError(f"`{name}` must hold integers, got {item}")
+    if not (is_int or pa.types.is_floating(item)):
+        raise ValueError(f"`{name}` must hold numbers, got {item}")
+    try:
+        column = inferred.cast(pa.list_(value_type))  # safe cast: out-of-range ints raise
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+        raise ValueError(f"`{name}` does not fit {value_type}: {err}") from None
+    if pa.types.is_floating(value_type) and pc.any(pc.is_nan(column.flatten())).as_py():
+        raise ValueError(f"`{name}` contains NaN")
+    return column
+
+
+def _group_columns(rows: list[Mapping[str, Any]], written_at: float) -> list[pa.Array]:
+    columns = []
+    for f in ROLLOUT_SCHEMA:
+        if f.name == "written_at":
+            columns.append(pa.array([written_at] * len(rows), pa.float64()))
+        elif f.name == "metadata":
+            columns.append(pa.array([_metadata_text(r) for r in rows], pa.string()))
+        elif f.name == "created_at":
+            columns.append(pa.array([float(r.get("created_at", written_at)) for r in rows], pa.float64()))
+        elif pa.types.is_list(f.type):
+            columns.append(_list_column([r[f.name] for r in rows], f.name, f.type.value_type))
+        else:
+            columns.append(pa.array([r[f.name] for r in rows], f.type))
+    return columns
+
+
+def _locate_bad_row(rows: list[Mapping[str, Any]], err: ValueError) -> ValueError:
+    """Column-wise conversion cannot say which row was bad; redo it row by row to name the sample."""
+    for row in rows:
+        try:
+            _group_columns([row], 0.0)
+        except ValueError as row_err:
+            return ValueError(f"rollout row (sample_id={row['sample_id']!r}): {row_err}")
+    return err
+
+
+def group_batch(rows: Sequence[Union[Rollout, Mapping[str, Any]]]) -> pa.RecordBatch:
+    """Validate the G rows of one group and turn them into one record batch (ValueError if bad)."""
+    if not rows:
+        raise ValueError("a rollout group must have at least one row")
+    maps = [_as_mapping(r) for r in rows]
+    for m in maps:
+        _check_row(m)
+    group_ids = {m["group_id"] for m in maps}
+    if len(group_ids) != 1:
+        raise ValueError(f"rows of one group must share group_id, got {sorted(group_ids)}")
+    sample_ids = [m["sample_id"] for m in maps]
+    if len(set(sample_ids)) != len(sample_ids):
+        raise ValueError(f"group {maps[0]['group_id']!r} repeats a sample_id: {sample_ids}")
+    try:
+        columns = _group_columns(maps, time.time())
+    except ValueError as err:
+        raise _locate_bad_row(maps, err) from None
+    return pa.RecordBatch.from_arrays(columns, schema=ROLLOUT_SCHEMA)
+
+
+def schema_version_of(schema: pa.Schema) -> int:
+    """The rollout schema version a segment was written with (0 if it carries none)."""
+    raw = (schema.metadata or {}).get(SCHEMA_VERSION_KEY, b"0")
+    return int(raw.decode())

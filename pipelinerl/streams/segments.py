@@ -1,0 +1,156 @@
+"""Segment files: where they live, how they are named, published, verified and moved aside.
+
+    RUN_DIR/streams/<topic>/<writer_id>/<seq:08d>.<crc32:08x>.arrow    published (Arrow IPC file format)
+    RUN_DIR/streams/<topic>/<writer_id>/.<seq:08d>.tmp                 being written (never read)
+    RUN_DIR/streams/<topic>/<writer_id>/<seq:08d>.<crc32:08x>.arrow.corrupt   quarantined
+
+Arrow IPC has no checksum, so a flipped byte in a token column would decode silently; the CRC-32 of the
+whole file is in its name (it cannot go inside: the schema is written first and the footer must end
+the file). Each record batch of a segment is exactly one group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import pyarrow as pa
+
+from pipelinerl.streams.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION, schema_version_of
+
+log = logging.getLogger(__name__)
+
+_SEGMENT_RE = re.compile(r"^(\d{8,})\.([0-9a-f]{8})\.arrow$")
+_ANY_SEQ_RE = re.compile(r"^\.?(\d{8,})\.")  # published, quarantined and temporary names alike
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+CORRUPT_SUFFIX = ".corrupt"
+
+
+class CorruptSegment(Exception):
+    """A published segment whose bytes do not match its checksum or do not decode."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    writer_id: str
+    seq: int
+    crc: int
+    path: Path
+
+
+def check_name(kind: str, name: str) -> str:
+    """Topics and writer ids become folder names on a shared filesystem: keep them plain."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"stream {kind} {name!r} must be letters, digits, '_', '-' or '.', "
+                         "not starting with '.' or '-'")
+    return name
+
+
+def topic_dir(run_dir: str | os.PathLike, topic: str) -> Path:
+    return Path(run_dir) / "streams" / check_name("topic", topic)
+
+
+def list_writers(tdir: Path) -> list[str]:
+    """Writer folders of a topic, sorted (writers that appear later are picked up on the next call)."""
+    try:
+        return sorted(e.name for e in os.scandir(tdir) if e.is_dir() and _NAME_RE.match(e.name))
+    except FileNotFoundError:
+        return []
+
+
+def list_segments(wdir: Path) -> list[Segment]:
+    """Published segments of one writer, by sequence number."""
+    try:
+        names = os.listdir(wdir)
+    except FileNotFoundError:
+        return []
+    segments = []
+    for name in names:
+        m = _SEGMENT_RE.match(name)
+        if m:
+            segments.append(Segment(wdir.name, int(m.group(1)), int(m.group(2), 16), wdir / name))
+    return sorted(segments, key=lambda s: s.seq)
+
+
+def highest_seq(wdir: Path) -> int:
+    """The highest sequence number any file of this writer ever used (-1 if none): a restarted writer
+    continues after it, so a cursor that is past a number never skips new data."""
+    seqs = [int(m.group(1)) for m in map(_ANY_SEQ_RE.match, os.listdir(wdir)) if m]
+    return max(seqs, default=-1)
+
+
+def temp_files(wdir: Path) -> list[Path]:
+    return sorted(p for p in wdir.glob(".*.tmp"))
+
+
+def encode_segment(batches: Sequence[pa.RecordBatch]) -> pa.Buffer:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, ROLLOUT_SCHEMA) as writer:
+        for batch in batches:
+            writer.write_batch(batch)
+    return sink.getvalue()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(wdir: Path, seq: int, data: pa.Buffer, fsync: bool) -> Path:
+    """Write to a hidden temporary name, fsync, rename into place: readers see all of it or nothing."""
+    final = wdir / f"{seq:08d}.{zlib.crc32(data):08x}.arrow"
+    tmp = wdir / f".{seq:08d}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    # rename() silently replaces; an existing name means a second live writer uses this writer_id.
+    if final.exists():
+        raise RuntimeError(f"segment {final} already exists: two writers share writer_id {wdir.name!r}")
+    os.rename(tmp, final)
+    if fsync:
+        _fsync_dir(wdir)  # makes the rename itself durable across a machine crash
+    return final
+
+
+def load_segment(segment: Segment) -> list[pa.RecordBatch]:
+    """The groups of a segment. CorruptSegment if damaged; ValueError if written by a newer schema;
+    FileNotFoundError if it vanished (quarantined by another reader, or released)."""
+    data = segment.path.read_bytes()
+    if zlib.crc32(data) != segment.crc:
+        raise CorruptSegment(f"checksum mismatch ({len(data)} bytes; truncated or overwritten)")
+    try:
+        reader = pa.ipc.open_file(pa.py_buffer(data))
+        schema = reader.schema
+        batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        for batch in batches:
+            batch.validate(full=True)
+    except (pa.ArrowException, OSError) as err:
+        raise CorruptSegment(f"does not decode as Arrow IPC: {err}") from None
+    version = schema_version_of(schema)
+    if version != SCHEMA_VERSION:
+        raise ValueError(f"segment {segment.path} has rollout schema version {version}; this reader "
+                         f"knows version {SCHEMA_VERSION}: run the same pipelinerl version on both sides")
+    if not schema.remove_metadata().equals(ROLLOUT_SCHEMA.remove_metadata()):
+        raise CorruptSegment(f"schema differs from the rollout schema: {schema}")
+    return batches
+
+
+def quarantine(segment: Segment, reason: str) -> None:
+    """Rename a damaged segment aside so that no reader tries it again, and say so in the log."""
+    target = segment.path.with_name(segment.path.name + CORRUPT_SUFFIX)
+    try:
+        os.rename(segment.path, target)
+    except FileNotFoundError:  # another reader (rank) moved it first
+        pass
+    log.error("stream segment %s is damaged (%s): moved aside to %s and skipped", segment.path, reason,
+              target.name)
