@@ -101,10 +101,13 @@ class InferenceConfig:
     max_num_seqs: int = 256  # sequences one server runs concurrently (its full batch)
     gpu_memory_utilization: float = 0.9  # vLLM's fraction of GPU memory; on CPU the default 0.92 fails, use 0.3
     cpu_kv_cache_gb: Optional[float] = 1.0  # VLLM_CPU_KVCACHE_SPACE in GiB on CPU; null = vLLM's default
-    enable_prefix_caching: bool = False  # with kv_on_update=keep the prefix cache must be reset per update
+    enable_prefix_caching: bool = False  # vLLM prefix cache; only with kv_on_update=recompute (see below)
     kv_on_update: str = "keep"  # running sequences after an update: keep (stale KV) | recompute (re-prefill)
     weight_update_backend: Optional[str] = None  # nccl | gloo; null = nccl when CUDA is present, else gloo
-    weight_update_timeout_s: float = 600.0  # a server waits this long for a broadcast before failing it
+    weight_update_timeout_s: float = 600.0  # seconds any weight-update wait may take (group join, each
+    #                                          bucket, each reply); the trainer sends it to the servers
+    auth_token: Optional[str] = None  # bearer token of the control routes; null = RUN_DIR/auth_token
+    #                                   (created with mode 0600 by the first server that needs it)
     startup_timeout_s: float = 600.0  # launcher waits this long for a server's /health
     engine_args: dict = field(default_factory=dict)  # extra vLLM engine arguments, passed through as-is
 
@@ -116,7 +119,14 @@ class InferenceConfig:
         _check_positive(self.max_model_len, "inference.max_model_len", allow_null=True)
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "inference.gpu_memory_utilization", "must be in (0, 1]")
         _check_positive(self.cpu_kv_cache_gb, "inference.cpu_kv_cache_gb", allow_null=True)
+        _check(self.cpu_kv_cache_gb is None or float(self.cpu_kv_cache_gb).is_integer(),
+               "inference.cpu_kv_cache_gb", "vLLM takes whole GiB here (e.g. 1 or 4)")
         _check_choice(self.kv_on_update, ("keep", "recompute"), "inference.kv_on_update")
+        _check(not (self.kv_on_update == "keep" and self.enable_prefix_caching), "inference.enable_prefix_caching",
+               "kv_on_update=keep continues on stale KV, and vLLM cannot reset the prefix cache while those "
+               "requests hold blocks: set enable_prefix_caching=false, or kv_on_update=recompute")
+        _check(self.auth_token is None or len(self.auth_token) >= 16, "inference.auth_token",
+               "use at least 16 characters, or null to use RUN_DIR/auth_token")
         if self.weight_update_backend is not None:
             _check_choice(self.weight_update_backend, ("nccl", "gloo"), "inference.weight_update_backend")
 
@@ -163,16 +173,23 @@ class ActorConfig:
 class TaskConfig:
     """The data set and its reward."""
 
-    name: str = "addition"  # addition (tiny synthetic, CPU) | math (math-verify rewards)
-    dataset_path: Optional[str] = None  # JSONL of {"question", "answer"} for `math`; null for synthetic tasks
+    name: str = "addition"  # addition (2-digit sums, answer written units-first; CPU) | math (math-verify)
+    dataset_path: Optional[str] = None  # math training rows: .jsonl/.json/.parquet of {question, answer}
+    #                                     (or problem/answer, or Open-Reasoner-Zero pairs); null for addition
+    eval_dataset_path: Optional[str] = None  # math test rows (e.g. MATH-500, AIME 2024), same formats;
+    #                                          null = hold out eval_fraction of dataset_path instead
     eval_fraction: float = 0.06  # share of the data held out for evaluation (never trained on)
     seed: int = 0  # data order and the held-out split
+    reward_timeout_s: int = 5  # math-verify limit per parse and per comparison, whole seconds (signal.alarm);
+    #                            a pathological answer then scores 0 instead of stalling the actor
 
     def __post_init__(self) -> None:
         _check_choice(self.name, ("addition", "math"), "task.name")
         _check(self.name != "math" or bool(self.dataset_path), "task.dataset_path",
-               "the math task needs a JSONL file of {question, answer} rows")
+               "the math task needs a file of {question, answer} rows (.jsonl, .json or .parquet)")
         _check(0.0 < self.eval_fraction < 1.0, "task.eval_fraction", "must be in (0, 1)")
+        _check(isinstance(self.reward_timeout_s, int) and self.reward_timeout_s >= 1, "task.reward_timeout_s",
+               "must be a whole number of seconds >= 1")
 
 
 @dataclass

@@ -1,0 +1,66 @@
+"""What every task gives the actor: training prompts, held-out prompts and a reward."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Iterator
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt of a task's data set."""
+
+    id: str  # stable id (logged, written to the rollout stream)
+    prompt: str  # the user message text
+    answer: str  # the gold answer: for addition the exact completion text, for math the gold expression
+
+    @property
+    def messages(self) -> list[dict]:
+        """The prompt as chat messages (single user turn), for /v1/chat/completions."""
+        return [{"role": "user", "content": self.prompt}]
+
+
+class Task:
+    """A data set split into train and held-out items, and a reward. Subclasses fill both lists."""
+
+    name: str = ""
+
+    def __init__(self, train_items: list[PromptItem], eval_items: list[PromptItem], seed: int):
+        if not train_items or not eval_items:
+            raise ValueError(f"task {self.name!r}: the train or eval split is empty; check task.eval_fraction")
+        if {i.id for i in train_items} & {i.id for i in eval_items}:
+            raise ValueError(f"task {self.name!r}: held-out items are also training items "
+                             "(is task.eval_dataset_path the training file?)")
+        self.train_items, self.eval_items, self.seed = train_items, eval_items, seed
+
+    def iter_train(self, start: int = 0) -> Iterator[PromptItem]:
+        """Training items forever, reshuffled each epoch; item number k is a pure function of (seed, k),
+        so an actor resumes exactly by passing the count it had consumed."""
+        n = len(self.train_items)
+        position = start
+        while True:
+            epoch, offset = divmod(position, n)
+            order = list(range(n))
+            random.Random(f"{self.seed}/{epoch}").shuffle(order)
+            for index in order[offset:]:
+                yield self.train_items[index]
+            position = (epoch + 1) * n
+
+    def reward(self, item: PromptItem, completion_text: str, finished: bool) -> float:
+        """Reward of one completion. completion_text excludes the EOS token; finished is True when the
+        model ended it (EOS), False when it was cut at the length limit."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the task holds (worker processes); the task stays usable and reopens them."""
+
+
+def split_held_out(items: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+    """Deterministic (train, eval) split: a seeded shuffle, the first round(fraction * n) held out."""
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    num_eval = max(1, round(eval_fraction * len(items)))
+    eval_items = [items[i] for i in order[:num_eval]]
+    train_items = [items[i] for i in sorted(order[num_eval:])]
+    return train_items, eval_items

@@ -1,0 +1,60 @@
+"""The tiny model's supervised warm start: loss goes down, the saved folder loads, greedy success is
+measured like transformers' own generate."""
+
+import shutil
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pipelinerl.config import TaskConfig, TinyModelConfig
+from pipelinerl.tasks import get_task
+from pipelinerl.tasks.warm_start import encode_examples, greedy_completions, greedy_success, heldout_greedy, warm_start
+
+
+def test_encoding_puts_loss_on_answer_and_eos_only(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    task = get_task(TaskConfig())
+    item = next(i for i in task.train_items if i.id == "99+98")
+    ids, labels = encode_examples(tok, [item])
+    assert tok.decode(ids[0]) == "<bos>99+98=791<eos>"
+    assert tok.decode(labels[0][labels[0] >= 0]) == "791<eos>"
+
+
+def hf_generate_completions(model, tok, items):
+    """Reference: transformers' generate, one prompt at a time."""
+    completions = []
+    for item in items:
+        ids = tok(item.prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=len(item.answer) + 1, do_sample=False)[0, ids.shape[1]:].tolist()
+        finished = tok.eos_token_id in out
+        completions.append((tok.decode(out[:out.index(tok.eos_token_id)] if finished else out,
+                                       skip_special_tokens=True), finished))
+    return completions
+
+
+def test_warm_start_reduces_loss_and_saves_a_loadable_model(tiny_model_dir, tmp_path):
+    model_dir = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, model_dir)
+    task = get_task(TaskConfig(seed=0))
+    shape = TinyModelConfig(warm_start_steps=30, warm_start_target=1.0)  # the target is never reached
+    result = warm_start(model_dir, task, shape)
+    assert result["steps"] == 30 and result["last_loss"] < 0.6 * result["first_loss"]
+    assert not (tmp_path / "tiny.tmp").exists()
+    assert heldout_greedy(model_dir, task) == result["heldout_greedy"]  # the saved weights are the trained ones
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    assert not torch.equal(model.lm_head.weight, AutoModelForCausalLM.from_pretrained(tiny_model_dir).lm_head.weight)
+    items = task.eval_items[:24]
+    completions = greedy_completions(model, tok, items)
+    assert completions == hf_generate_completions(model, tok, items)
+    assert any(text for text, _ in completions)  # a non-trivial comparison: the model writes digits
+    assert greedy_success(model, tok, task, items) == sum(
+        task.reward(item, *done) for item, done in zip(items, completions)) / len(items)
+
+
+def test_zero_steps_leaves_the_model_untouched(tiny_model_dir, tmp_path):
+    model_dir = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, model_dir)
+    before = (model_dir / "model.safetensors").stat().st_mtime_ns
+    result = warm_start(model_dir, get_task(TaskConfig()), TinyModelConfig(warm_start_steps=0))
+    assert result["steps"] == 0 and result["heldout_greedy"] == 0.0
+    assert (model_dir / "model.safetensors").stat().st_mtime_ns == before
