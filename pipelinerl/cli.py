@@ -40,6 +40,16 @@ def cmd_streams_inspect(args: argparse.Namespace) -> None:
     print(json.dumps(report, indent=2) if args.json else format_inspect(report))
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from pipelinerl.inference.server import serve
+
+    overrides = [*args.overrides, f"model.path={args.model}"]
+    if args.run_dir is not None:
+        overrides.append(f"run_dir={args.run_dir}")
+    cfg = load_config(args.config, overrides)
+    serve(cfg, args.port if args.port is not None else cfg.inference.base_port, args.version)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipelinerl", description="Reinforcement learning for LLMs with in-flight weight updates.")
@@ -60,6 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run directory (its streams/ folder is read, never modified)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_streams_inspect)
+
+    p = sub.add_parser("serve", help="run one vLLM inference server with in-flight weight updates")
+    p.add_argument("--model", required=True, help="HF-format model folder to serve")
+    p.add_argument("--port", type=int, default=None, help="TCP port (default: inference.base_port)")
+    p.add_argument("--run-dir", default=None, help="run directory: auth token + discovery (or run_dir=)")
+    p.add_argument("--config", default=None, help="YAML config file (optional)")
+    p.add_argument("--version", type=int, default=0, help="policy version of the weights loaded (default 0)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. inference.host=0.0.0.0")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

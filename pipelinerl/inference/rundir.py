@@ -1,0 +1,74 @@
+"""The inference servers' files in the run directory: the control token and server discovery.
+
+RUN_DIR/auth_token    the run's secret bearer token for control endpoints (mode 0600)
+RUN_DIR/servers/*     one file per healthy server, holding its base URL
+
+Files are published whole by rename/link (parallel filesystems give no locks; DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import Optional
+
+TOKEN_FILE = "auth_token"
+SERVERS_DIR = "servers"
+
+
+def run_token(run_dir: Optional[str | Path], configured: Optional[str] = None) -> str:
+    """The configured token, else RUN_DIR/auth_token, created (mode 0600) by whoever comes first."""
+    if configured:
+        return configured
+    if run_dir is None:
+        raise ValueError("control endpoints need a token: set inference.auth_token or give a run directory")
+    path = Path(run_dir) / TOKEN_FILE
+    if not path.exists():
+        _create_token(path)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise ValueError(f"{path} is readable by others (mode {mode:o}); run `chmod 600 {path}`")
+    token = path.read_text().strip()
+    if not token:
+        raise ValueError(f"{path} is empty; delete it and a new token will be created")
+    return token
+
+
+def _create_token(path: Path) -> None:
+    """Write to a private temporary file, then link: the token appears complete or not at all, and a
+    concurrent creator loses the link race and reads the winner's token."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+
+
+def server_file(run_dir: str | Path, host: str, port: int) -> Path:
+    return Path(run_dir) / SERVERS_DIR / f"{host}_{port}"
+
+
+def publish_server(run_dir: str | Path, host: str, port: int) -> Path:
+    """Announce a healthy server: write its URL, then rename into RUN_DIR/servers/."""
+    path = server_file(run_dir, host, port)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(f"http://{host}:{port}\n")
+    tmp.replace(path)
+    return path
+
+
+def list_servers(run_dir: str | Path) -> list[str]:
+    """Base URLs of the servers announced in RUN_DIR/servers/ (sorted; hidden temporaries skipped)."""
+    folder = Path(run_dir) / SERVERS_DIR
+    if not folder.is_dir():
+        return []
+    return sorted(p.read_text().strip() for p in folder.iterdir() if not p.name.startswith("."))

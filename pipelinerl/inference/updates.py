@@ -1,0 +1,158 @@
+"""Server side of the weight-update contract: the state machine behind the two control routes.
+
+An update is: pause (keeping running requests) -> receive into staging -> load -> set version ->
+resume, driven through vLLM's weight-transfer lifecycle on `AsyncLLM` (engine: `engine.py`).
+`kv_on_update` picks what running sequences do afterwards: `keep` continues on their stale KV cache
+(vLLM pause mode "keep" without clearing caches; the prefix cache must be off, since vLLM cannot reset
+it while those requests hold blocks), `recompute` re-prefills them under the new weights (the pause
+clears the KV cache, which preempts them).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+from prometheus_client import Counter, Gauge
+from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+from pipelinerl.weights import UpdateRequest, parse_init_request, parse_update_request, update_body
+
+
+class UpdateError(Exception):
+    """A control request that failed; `status` is the HTTP status the route answers with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.version = Gauge("pipelinerl_weight_version", "Policy version of the served weights.")
+        self.updates = Counter("pipelinerl_weight_updates", "Completed in-flight weight updates.")
+        self.pause_total = Counter("pipelinerl_pause_seconds", "Seconds generation was paused for updates.")
+        self.last_pause = Gauge("pipelinerl_last_pause_seconds", "Pause of the latest update, in seconds.")
+
+
+class WeightUpdater:
+    """One per server. `expected` maps HF tensor names to shapes (read from the checkpoint)."""
+
+    def __init__(self, engine, expected: dict[str, list[int]], dtype: str, kv_on_update: str,
+                 num_ranks: int, version: int):
+        self.engine, self.expected, self.dtype = engine, expected, dtype
+        self.kv_on_update, self.num_ranks, self.version = kv_on_update, num_ranks, version
+        self.group_ready = False
+        self.busy = False  # one control operation at a time; the routes answer 409 meanwhile
+        self.updates = 0
+        self.pause_total_s = 0.0
+        self.last_pause_s = 0.0
+        self.metrics = _Metrics()
+
+    async def start(self) -> None:
+        await self.engine.update_weight_version(str(self.version))
+        self.metrics.version.set(self.version)
+
+    def status(self) -> dict:
+        return {"version": self.version, "num_ranks": self.num_ranks, "group_ready": self.group_ready,
+                "updating": self.busy, "updates": self.updates, "pause_total_s": self.pause_total_s,
+                "last_pause_s": self.last_pause_s, "kv_on_update": self.kv_on_update,
+                "dtype": self.dtype, "tensors": self.expected}
+
+    async def init_group(self, body: object) -> dict:
+        req = _parsed(parse_init_request, body)
+        self._claim("join a weight-update group")
+        if self.group_ready:
+            self.busy = False
+            raise UpdateError(409, "already in a weight-update group; a new one is accepted after a "
+                                   "failed update or a server restart")
+        try:
+            await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=asdict(req)))
+        except Exception as err:
+            raise UpdateError(504, f"joining the weight group of {req.master_addr}:{req.master_port} "
+                                   f"failed: {err}") from err
+        finally:
+            self.busy = False
+        self.group_ready = True
+        return {"status": "joined", "ranks": list(range(req.rank_offset, req.rank_offset + self.num_ranks))}
+
+    async def update(self, body: object) -> dict:
+        req = _parsed(parse_update_request, body)
+        self._check_tensors(req)
+        if not self.group_ready:
+            raise UpdateError(409, "no weight-update group: POST /init_process_group first")
+        self._claim("start a weight update")
+        try:
+            return await self._run(req)
+        finally:
+            self.busy = False
+
+    def _claim(self, what: str) -> None:
+        if self.busy:
+            raise UpdateError(409, f"cannot {what}: another control operation (update or init) is running")
+        self.busy = True
+
+    def _check_tensors(self, req: UpdateRequest) -> None:
+        names = {m.name for m in req.tensors}
+        unknown = sorted(names - self.expected.keys())
+        missing = sorted(self.expected.keys() - names)
+        wrong = [f"{m.name}: got {m.dtype} {m.shape}, expected {self.dtype} {self.expected[m.name]}"
+                 for m in req.tensors if m.name in self.expected
+                 and (m.dtype != self.dtype or m.shape != self.expected[m.name])]
+        problems = []
+        if unknown:
+            problems.append(f"unknown tensor names {unknown[:5]}")
+        if missing:
+            problems.append(f"{len(missing)} tensor(s) missing, e.g. {missing[:5]}")
+        if wrong:
+            problems.append(f"wrong dtype/shape: {wrong[:5]}")
+        if problems:
+            raise UpdateError(422, "; ".join(problems))
+
+    async def _run(self, req: UpdateRequest) -> dict:
+        t0 = time.monotonic()
+        # "keep" freezes running requests in place; clearing the cache preempts them (re-prefill later).
+        await self.engine.pause_generation(mode="keep", clear_cache=self.kv_on_update == "recompute")
+        t_paused = time.monotonic()
+        try:
+            await self.engine.start_weight_update()
+            await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_body(req)))
+        except Exception as err:
+            await self._resume_after_failure(t0)
+            raise UpdateError(504, f"weight update to version {req.version} failed: {err}. Resumed on the "
+                                   f"old weights (version {self.version}); POST /init_process_group "
+                                   "again before the next update") from err
+        t_received = time.monotonic()
+        await self.engine.finish_weight_update(str(req.version))
+        t_loaded = time.monotonic()
+        await self.engine.resume_generation()
+        t_resumed = time.monotonic()
+        self._account(req.version, t_resumed - t0)
+        workers = await self.engine.collective_rpc("pipelinerl_update_timings")
+        return {"version": self.version, "pause_s": t_paused - t0, "receive_s": t_received - t_paused,
+                "load_s": t_loaded - t_received, "resume_s": t_resumed - t_loaded,
+                "paused_s": t_resumed - t0, "workers": workers}
+
+    async def _resume_after_failure(self, t0: float) -> None:
+        # The worker engine drops a group whose collective failed; ask rather than assume.
+        self.group_ready = all(await self.engine.collective_rpc("pipelinerl_has_group"))
+        await self.engine.resume_generation()
+        self.pause_total_s += time.monotonic() - t0
+        self.metrics.pause_total.inc(time.monotonic() - t0)
+
+    def _account(self, version: int, paused_s: float) -> None:
+        self.version = version
+        self.updates += 1
+        self.pause_total_s += paused_s
+        self.last_pause_s = paused_s
+        self.metrics.version.set(version)
+        self.metrics.updates.inc()
+        self.metrics.pause_total.inc(paused_s)
+        self.metrics.last_pause.set(paused_s)
+
+
+def _parsed(parse, body: object):
+    try:
+        return parse(body)
+    except (ValueError, TypeError) as err:
+        raise UpdateError(400, f"bad request body: {err}") from err

@@ -1,0 +1,65 @@
+"""Per-token policy versions on vLLM's OpenAI chat and completion responses.
+
+vLLM tracks, per request, where each weight version starts (`CompletionOutput.weight_versions`, spans
+over output-token indexes) but only its token-in/token-out route returns them. These subclasses add
+one documented extra field to every non-streaming choice:
+
+    choices[i].policy_versions: list[int]   one entry per completion token (same length as
+                                            `token_ids`): the policy version that produced it
+
+Versions are integers because the server always sets them from the trainer's integer versions.
+"""
+
+from __future__ import annotations
+
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+FIELD = "policy_versions"
+
+
+def per_token_versions(output) -> list[int] | None:
+    """Expand a finished CompletionOutput's version spans into one version per output token."""
+    spans = output.weight_versions
+    if spans is None:
+        return None
+    versions: list[int] = []
+    for span in spans:
+        versions.extend([int(span.version)] * (span.end - span.start))
+    return versions
+
+
+class VersionedChat(OpenAIServingChat):
+    async def chat_completion_full_generator(self, request, result_generator, *args, **kwargs):
+        final = []
+
+        async def remember_last():
+            async for res in result_generator:
+                final[:] = [res]
+                yield res
+
+        response = await super().chat_completion_full_generator(request, remember_last(), *args, **kwargs)
+        if final and hasattr(response, "choices"):
+            by_index = {o.index: o for o in final[0].outputs}
+            for choice in response.choices:
+                setattr(choice, FIELD, per_token_versions(by_index[choice.index]))
+        return response
+
+
+class VersionedCompletion(OpenAIServingCompletion):
+    def request_output_to_completion_response(self, final_res_batch, *args, **kwargs):
+        response = super().request_output_to_completion_response(final_res_batch, *args, **kwargs)
+        outputs = [o for res in final_res_batch for o in res.outputs]
+        for choice, output in zip(response.choices, outputs):
+            setattr(choice, FIELD, per_token_versions(output))
+        return response
+
+
+def add_versions(state) -> None:
+    """Give vLLM's serving objects the versioned behaviour. They are built by vLLM's `init_app_state`
+    from ~20 arguments; switching their class to a subclass that only overrides response assembly
+    avoids re-creating them (and copying that wiring)."""
+    if getattr(state, "openai_serving_chat", None) is not None:
+        state.openai_serving_chat.__class__ = VersionedChat
+    if getattr(state, "openai_serving_completion", None) is not None:
+        state.openai_serving_completion.__class__ = VersionedCompletion
