@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -19,10 +20,17 @@ import pytest
 
 from pipelinerl.cli import main as cli_main
 from pipelinerl.config import ConfigError, StreamsConfig, load_config
-from pipelinerl.streams import (SCHEMA_VERSION, Rollout, StreamReader, StreamTimeout, StreamWriter, inspect,
-                                release)
+from pipelinerl.streams import (
+    SCHEMA_VERSION,
+    Rollout,
+    StreamReader,
+    StreamTimeout,
+    StreamWriter,
+    inspect,
+    release,
+)
 from pipelinerl.streams.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION_KEY, group_batch
-from pipelinerl.streams.segments import list_segments, load_segment, publish
+from pipelinerl.streams.segments import list_segments, load_segment, segment_path
 
 TOPIC = "rollouts"
 G = 4
@@ -31,13 +39,13 @@ G = 4
 def expected_row(writer: str, group: int, i: int) -> dict:
     """The sample `i` of group `group` of `writer`; float values are exact in float32."""
     length = 1 + (group * 7 + i) % 13
-    return dict(run_id="run", group_id=f"{writer}/g{group}", sample_id=f"{writer}/g{group}/s{i}",
-                prompt_token_ids=[(group + k) % 997 for k in range(3 + group % 4)],
-                completion_token_ids=[(group * 31 + i * 7 + k) % 151_000 for k in range(length)],
-                behaviour_logprobs=[-(k % 8) / 4 for k in range(length)],
-                versions=[group // 3 + (k >= length // 2) for k in range(length)],
-                reward=float(i == group % G), finished=i % 2 == 0, truncated=i % 2 == 1, task="addition",
-                metadata=json.dumps({"answer": group}), actor_id=writer, created_at=1000.0 + group)
+    return {"run_id": "run", "group_id": f"{writer}/g{group}", "sample_id": f"{writer}/g{group}/s{i}",
+                "prompt_token_ids": [(group + k) % 997 for k in range(3 + group % 4)],
+                "completion_token_ids": [(group * 31 + i * 7 + k) % 151_000 for k in range(length)],
+                "behaviour_logprobs": [-(k % 8) / 4 for k in range(length)],
+                "versions": [group // 3 + (k >= length // 2) for k in range(length)],
+                "reward": float(i == group % G), "finished": i % 2 == 0, "truncated": i % 2 == 1, "task": "addition",
+                "metadata": json.dumps({"answer": group}), "actor_id": writer, "created_at": 1000.0 + group}
 
 
 def expected_group(writer: str, group: int, size: int = G) -> list[dict]:
@@ -76,7 +84,7 @@ def write_groups(run_dir, writer: str, groups, cfg: StreamsConfig, flush_every: 
 
 
 def cfg_(**kw) -> StreamsConfig:
-    base = dict(segment_max_rows=8, segment_max_seconds=60.0, poll_interval_s=0.02)
+    base = {"segment_max_rows": 8, "segment_max_seconds": 60.0, "poll_interval_s": 0.02}
     return StreamsConfig(**{**base, **kw})
 
 
@@ -199,6 +207,11 @@ def test_reader_follows_writers_that_appear_later_in_a_deterministic_order(tmp_p
         check_group(b)
 
 
+def _publish_bytes(wdir: Path, seq: int, data: bytes) -> None:
+    """A segment file with a valid name and checksum whatever its content."""
+    segment_path(wdir, seq, zlib.crc32(data)).write_bytes(data)
+
+
 def _flip_byte(path: Path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF
@@ -212,7 +225,7 @@ def test_damaged_segments_are_moved_aside_logged_and_skipped(tmp_path, caplog):
     _flip_byte(segs[1].path, segs[1].path.stat().st_size // 2)  # a token value: only the CRC sees it
     with open(segs[2].path, "r+b") as f:
         f.truncate(segs[2].path.stat().st_size // 3)
-    publish(wdir, 7, pa.py_buffer(b"not arrow at all, checksum fine"), fsync=False)  # CRC ok, decode fails
+    _publish_bytes(wdir, 7, b"not arrow at all, checksum fine")  # CRC ok, decode fails
     reader = StreamReader(tmp_path, TOPIC, cfg_())
     with caplog.at_level(logging.ERROR):
         groups = read_all(reader)
@@ -232,7 +245,7 @@ def test_a_segment_from_another_schema_version_is_an_error_not_corruption(tmp_pa
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, schema) as f:
         f.write_batch(pa.RecordBatch.from_pylist(expected_group("w0", 0), schema))
-    publish(wdir, 0, sink.getvalue(), fsync=False)
+    _publish_bytes(wdir, 0, sink.getvalue().to_pybytes())
     with pytest.raises(ValueError, match=f"schema version {SCHEMA_VERSION + 1}"):
         StreamReader(tmp_path, TOPIC, cfg_()).read_groups(1, 1.0)
     assert not list(wdir.glob("*.corrupt"))

@@ -21,7 +21,7 @@ SPAWN = mp.get_context("spawn")
 
 
 def _cfg(**kw) -> StreamsConfig:
-    return StreamsConfig(**{**dict(segment_max_rows=8, segment_max_seconds=60.0, poll_interval_s=0.02), **kw})
+    return StreamsConfig(**{"segment_max_rows": 8, "segment_max_seconds": 60.0, "poll_interval_s": 0.02, **kw})
 
 
 def _write(run_dir: str, writer: str, n_groups: int, max_rows: int, seed: int) -> None:
@@ -86,6 +86,7 @@ def test_concurrent_writer_processes_deliver_every_sample_exactly_once(tmp_path)
     reader = StreamReader(tmp_path, TOPIC, _cfg())
     got, deadline = [], time.monotonic() + 60
     while sum(b.num_rows for b in got) < sum(_expected(writers).values()) and time.monotonic() < deadline:
+        assert all(p.exitcode in (None, 0) for p in procs), "a writer process failed"
         try:
             got += reader.read_groups(8, timeout_s=0.5)  # reading while the writers write
         except StreamTimeout:
@@ -122,6 +123,7 @@ def test_writers_killed_at_random_times_leave_only_whole_groups(tmp_path):
     for writer, proc in procs.items():
         deadline = time.monotonic() + 60
         while not list((tmp_path / "streams" / TOPIC / writer).glob("*.arrow")) and time.monotonic() < deadline:
+            assert proc.is_alive(), "the writer process failed"
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.3))
         os.kill(proc.pid, signal.SIGKILL)

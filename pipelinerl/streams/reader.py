@@ -8,13 +8,21 @@ import time
 import zlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import pyarrow as pa
 
 from pipelinerl.config import StreamsConfig
-from pipelinerl.streams.segments import (CorruptSegment, Segment, highest_seq, list_segments, list_writers,
-                                         load_segment, quarantine, topic_dir)
+from pipelinerl.streams.segments import (
+    CorruptSegment,
+    Segment,
+    highest_seq,
+    list_segments,
+    list_writers,
+    load_segment,
+    quarantine,
+    topic_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +37,7 @@ class _SeenIds:
     """Sample ids already read, bounded: the oldest id is forgotten once `capacity` are held
     (None = unbounded). A duplicate further back than `capacity` samples is not detected."""
 
-    def __init__(self, capacity: Optional[int]):
+    def __init__(self, capacity: int | None):
         self.capacity = capacity
         self._ids: set[str] = set()
         self._order: deque[str] = deque()
@@ -49,12 +57,12 @@ class _SeenIds:
 class _Item:
     """A group ready to hand out, or (batch None) a marker that only moves the cursor."""
 
-    batch: Optional[pa.RecordBatch]
+    batch: pa.RecordBatch | None
     writer_id: str
     after: tuple[int, int]  # the writer's cursor once this item is handed out: (seq, next group index)
 
 
-def _check_shard(shard: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:
+def _check_shard(shard: tuple[int, int] | None) -> tuple[int, int] | None:
     if shard is None:
         return None
     rank, world = shard
@@ -76,7 +84,7 @@ class StreamReader:
     sharding, dedup and cursor semantics."""
 
     def __init__(self, run_dir: str | os.PathLike, topic: str, cfg: StreamsConfig,
-                 cursor: Optional[dict] = None, shard: Optional[tuple[int, int]] = None):
+                 cursor: dict | None = None, shard: tuple[int, int] | None = None):
         self.cfg = cfg
         self.topic = topic
         self.dir = topic_dir(run_dir, topic)

@@ -19,8 +19,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipelinerl.streams.segments import (CORRUPT_SUFFIX, CorruptSegment, list_segments, list_writers,
-                                         load_segment, temp_files)
+from pipelinerl.streams.segments import (
+    CORRUPT_SUFFIX,
+    CorruptSegment,
+    list_segments,
+    list_writers,
+    load_segment,
+    temp_files,
+)
 
 
 def _empty_stats() -> dict[str, Any]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Sequence, Union
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -43,7 +44,7 @@ ROLLOUT_SCHEMA = pa.schema(
 _STRING_COLUMNS = ("run_id", "group_id", "sample_id", "task", "actor_id")
 _OPTIONAL_FIELDS = ("metadata", "created_at", "written_at")  # defaults: "{}", now, set by the writer
 
-TokenSeq = Union[Sequence[int], Any]  # a list, or a 1-D numpy array (taken without a copy)
+TokenSeq = Sequence[int]  # a list, or a 1-D numpy array (converted without per-element Python work)
 
 
 @dataclass
@@ -62,11 +63,11 @@ class Rollout:
     truncated: bool
     task: str
     actor_id: str
-    metadata: Union[str, dict] = "{}"  # a dict is serialised to JSON; a string must already be JSON
+    metadata: str | dict = "{}"  # a dict is serialised to JSON; a string must already be JSON
     created_at: float = field(default_factory=time.time)
 
 
-def _as_mapping(row: Union[Rollout, Mapping[str, Any]]) -> Mapping[str, Any]:
+def _as_mapping(row: Rollout | Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(row, Rollout):
         return {f.name: getattr(row, f.name) for f in fields(Rollout)}  # no deep copy of token lists
     if isinstance(row, Mapping):
@@ -91,7 +92,7 @@ def _check_row(row: Mapping[str, Any]) -> None:
                              f"{n} tokens; there must be one per completion token")
     for name in ("finished", "truncated"):
         if not isinstance(row[name], bool):
-            raise ValueError(f"{where}: `{name}` must be a bool, got {row[name]!r}")
+            raise ValueError(f"{where}: `{name}` must be a bool, got {row[name]!r}")  # noqa: TRY004 - one error type for bad rows
     reward = row["reward"]
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or math.isnan(reward):
         raise ValueError(f"{where}: `reward` must be a number (not NaN), got {reward!r}")
@@ -109,9 +110,30 @@ def _metadata_text(row: Mapping[str, Any]) -> str:
     return meta
 
 
+def _is_numpy_of(values: list, kinds: str) -> bool:
+    """All values are numpy arrays of these dtype kinds (checked without importing numpy)."""
+    return all(getattr(getattr(v, "dtype", None), "kind", "?") in kinds for v in values)
+
+
 def _list_column(values: list, name: str, value_type: pa.DataType) -> pa.Array:
-    """A list column from per-row sequences. Types are inferred first, so floats passed as token ids
-    are refused instead of being silently truncated (a plain typed `pa.array` would truncate)."""
+    """A list column from per-row sequences. Floats passed as token ids must be refused, and a plain
+    typed `pa.array` would truncate them silently: numpy arrays are checked by dtype (the fast path,
+    what an engine hands over), anything else has its type inferred first."""
+    target = pa.list_(value_type)
+    kinds = "iu" if pa.types.is_integer(value_type) else "iuf"
+    try:
+        if _is_numpy_of(values, kinds):
+            column = pa.array(values, type=target)  # out-of-range ints raise
+        else:
+            column = _inferred_list(values, name, value_type).cast(target)  # safe cast
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+        raise ValueError(f"`{name}` does not fit {value_type}: {err}") from None
+    if pa.types.is_floating(value_type) and pc.any(pc.is_nan(column.flatten())).as_py():
+        raise ValueError(f"`{name}` contains NaN")
+    return column
+
+
+def _inferred_list(values: list, name: str, value_type: pa.DataType) -> pa.Array:
     try:
         inferred = pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
@@ -122,13 +144,7 @@ def _list_column(values: list, name: str, value_type: pa.DataType) -> pa.Array:
         raise ValueError(f"`{name}` must hold integers, got {item}")
     if not (is_int or pa.types.is_floating(item)):
         raise ValueError(f"`{name}` must hold numbers, got {item}")
-    try:
-        column = inferred.cast(pa.list_(value_type))  # safe cast: out-of-range ints raise
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
-        raise ValueError(f"`{name}` does not fit {value_type}: {err}") from None
-    if pa.types.is_floating(value_type) and pc.any(pc.is_nan(column.flatten())).as_py():
-        raise ValueError(f"`{name}` contains NaN")
-    return column
+    return inferred
 
 
 def _group_columns(rows: list[Mapping[str, Any]], written_at: float) -> list[pa.Array]:
@@ -157,7 +173,7 @@ def _locate_bad_row(rows: list[Mapping[str, Any]], err: ValueError) -> ValueErro
     return err
 
 
-def group_batch(rows: Sequence[Union[Rollout, Mapping[str, Any]]]) -> pa.RecordBatch:
+def group_batch(rows: Sequence[Rollout | Mapping[str, Any]]) -> pa.RecordBatch:
     """Validate the G rows of one group and turn them into one record batch (ValueError if bad)."""
     if not rows:
         raise ValueError("a rollout group must have at least one row")

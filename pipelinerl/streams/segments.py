@@ -15,9 +15,9 @@ import logging
 import os
 import re
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import pyarrow as pa
 
@@ -88,52 +88,55 @@ def temp_files(wdir: Path) -> list[Path]:
     return sorted(p for p in wdir.glob(".*.tmp"))
 
 
-def encode_segment(batches: Sequence[pa.RecordBatch]) -> pa.Buffer:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, ROLLOUT_SCHEMA) as writer:
-        for batch in batches:
-            writer.write_batch(batch)
-    return sink.getvalue()
+def segment_path(wdir: Path, seq: int, crc: int) -> Path:
+    return wdir / f"{seq:08d}.{crc:08x}.arrow"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _fsync_path(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def publish(wdir: Path, seq: int, data: pa.Buffer, fsync: bool) -> Path:
-    """Write to a hidden temporary name, fsync, rename into place: readers see all of it or nothing."""
-    final = wdir / f"{seq:08d}.{zlib.crc32(data):08x}.arrow"
+def _file_crc(path: Path) -> int:
+    with pa.memory_map(str(path)) as mapped:  # hashes the page cache in place: no copy
+        return zlib.crc32(mapped.read_buffer())
+
+
+def publish(wdir: Path, seq: int, batches: Sequence[pa.RecordBatch], fsync: bool) -> Path:
+    """Write to a hidden temporary name, fsync, rename into place: readers see all of it or nothing.
+    Arrow writes the file itself (no intermediate buffer); the CRC is then taken from the page cache."""
     tmp = wdir / f".{seq:08d}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, ROLLOUT_SCHEMA) as writer:
+        for batch in batches:
+            writer.write_batch(batch)
+    if fsync:
+        _fsync_path(tmp, os.O_WRONLY)
+    final = segment_path(wdir, seq, _file_crc(tmp))
     # rename() silently replaces; an existing name means a second live writer uses this writer_id.
     if final.exists():
         raise RuntimeError(f"segment {final} already exists: two writers share writer_id {wdir.name!r}")
     os.rename(tmp, final)
     if fsync:
-        _fsync_dir(wdir)  # makes the rename itself durable across a machine crash
+        _fsync_path(wdir, os.O_RDONLY)  # makes the rename itself durable across a machine crash
     return final
 
 
 def load_segment(segment: Segment) -> list[pa.RecordBatch]:
     """The groups of a segment. CorruptSegment if damaged; ValueError if written by a newer schema;
     FileNotFoundError if it vanished (quarantined by another reader, or released)."""
-    data = segment.path.read_bytes()
+    with pa.OSFile(str(segment.path), "r") as f:  # into Arrow's memory pool: fewer page faults than bytes
+        data = f.read()
     if zlib.crc32(data) != segment.crc:
         raise CorruptSegment(f"checksum mismatch ({len(data)} bytes; truncated or overwritten)")
     try:
-        reader = pa.ipc.open_file(pa.py_buffer(data))
+        reader = pa.ipc.open_file(data)
         schema = reader.schema
         batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
         for batch in batches:
-            batch.validate(full=True)
+            batch.validate()  # the CRC already vouches for every byte; this checks the structure
     except (pa.ArrowException, OSError) as err:
         raise CorruptSegment(f"does not decode as Arrow IPC: {err}") from None
     version = schema_version_of(schema)

@@ -6,17 +6,27 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from pipelinerl.config import StreamsConfig
 from pipelinerl.streams.schema import Rollout, group_batch
-from pipelinerl.streams.segments import check_name, encode_segment, highest_seq, publish, temp_files, topic_dir
+from pipelinerl.streams.segments import (
+    check_name,
+    highest_seq,
+    publish,
+    temp_files,
+    topic_dir,
+)
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11+; annotations are not evaluated at runtime
 
 log = logging.getLogger(__name__)
 
-Row = Union[Rollout, Mapping[str, Any]]
+Row = Rollout | Mapping[str, Any]
 
 
 class StreamWriter:
@@ -41,9 +51,9 @@ class StreamWriter:
         self._batches: list[pa.RecordBatch] = []
         self._rows = 0
         self._bytes = 0
-        self._oldest: Optional[float] = None  # monotonic time the oldest buffered group arrived
+        self._oldest: float | None = None  # monotonic time the oldest buffered group arrived
         self._lock = threading.Lock()
-        self._error: Optional[BaseException] = None  # a failed background publish, re-raised on write
+        self._error: BaseException | None = None  # a failed background publish, re-raised on write
         self._closed = False
         self.segments_published = 0
         self.rows_published = 0
@@ -93,7 +103,7 @@ class StreamWriter:
         self.flush()
         self._closed = True
 
-    def __enter__(self) -> "StreamWriter":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -107,7 +117,7 @@ class StreamWriter:
 
     def _publish_locked(self) -> None:
         """Caller holds the lock. On failure the buffer is kept, so nothing is lost silently."""
-        publish(self.dir, self._seq, encode_segment(self._batches), self.cfg.fsync)
+        publish(self.dir, self._seq, self._batches, self.cfg.fsync)
         self._seq += 1
         self.segments_published += 1
         self.rows_published += self._rows
@@ -128,6 +138,6 @@ class StreamWriter:
                     continue
                 try:
                     self._publish_locked()
-                except Exception as err:  # noqa: BLE001 - surfaced on the next write/flush
+                except Exception as err:
                     log.exception("stream writer %s: background publish failed", self.dir)
                     self._error = err
