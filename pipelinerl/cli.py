@@ -50,6 +50,27 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(cfg, args.port if args.port is not None else cfg.inference.base_port, args.version)
 
 
+def cmd_train(args: argparse.Namespace) -> None:
+    from pipelinerl.trainer.loop import train
+
+    train(load_config(args.config, args.overrides))
+
+
+def cmd_actor(args: argparse.Namespace) -> None:
+    import logging
+
+    from pipelinerl.actor import run_actor
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    run_actor(load_config(args.config, args.overrides), args.actor_id)
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from pipelinerl.launch.local import run_local
+
+    run_local(load_config(args.config, args.overrides))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipelinerl", description="Reinforcement learning for LLMs with in-flight weight updates.")
@@ -79,6 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", type=int, default=0, help="policy version of the weights loaded (default 0)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. inference.host=0.0.0.0")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("train", help="run one trainer rank (start every rank with torchrun or srun)")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("actor", help="run one actor: prompts -> servers -> rewards -> rollout stream")
+    _add_config_args(p)
+    p.add_argument("--actor-id", default="actor0", help="unique name of this actor (its stream writer id)")
+    p.set_defaults(func=cmd_actor)
+
+    p = sub.add_parser("run", help="run the whole pipeline on this machine (servers, trainer, actor)")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_run)
     return parser
 
 

@@ -214,6 +214,9 @@ class TrainerConfig:
     deepspeed_config: dict = field(default_factory=dict)  # merged over the generated DeepSpeed config,
     #                                    e.g. {zero_optimization: {reduce_bucket_size: 5e8}}; {} = none
     dist_timeout_s: float = 1800.0  # a trainer collective (all-reduce, gather) waiting longer fails
+    broadcast_host: Optional[str] = None  # address the servers reach trainer rank 0 at for weight updates;
+    #                                       null = this host's address on the route to the first server
+    broadcast_port: int = 29511  # TCP port of the weight-update group's store on trainer rank 0
     broadcast_bucket_mb: float = 256.0  # weights are broadcast in buckets of at most this many MiB
     broadcast_checksums: bool = False  # debug: servers check a per-tensor checksum after each update
     data_timeout_s: float = 3600.0  # fail if the rollout stream yields nothing for this long
@@ -238,6 +241,7 @@ class TrainerConfig:
         _check_positive(self.data_timeout_s, "trainer.data_timeout_s")
         _check_choice(self.attn_implementation, ("sdpa", "flash_attention_2"), "trainer.attn_implementation")
         _check_positive(self.dist_timeout_s, "trainer.dist_timeout_s")
+        _check(1 <= self.broadcast_port <= 65535, "trainer.broadcast_port", "must be a free TCP port")
         _check("train_batch_size" not in self.deepspeed_config
                and "gradient_accumulation_steps" not in self.deepspeed_config, "trainer.deepspeed_config",
                "batch sizes come from trainer.samples_per_step and micro_batch_tokens; remove them here")

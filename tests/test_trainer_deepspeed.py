@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from pipelinerl.config import TrainerConfig
 from pipelinerl.trainer.packing import Sample
+from test_trainer_packing import split_among_ranks
 
 STEPS, SAMPLES_PER_STEP, LR = 4, 12, 1e-3
 PERSIST_NOTHING = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}  # shard every tensor
@@ -60,7 +61,7 @@ def free_port() -> int:
 
 def _train(trainer, dist, first, last, micro_batch_tokens, vocab, log):
     from pipelinerl.trainer.dist import all_reduce_sum
-    from pipelinerl.trainer.packing import pack, split_among_ranks
+    from pipelinerl.trainer.packing import pack
 
     for step in range(first, last):
         samples = step_samples(step, vocab)

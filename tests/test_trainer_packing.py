@@ -6,7 +6,18 @@ import random
 import pytest
 import torch
 
-from pipelinerl.trainer.packing import Sample, pack, padding_micro_batch, split_among_ranks
+from pipelinerl.trainer.packing import Sample, pack, padding_micro_batch
+
+
+def split_among_ranks(samples: list[Sample], world_size: int) -> list[list[Sample]]:
+    """Test helper: balance tokens over ranks (longest first onto the least-loaded rank)."""
+    shares: list[list[Sample]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for s in sorted(samples, key=lambda s: -s.num_tokens):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        shares[r].append(s)
+        load[r] += s.num_tokens
+    return [sorted(share, key=lambda s: s.index) for share in shares]
 
 
 def make_samples(n, seed=0, vocab=17):

@@ -169,7 +169,9 @@ class DeepSpeedTrainer:
 
     def named_shapes(self) -> list[tuple[str, str, list[int]]]:
         """(HF name, dtype, full shape) of every parameter, without gathering (ZeRO-3 keeps ds_shape)."""
-        return [(name, str(p.dtype).removeprefix("torch."), list(getattr(p, "ds_shape", p.shape)))
+        from pipelinerl.weights import dtype_name
+
+        return [(name, dtype_name(p.dtype), list(getattr(p, "ds_shape", p.shape)))
                 for own in self._modules_with_params() for name, p in own]
 
     def gathered_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:

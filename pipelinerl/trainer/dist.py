@@ -54,27 +54,38 @@ def init_process_group(info: DistInfo, timeout_s: float) -> None:
 def all_reduce_max(value: int) -> int:
     """The largest of every rank's value (micro-batch counts, stop flags)."""
     import torch
-    import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=torch.long, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return int(all_reduce_tensor(torch.tensor([value], dtype=torch.long), "max").item())
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
-    """Element-wise sums over ranks (loss and token counts for logging)."""
+    """Element-wise sums over ranks (sample counts, losses for logging)."""
     import torch
+
+    return all_reduce_tensor(torch.tensor(values, dtype=torch.float64), "sum").tolist()
+
+
+def all_reduce_tensor(t, op: str):
+    """A CPU tensor reduced over ranks (op: sum | max), returned on CPU; NCCL needs a device copy."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return list(values)
+        return t
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
+    work = t.to(device, copy=True)
+    dist.all_reduce(work, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return work.cpu()
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's obj (JSON-like), in rank order: stream cursors for a checkpoint."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier() -> None:

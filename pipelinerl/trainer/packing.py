@@ -1,4 +1,4 @@
-"""Packing variable-length samples into micro-batches, and splitting a step's samples among ranks.
+"""Packing variable-length samples into micro-batches.
 
 A packed micro-batch is one row: sequences concatenated, position ids restarting at 0 for each. With no
 attention mask, transformers derives a block-diagonal causal mask from those restarts (sdpa) or uses
@@ -84,18 +84,6 @@ def pack(samples: list[Sample], micro_batch_tokens: int) -> list[MicroBatch]:
             bins[slot].append(s)
             room[slot] -= s.num_tokens
     return [_row(b) for b in bins]
-
-
-def split_among_ranks(samples: list[Sample], world_size: int) -> list[list[Sample]]:
-    """Balance tokens over ranks (longest first onto the least-loaded rank); every rank computes the
-    same split from the same list, so no data travels between ranks."""
-    shares: list[list[Sample]] = [[] for _ in range(world_size)]
-    load = [0] * world_size
-    for s in sorted(samples, key=lambda s: -s.num_tokens):
-        r = min(range(world_size), key=lambda i: (load[i], i))
-        shares[r].append(s)
-        load[r] += s.num_tokens
-    return [sorted(share, key=lambda s: s.index) for share in shares]
 
 
 def padding_micro_batch(field_names) -> MicroBatch:

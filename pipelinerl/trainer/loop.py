@@ -1,0 +1,271 @@
+"""`pipelinerl train`: read the rollout stream, advantages, pack, step, broadcast, log, checkpoint.
+
+One process per rank (torchrun / the deepspeed launcher / srun set RANK etc.). Each rank reads its own
+shard of the stream (whole groups; streams/__init__.py says why), so group advantages are local; the
+loss is normalised by the number of sequences in the step over all ranks. The policy version is the
+number of optimizer steps taken: the weights of version k are broadcast right after step k.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+from urllib.parse import urlparse
+
+import torch
+
+from pipelinerl.config import Config, ConfigError
+from pipelinerl.trainer.checkpoints import StopSignals, latest_checkpoint, load_checkpoint, save_checkpoint
+from pipelinerl.trainer.deepspeed_backend import DeepSpeedTrainer
+from pipelinerl.trainer.dist import (DistInfo, all_gather_objects, all_reduce_sum, all_reduce_tensor,
+                                     init_process_group, read_dist_env)
+from pipelinerl.trainer.packing import MicroBatch, Sample, pack
+
+log = logging.getLogger("pipelinerl.trainer")
+TOPIC = "rollouts"  # the actors' stream under RUN_DIR/streams
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # optimizer steps taken = policy version of the current weights
+    samples_seen: int = 0  # over all ranks
+    cursor: Optional[dict] = None  # this rank's stream cursor
+    last_saved: int = -1
+    timings: dict = field(default_factory=dict)
+
+
+def check_supported(cfg: Config, dist: DistInfo) -> None:
+    """User errors the trainer can name before loading anything."""
+    groups = cfg.trainer.samples_per_step // cfg.actor.attempts
+    if groups % dist.world_size:
+        raise ConfigError(f"trainer.samples_per_step / actor.attempts = {groups} groups per step do not split "
+                         f"evenly over {dist.world_size} trainer ranks; make it a multiple of the rank count")
+    if cfg.rl.needs_reference_logprobs or cfg.rl.value_function:
+        raise ConfigError("rl.kl_coef > 0, rl.dpo_reference=reference and rl.value_function need reference "
+                         "log-probs or a critic head, which `pipelinerl train` does not provide yet; turn them off")
+
+
+def rows_to_samples(batches, version: int, first_index: int, cfg: Config) -> list[Sample]:
+    """One record batch per group -> Samples with per-token behaviour log-probs, advantage and lag."""
+    from pipelinerl.rl import dpo_roles, group_advantages
+
+    samples = []
+    for g, batch in enumerate(batches):
+        rows = batch.to_pydict()
+        rewards = torch.tensor(rows["reward"], dtype=torch.float64)
+        group = torch.zeros(len(rewards), dtype=torch.long)
+        if cfg.rl.algorithm == "dpo":
+            adv = dpo_roles(rewards, group)
+        else:
+            adv = group_advantages(rewards, group, cfg.rl.baseline, cfg.rl.divide_by_std)
+        for i, completion in enumerate(rows["completion_token_ids"]):
+            n = len(completion)
+            fields = {"behaviour": rows["behaviour_logprobs"][i], "advantage": [float(adv[i])] * n,
+                      "lag": [version - v for v in rows["versions"][i]], "group": [float(g)] * n}
+            samples.append(Sample(rows["prompt_token_ids"][i], completion, first_index + len(samples), fields))
+    return samples
+
+
+def read_step(reader, cfg: Config, dist: DistInfo, version: int) -> list[Sample]:
+    """This rank's share of the next step: whole groups, waiting up to trainer.data_timeout_s in total."""
+    want = cfg.trainer.samples_per_step // cfg.actor.attempts // dist.world_size
+    deadline = time.monotonic() + cfg.trainer.data_timeout_s
+    batches = []
+    while len(batches) < want:
+        batches += reader.read_groups(want - len(batches), max(deadline - time.monotonic(), 0.0))
+    first = dist.rank * (cfg.trainer.samples_per_step // dist.world_size)
+    return rows_to_samples(batches, version, first, cfg)
+
+
+def _loss_fn(cfg: Config, num_sequences: int, device: torch.device, token_log: list):
+    from pipelinerl.rl import compute_loss
+
+    def loss_fn(mb: MicroBatch, new_N: torch.Tensor):
+        f = {k: v.to(device) for k, v in mb.fields_N.items()}
+        lag_N = f["lag"].long()
+        loss, stats = compute_loss(new_N, f["behaviour"], f["advantage"], torch.ones_like(lag_N, dtype=torch.bool),
+                                   lag_N, mb.seq_index_N.to(device), num_sequences, cfg.rl,
+                                   group_index_T=f["group"].long())
+        token_log.append((lag_N.cpu(), f["behaviour"].cpu(), new_N.detach().cpu()))
+        return loss, {k: v.detach().cpu() for k, v in stats.items()}
+
+    return loss_fn
+
+
+def _reduce_stats(stats_list: list[dict]) -> dict[str, float]:
+    """Merge micro-batch statistics, then over ranks (sum, or max for max_* keys) and summarise."""
+    from pipelinerl.rl import merge_stats, summarize_stats
+
+    merged = merge_stats(stats_list)
+    out = {}
+    for key in sorted(merged):
+        out[key] = all_reduce_tensor(merged[key].double(), "max" if key.startswith("max_") else "sum")
+    summary = summarize_stats(out)
+    summary.update({k: float(v) for k, v in out.items() if k.endswith("_loss")})
+    return summary
+
+
+def train_step(trainer: DeepSpeedTrainer, samples: list[Sample], cfg: Config, dist: DistInfo,
+               state: LoopState, token_log: list) -> dict[str, float]:
+    """Forward/backward over this rank's packed samples, then one optimizer step."""
+    (num_sequences, tokens) = all_reduce_sum([len(samples), sum(len(s.completion_ids) for s in samples)])
+    trained = [s for s in samples if s.completion_ids]  # an empty completion has no token to weigh
+    micro_batches = pack(trained, cfg.trainer.micro_batch_tokens)
+    loss_fn = _loss_fn(cfg, int(num_sequences), trainer.device, token_log)
+    stats = _reduce_stats(trainer.accumulate(micro_batches, loss_fn))
+    stats.update(trainer.optimizer_step())
+    stats.update(sequences=num_sequences, completion_tokens=tokens,
+                 micro_batches=float(all_reduce_sum([len(micro_batches)])[0]))
+    state.step += 1
+    state.samples_seen += int(num_sequences)
+    return stats
+
+
+def broadcast_address(cfg: Config, server_url: str) -> str:
+    """trainer.broadcast_host, or the local address on the route to the first server (works for
+    loopback on one machine and picks the right interface on a cluster)."""
+    if cfg.trainer.broadcast_host:
+        return cfg.trainer.broadcast_host
+    url = urlparse(server_url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((url.hostname, url.port or 80))  # UDP: no packet is sent
+        return s.getsockname()[0]
+
+
+def wait_for_servers(run_dir: str, timeout_s: float) -> list[str]:
+    from pipelinerl.inference.rundir import list_servers
+
+    deadline = time.monotonic() + timeout_s
+    while not (urls := list_servers(run_dir)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no inference server announced itself in {run_dir}/servers within {timeout_s:.0f} s")
+        time.sleep(1.0)
+    return urls
+
+
+def connect_broadcaster(cfg: Config, dist: DistInfo):
+    """Rank 0's weight-update group with every server announced in RUN_DIR/servers."""
+    from pipelinerl.inference.rundir import run_token
+    from pipelinerl.weights import WeightBroadcaster
+
+    urls = wait_for_servers(cfg.run_dir, cfg.inference.startup_timeout_s)
+    backend = cfg.inference.weight_update_backend or dist.backend
+    broadcaster = WeightBroadcaster(
+        urls, backend, broadcast_address(cfg, urls[0]), cfg.trainer.broadcast_port,
+        cfg.inference.weight_update_timeout_s, int(cfg.trainer.broadcast_bucket_mb * 2**20),
+        run_token(cfg.run_dir, cfg.inference.auth_token), checksums=cfg.trainer.broadcast_checksums)
+    broadcaster.connect()
+    log.info("weight-update group open with %d server(s): %s", len(urls), ", ".join(urls))
+    return broadcaster
+
+
+def resume(trainer: DeepSpeedTrainer, root: Path, dist: DistInfo) -> LoopState:
+    """Restore the latest complete checkpoint, if any (every rank reads the same folder)."""
+    path = latest_checkpoint(root)
+    if path is None:
+        return LoopState()
+    meta = load_checkpoint(trainer, path)
+    if len(meta["cursors"]) != dist.world_size:
+        raise ValueError(f"{path} was written by {len(meta['cursors'])} trainer ranks; resume with that many "
+                         f"(stream shards are per rank), not {dist.world_size}")
+    log.info("resumed from %s (step %d)", path, meta["step"])
+    return LoopState(step=meta["step"], samples_seen=meta["samples_seen"], cursor=meta["cursors"][dist.rank],
+                     last_saved=meta["step"])
+
+
+def checkpoint(trainer, cfg: Config, dist: DistInfo, state: LoopState, reader) -> None:
+    cursors = all_gather_objects(reader.cursor())
+    meta = {"version": state.step, "samples_seen": state.samples_seen, "cursors": cursors}
+    save_checkpoint(trainer, Path(cfg.run_dir) / "checkpoints", state.step, meta, cfg.checkpoints.keep_last, dist)
+    state.last_saved = state.step
+    if dist.is_main:
+        from pipelinerl.streams import release
+
+        release(cfg.run_dir, TOPIC, cursors, cfg.streams)  # only segments this checkpoint has passed
+
+
+class StepLogger:
+    """TensorBoard scalars (rank 0) and per-token zarr statistics (every rank, its own arrays)."""
+
+    def __init__(self, cfg: Config, dist: DistInfo, resumed_step: int):
+        from pipelinerl.metrics import Scalars, TokenStats
+
+        self.cfg, self.dist = cfg, dist
+        self.scalars = Scalars(cfg.run_dir, "trainer") if cfg.logging.tensorboard and dist.is_main else None
+        self.tokens = TokenStats(cfg.run_dir, f"rank{dist.rank}") if cfg.logging.zarr_stats else None
+        if self.tokens is not None:
+            self.tokens.truncate_to_step(resumed_step)  # steps after the checkpoint are redone
+
+    def log(self, step: int, stats: dict[str, float], token_log: list) -> None:
+        if self.tokens is not None and token_log:
+            lag, behaviour, current = (torch.cat(parts).numpy() for parts in zip(*token_log))
+            self.tokens.append(step, lag, behaviour, current)
+        if not self.dist.is_main or step % self.cfg.logging.every_steps:
+            return
+        if self.scalars is not None:
+            self.scalars.log(step, stats)
+        log.info("step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in sorted(stats.items())))
+
+    def close(self) -> None:
+        if self.scalars is not None:
+            self.scalars.close()
+
+
+def _checkpoint_due(cfg: Config, step: int) -> bool:
+    every = cfg.checkpoints.every_steps
+    return every is not None and step % every == 0
+
+
+def train(cfg: Config) -> None:
+    """The trainer role: runs until trainer.max_steps, or until SIGTERM/SIGUSR1 (then checkpoints)."""
+    from pipelinerl.streams import StreamReader
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    dist = read_dist_env()
+    check_supported(cfg, dist)
+    init_process_group(dist, cfg.trainer.dist_timeout_s)
+    torch.manual_seed(cfg.seed)
+    trainer = DeepSpeedTrainer(cfg.trainer, dist, cfg.model.dtype)
+    trainer.init(cfg.model.path)
+    state = resume(trainer, Path(cfg.run_dir) / "checkpoints", dist)
+    reader = StreamReader(cfg.run_dir, TOPIC, cfg.streams, cursor=state.cursor, shard=(dist.rank, dist.world_size))
+    signals = StopSignals()
+    if cfg.checkpoints.save_on_signal:
+        signals.install()
+    trainer.broadcaster = connect_broadcaster(cfg, dist) if dist.is_main else None
+    logger = StepLogger(cfg, dist, state.step)
+    try:
+        if state.step > 0:  # servers may have (re)started from older weights
+            trainer.broadcast_weights(state.step)
+        _run(trainer, reader, cfg, dist, state, signals, logger)
+    finally:
+        logger.close()
+        if trainer.broadcaster is not None:
+            trainer.broadcaster.close()
+
+
+def _run(trainer, reader, cfg: Config, dist: DistInfo, state: LoopState, signals: StopSignals, logger) -> None:
+    max_steps = cfg.trainer.max_steps
+    while max_steps is None or state.step < max_steps:
+        started = time.monotonic()
+        samples = read_step(reader, cfg, dist, state.step)
+        read_s = time.monotonic() - started
+        token_log: list = []
+        stats = train_step(trainer, samples, cfg, dist, state, token_log)
+        train_s = time.monotonic() - started - read_s
+        timings = trainer.broadcast_weights(state.step)
+        stats.update(read_s=read_s, train_s=train_s, broadcast_s=timings["broadcast_total_s"],
+                     broadcast_bytes=timings["bytes"], samples_seen=state.samples_seen)
+        logger.log(state.step, stats, token_log)
+        stop = signals.requested()
+        if stop or _checkpoint_due(cfg, state.step):
+            checkpoint(trainer, cfg, dist, state, reader)
+        if stop:
+            log.info("stop signal %s: checkpointed at step %d, exiting", signals.received, state.step)
+            return
+    if state.last_saved != state.step:
+        checkpoint(trainer, cfg, dist, state, reader)
