@@ -56,21 +56,6 @@ def cmd_train(args: argparse.Namespace) -> None:
     train(load_config(args.config, args.overrides))
 
 
-def cmd_actor(args: argparse.Namespace) -> None:
-    import logging
-
-    from pipelinerl.actor import run_actor
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run_actor(load_config(args.config, args.overrides), args.actor_id)
-
-
-def cmd_run(args: argparse.Namespace) -> None:
-    from pipelinerl.launch.local import run_local
-
-    run_local(load_config(args.config, args.overrides))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipelinerl", description="Reinforcement learning for LLMs with in-flight weight updates.")
@@ -104,15 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run one trainer rank (start every rank with torchrun or srun)")
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("actor", help="run one actor: prompts -> servers -> rewards -> rollout stream")
-    _add_config_args(p)
-    p.add_argument("--actor-id", default="actor0", help="unique name of this actor (its stream writer id)")
-    p.set_defaults(func=cmd_actor)
-
-    p = sub.add_parser("run", help="run the whole pipeline on this machine (servers, trainer, actor)")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_run)
     return parser
 
 
