@@ -109,7 +109,8 @@ def publish(wdir: Path, seq: int, batches: Sequence[pa.RecordBatch], fsync: bool
     """Write to a hidden temporary name, fsync, rename into place: readers see all of it or nothing.
     Arrow writes the file itself (no intermediate buffer); the CRC is then taken from the page cache."""
     tmp = wdir / f".{seq:08d}.tmp"
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, ROLLOUT_SCHEMA) as writer:
+    # Buffered: a segment is hundreds of small Arrow buffers, one write() syscall each without it.
+    with pa.output_stream(str(tmp), buffer_size=2**20) as sink, pa.ipc.new_file(sink, ROLLOUT_SCHEMA) as writer:
         for batch in batches:
             writer.write_batch(batch)
     if fsync:
