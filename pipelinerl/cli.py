@@ -4,6 +4,7 @@ that `pipelinerl --help` and `show-config` answer instantly."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from pipelinerl.config import ConfigError, TinyModelConfig, load_config, to_yaml
@@ -56,6 +57,18 @@ def cmd_train(args: argparse.Namespace) -> None:
     train(load_config(args.config, args.overrides))
 
 
+def cmd_actor(args: argparse.Namespace) -> None:
+    from pipelinerl.actor import run_actor
+
+    run_actor(load_config(args.config, args.overrides), args.actor_id)
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from pipelinerl.launch.local import run_local
+
+    run_local(load_config(args.config, args.overrides))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipelinerl", description="Reinforcement learning for LLMs with in-flight weight updates.")
@@ -89,11 +102,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run one trainer rank (start every rank with torchrun or srun)")
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("actor", help="run one actor: prompts -> servers -> rewards -> rollout stream")
+    _add_config_args(p)
+    p.add_argument("--actor-id", default="actor0", help="unique name of this actor (its stream writer id)")
+    p.set_defaults(func=cmd_actor)
+
+    p = sub.add_parser("run", help="run the whole pipeline on this machine (servers, trainer, actor)")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.command} %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the role logs
     try:
         args.func(args)
     except ConfigError as err:  # user errors: a message that says how to fix it, not a traceback

@@ -19,14 +19,16 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+try:  # resolved here, in the parent: the child between fork and exec must not load libraries
+    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except OSError:  # not Linux: process groups still let the launcher stop the children it outlives
+    _prctl = None
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux: process groups still let the launcher stop children it outlives
-        pass
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: only two system calls, no locks, no imports."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -58,16 +60,24 @@ class Supervisor:
         role.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(role.log_path, "ab") as out:
             proc = subprocess.Popen(role.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **role.env}, preexec_fn=_die_with_parent)
+                                    env={**os.environ, **role.env}, start_new_session=True,
+                                    preexec_fn=_die_with_parent)  # noqa: PLW1509 (see _die_with_parent)
         self.running[role.name] = (role, proc)
         log.info("started %s (pid %d), log %s", role.name, proc.pid, role.log_path)
         return proc
 
-    def check(self) -> None:
-        """Raise RoleFailed for the first role that has exited (any exit is unexpected while running)."""
+    def check(self, allow_finished: frozenset[str] | set[str] = frozenset()) -> None:
+        """Raise RoleFailed for the first role that has exited; roles in `allow_finished` may exit 0."""
         for role, proc in self.running.values():
-            if proc.poll() is not None:
-                raise RoleFailed(role, proc.returncode)
+            code = proc.poll()
+            if code is not None and not (code == 0 and role.name in allow_finished):
+                raise RoleFailed(role, code)
+
+    def finished(self, name: str) -> bool:
+        return self.running[name][1].poll() is not None
+
+    def returncode(self, name: str) -> int | None:
+        return self.running[name][1].poll()
 
     def wait_for(self, name: str, timeout_s: float | None = None, poll_s: float = 0.5) -> int:
         """Wait for one role to exit by itself, failing fast if another role dies meanwhile."""
@@ -85,7 +95,7 @@ class Supervisor:
     def stop_all(self, grace_s: float = 20.0) -> None:
         """SIGTERM each role's process group, newest first; SIGKILL what outlives the grace period."""
         for name in reversed(list(self.running)):
-            role, proc = self.running[name]
+            proc = self.running[name][1]
             _signal_group(proc, signal.SIGTERM)
             try:
                 proc.wait(timeout=grace_s)

@@ -1,0 +1,174 @@
+"""`pipelinerl run CONFIG`: the whole pipeline as child processes of one launcher on this machine.
+
+Order: run directory + resolved config -> (tiny model, built and warm-started if missing) -> inference
+servers, healthy -> trainer (opens the weight-update group) -> actor. The launcher then follows the
+trainer's progress through the servers' policy version until the trainer exits. Ctrl-C, SIGTERM or any
+child's failure stops every role (newest first) and names the role that failed and its log.
+Re-running with the same run directory resumes: the servers start from the latest checkpoint's weights
+at its version, and the trainer restores its state and stream cursor from the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from pipelinerl.config import Config, save_config
+from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
+
+log = logging.getLogger(__name__)
+
+
+def prepare_run_dir(cfg: Config) -> Path:
+    """Create the run directory, write the resolved config, and forget servers of an earlier launch."""
+    from pipelinerl.inference.rundir import SERVERS_DIR
+
+    run_dir = Path(cfg.run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for stale in (run_dir / SERVERS_DIR).glob("*"):  # their processes are gone with the old launcher
+        stale.unlink()
+    save_config(cfg, run_dir / "config.yaml")
+    return run_dir / "config.yaml"
+
+
+def ensure_model(cfg: Config) -> None:
+    """Build and warm-start the tiny model when the config asks for it and it is missing."""
+    model_dir = Path(cfg.model.path)
+    if (model_dir / "config.json").is_file():
+        return
+    if not cfg.model.build_tiny_if_missing:
+        raise ValueError(f"config `model.path`: {model_dir} has no config.json; point it at an HF-format model "
+                         "(or set model.build_tiny_if_missing=true for the tiny CPU model)")
+    from pipelinerl.tasks import get_task
+    from pipelinerl.tasks.warm_start import warm_start
+    from pipelinerl.tiny_model import build_tiny_model
+
+    print(f"building the tiny model in {model_dir} and warm-starting it on `{cfg.task.name}`...", flush=True)
+    build_tiny_model(model_dir, cfg.model.tiny)
+    task = get_task(cfg.task)
+    try:
+        result = warm_start(model_dir, task, cfg.model.tiny)
+    finally:
+        task.close()
+    print(f"warm start: {result}", flush=True)
+
+
+def serving_weights(cfg: Config) -> tuple[str, int]:
+    """(HF folder, policy version) the servers start from: the latest checkpoint's, else the base model."""
+    import json
+
+    from pipelinerl.trainer.checkpoints import latest_checkpoint
+
+    latest = latest_checkpoint(Path(cfg.run_dir) / "checkpoints")
+    if latest is None:
+        return cfg.model.path, 0
+    meta = json.loads((latest / "meta.json").read_text())
+    return str(latest / "hf"), int(meta["version"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _roles(cfg: Config, config_path: Path) -> tuple[list[Role], Role, Role]:
+    run_dir = Path(cfg.run_dir)
+    cli = [sys.executable, "-m", "pipelinerl.cli"]
+    threads = {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
+    model, version = serving_weights(cfg)
+    servers = [Role(f"server{i}", cli + ["serve", "--config", str(config_path), "--model", model, "--port",
+                                          str(cfg.inference.base_port + i), "--version", str(version)],
+                    run_dir / "logs" / f"server{i}.log", threads)
+               for i in range(cfg.inference.num_servers)]
+    dist_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(_free_port())}
+    trainer = Role("trainer", cli + ["train", str(config_path)], run_dir / "logs" / "trainer.log",
+                   {**threads, **dist_env})
+    actor = Role("actor", cli + ["actor", str(config_path)], run_dir / "logs" / "actor.log", threads)
+    return servers, trainer, actor
+
+
+def wait_for_servers(cfg: Config, sup: Supervisor) -> list[str]:
+    from pipelinerl.inference.rundir import list_servers
+
+    deadline = time.monotonic() + cfg.inference.startup_timeout_s
+    while len(urls := list_servers(cfg.run_dir)) < cfg.inference.num_servers:
+        sup.check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{cfg.inference.num_servers - len(urls)} inference server(s) not healthy after "
+                               f"{cfg.inference.startup_timeout_s:.0f} s; see {cfg.run_dir}/logs/server*.log")
+        time.sleep(0.5)
+    return urls
+
+
+def follow_trainer(cfg: Config, sup: Supervisor, urls: list[str]) -> None:
+    """A progress bar over optimizer steps (the servers' policy version) until the trainer exits."""
+    import httpx
+    from tqdm import tqdm
+
+    start_version, t0 = None, time.monotonic()
+    bar = tqdm(total=cfg.trainer.max_steps, desc="optimizer steps", unit="step",
+               disable=not cfg.logging.progress_bar, dynamic_ncols=True)
+    with bar, httpx.Client(timeout=5.0) as http:
+        while not sup.finished("trainer"):
+            sup.check(allow_finished={"trainer"})
+            try:
+                version = int(http.get(f"{urls[0]}/status").json()["version"])
+            except (httpx.HTTPError, KeyError, ValueError):
+                version = bar.n
+            start_version = version if start_version is None else start_version
+            elapsed = time.monotonic() - t0
+            rate = (version - start_version) * cfg.trainer.samples_per_step / elapsed if elapsed > 0 else 0.0
+            bar.update(version - bar.n)
+            bar.set_postfix(samples_per_s=f"{rate:.0f}", refresh=False)
+            time.sleep(1.0)
+    code = sup.returncode("trainer")
+    if code != 0:
+        raise RoleFailed(sup.running["trainer"][0], code)
+
+
+def report_success(cfg: Config) -> None:
+    """Held-out greedy success of the starting model and of the last checkpoint (transformers)."""
+    from pipelinerl.tasks import get_task
+    from pipelinerl.tasks.warm_start import heldout_greedy
+
+    final, version = serving_weights(cfg)
+    task = get_task(cfg.task)
+    try:
+        before, after = heldout_greedy(cfg.model.path, task), heldout_greedy(final, task)
+    finally:
+        task.close()
+    print(f"held-out greedy success: {before:.3f} before RL -> {after:.3f} after {version} optimizer steps "
+          f"({100 * (after - before):+.1f} points)", flush=True)
+
+
+def run_local(cfg: Config) -> None:
+    """Entry point of `pipelinerl run`."""
+    config_path = prepare_run_dir(cfg)
+    ensure_model(cfg)
+    servers, trainer, actor = _roles(cfg, config_path)
+    sup = Supervisor()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally below
+    try:
+        for role in servers:
+            sup.start(role)
+        urls = wait_for_servers(cfg, sup)
+        print(f"servers healthy: {', '.join(urls)}", flush=True)
+        sup.start(trainer)
+        sup.start(actor)
+        follow_trainer(cfg, sup, urls)
+    except RoleFailed as err:
+        print(f"pipelinerl run: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        print("pipelinerl run: interrupted; stopping every role", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        sup.stop_all()
+    if cfg.task.name == "addition":
+        report_success(cfg)
