@@ -65,9 +65,10 @@ def pack(seqs, dtype=torch.float64):
     new_leaves = [torch.tensor(s["new"], dtype=dtype, requires_grad=True) for s in seqs]
     val_leaves = [torch.tensor(s["val"], dtype=dtype, requires_grad=True) for s in seqs]
     per_token = lambda key: torch.cat([torch.full((len(s["new"]),), s[key]) for s in seqs])
-    batch = dict(new_logprobs_T=torch.cat(new_leaves), behaviour_logprobs_T=cat("beh"), mask_T=cat("mask", torch.bool),
-                 lag_T=cat("lag", torch.long), seq_index_T=per_token("id"), ref_logprobs_T=cat("ref"),
-                 values_T=torch.cat(val_leaves), returns_T=cat("ret"), group_index_T=per_token("group"))
+    batch = {"new_logprobs_T": torch.cat(new_leaves), "behaviour_logprobs_T": cat("beh"),
+             "mask_T": cat("mask", torch.bool), "lag_T": cat("lag", torch.long), "seq_index_T": per_token("id"),
+             "ref_logprobs_T": cat("ref"), "values_T": torch.cat(val_leaves), "returns_T": cat("ret"),
+             "group_index_T": per_token("group")}
     return batch, new_leaves, val_leaves
 
 

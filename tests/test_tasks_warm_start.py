@@ -8,7 +8,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelinerl.config import TaskConfig, TinyModelConfig
 from pipelinerl.tasks import get_task
-from pipelinerl.tasks.warm_start import encode_examples, greedy_completions, greedy_success, heldout_greedy, warm_start
+from pipelinerl.tasks.warm_start import (
+    encode_examples,
+    greedy_completions,
+    greedy_success,
+    heldout_greedy,
+    warm_start,
+)
 
 
 def test_encoding_puts_loss_on_answer_and_eos_only(tiny_model_dir):
@@ -35,10 +41,10 @@ def hf_generate_completions(model, tok, items):
 def test_warm_start_reduces_loss_and_saves_a_loadable_model(tiny_model_dir, tmp_path):
     model_dir = tmp_path / "tiny"
     shutil.copytree(tiny_model_dir, model_dir)
-    task = get_task(TaskConfig(seed=0))
-    shape = TinyModelConfig(warm_start_steps=30, warm_start_target=1.0)  # the target is never reached
+    task = get_task(TaskConfig(seed=0, eval_fraction=0.01))  # 81 held-out items: quick checks
+    shape = TinyModelConfig(warm_start_steps=24, warm_start_target=1.0)  # the target is never reached
     result = warm_start(model_dir, task, shape)
-    assert result["steps"] == 30 and result["last_loss"] < 0.6 * result["first_loss"]
+    assert result["steps"] == 24 and result["last_loss"] < 0.6 * result["first_loss"]
     assert not (tmp_path / "tiny.tmp").exists()
     assert heldout_greedy(model_dir, task) == result["heldout_greedy"]  # the saved weights are the trained ones
     model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
@@ -55,6 +61,6 @@ def test_zero_steps_leaves_the_model_untouched(tiny_model_dir, tmp_path):
     model_dir = tmp_path / "tiny"
     shutil.copytree(tiny_model_dir, model_dir)
     before = (model_dir / "model.safetensors").stat().st_mtime_ns
-    result = warm_start(model_dir, get_task(TaskConfig()), TinyModelConfig(warm_start_steps=0))
+    result = warm_start(model_dir, get_task(TaskConfig(eval_fraction=0.01)), TinyModelConfig(warm_start_steps=0))
     assert result["steps"] == 0 and result["heldout_greedy"] == 0.0
     assert (model_dir / "model.safetensors").stat().st_mtime_ns == before

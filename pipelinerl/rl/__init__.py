@@ -4,9 +4,22 @@ Suffixes name shapes: ``_N`` one entry per sequence (sample), ``_T`` one per pac
 micro-batch (several sequences concatenated), ``_G`` one per group (prompt).
 """
 
-from pipelinerl.rl.advantages import dpo_roles, gae_advantages, group_advantages, terminal_rewards
+from pipelinerl.rl.advantages import (
+    dpo_roles,
+    gae_advantages,
+    group_advantages,
+    terminal_rewards,
+)
 from pipelinerl.rl.losses import compute_loss
 from pipelinerl.rl.stats import LAG_HIST_BINS, merge_stats, summarize_stats
 
-__all__ = ["compute_loss", "dpo_roles", "gae_advantages", "group_advantages", "terminal_rewards",
-           "LAG_HIST_BINS", "merge_stats", "summarize_stats"]
+__all__ = [
+    "LAG_HIST_BINS",
+    "compute_loss",
+    "dpo_roles",
+    "gae_advantages",
+    "group_advantages",
+    "merge_stats",
+    "summarize_stats",
+    "terminal_rewards",
+]

@@ -8,8 +8,6 @@ normalised by the number of sequences, every token weighs the same).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -17,7 +15,7 @@ from pipelinerl.config import RLConfig
 from pipelinerl.rl.stats import token_stats
 
 
-def kept_tokens(mask_T: torch.Tensor, lag_T: torch.Tensor, max_token_lag: Optional[int]) -> torch.Tensor:
+def kept_tokens(mask_T: torch.Tensor, lag_T: torch.Tensor, max_token_lag: int | None) -> torch.Tensor:
     """Completion tokens that get loss: seed 001 proposes excluding tokens of very high lag."""
     if max_token_lag is None:
         return mask_T
@@ -81,9 +79,9 @@ def _dpo(new_T, reference_T, roles_T, keep_T, seq_index_T, group_index_T, beta: 
 
 def compute_loss(new_logprobs_T: torch.Tensor, behaviour_logprobs_T: torch.Tensor, advantages_T: torch.Tensor,
                  mask_T: torch.Tensor, lag_T: torch.Tensor, seq_index_T: torch.Tensor, num_sequences: int,
-                 cfg: RLConfig, ref_logprobs_T: Optional[torch.Tensor] = None,
-                 values_T: Optional[torch.Tensor] = None, returns_T: Optional[torch.Tensor] = None,
-                 group_index_T: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 cfg: RLConfig, ref_logprobs_T: torch.Tensor | None = None,
+                 values_T: torch.Tensor | None = None, returns_T: torch.Tensor | None = None,
+                 group_index_T: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss (scalar, to minimise) of one packed micro-batch and its statistics (see rl/stats.py).
 
     T = packed tokens of several sequences. new_logprobs_T: log pi_current(token) (carries the gradient);

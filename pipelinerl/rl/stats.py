@@ -4,6 +4,10 @@ A micro-batch's statistics are *sufficient statistics*: float64 sums (and, for k
 ``max_``, maxima). Summing them over micro-batches and ranks (an all-reduce SUM, MAX for ``max_*``)
 gives exactly the optimizer step's statistics, however its sequences were packed; ``summarize_stats``
 then turns them into the logged numbers. ``lag_hist`` has a fixed length so it all-reduces as is.
+
+Keys: tokens, kept_tokens, sequences, ratio_sum, ratio_sq_sum, kl_k1_sum, kl_k3_sum, neg_logprob_sum,
+lag_sum, max_lag, lag_hist; from `compute_loss` also grpo_loss or dpo_loss, and kl_loss, value_loss,
+ppo_clipped_tokens, tis_capped_tokens, dpo_pairs, dpo_correct_pairs, dpo_margin_sum when those are on.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ import json
 import multiprocessing
 import threading
 from pathlib import Path
-from typing import Optional
 
 from pipelinerl.config import TaskConfig
 from pipelinerl.tasks.base import PromptItem, Task, split_held_out
@@ -20,7 +19,7 @@ from pipelinerl.tasks.base import PromptItem, Task, split_held_out
 MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
-def last_boxed(text: str) -> Optional[str]:
+def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} (nested braces balanced), or None if there is none or it is open."""
     start = text.rfind("\\boxed{")
     if start < 0:
