@@ -5,6 +5,7 @@ min_new_tokens would suppress EOS), on the same weights the server was sent.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -177,3 +178,129 @@ def test_update_a_b_a_matches_transformers(server, models, broadcaster):
     assert status["version"] == 2 and status["updates"] == 2
     metrics = requests.get(server["url"] + "/metrics").text
     assert "pipelinerl_weight_version 2.0" in metrics and "pipelinerl_weight_updates_total 2.0" in metrics
+
+
+def test_in_flight_update_switches_versions_where_it_happened(server, models, broadcaster):
+    _send(broadcaster, 10, models["A"])
+    prompts = [_ids(models, t) for t in ("1+1=", "23+45=", "6*7=", "80-9=", "5+5=", "314=")]
+    results: dict[int, dict] = {}
+
+    def run(i, ids):
+        results[i] = _complete(server, ids, 250 - len(ids))
+
+    threads = [threading.Thread(target=run, args=(i, ids)) for i, ids in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    _stream_until(server, _ids(models, "9+9="), 20)  # all requests are now ~20 tokens in, at any speed
+    reply = _send(broadcaster, 11, models["C"])
+    for t in threads:
+        t.join(timeout=120)
+    assert sorted(results) == list(range(len(prompts))), "every in-flight request must finish"
+    straddled = 0
+    for i, ids in enumerate(prompts):
+        tokens, versions = results[i]["token_ids"], results[i]["policy_versions"]
+        k = versions.count(10)
+        assert versions == [10] * k + [11] * (len(tokens) - k), "versions must switch once, old to new"
+        assert tokens[:k] == hf_greedy(models["A"], ids, k)
+        if 0 < k < len(tokens):
+            straddled += 1
+            assert tokens[k:] == hf_stale_kv(models["A"], models["C"], ids, tokens[:k], len(tokens) - k)
+    assert straddled >= len(prompts) // 2, f"only {straddled} requests straddled the update ({reply})"
+
+
+def _stream_until(server, ids: list[int], n: int) -> None:
+    """A streamed probe request, joined after the others: returns once it has produced n tokens."""
+    body = {"model": server["model"], "prompt": ids, "max_tokens": 2 * n, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    with requests.post(server["url"] + "/v1/completions", json=body, stream=True, timeout=120) as resp:
+        chunks = 0
+        for line in resp.iter_lines():
+            chunks += line.startswith(b"data: {")
+            if chunks >= n:
+                return
+    raise AssertionError("the probe request ended early")
+
+
+def test_control_routes_need_the_token(server):
+    for path in ("/init_process_group", "/request_weight_update"):
+        assert requests.post(server["url"] + path, json={}).status_code == 401
+        wrong = {"Authorization": "Bearer " + "x" * 43}
+        assert requests.post(server["url"] + path, json={}, headers=wrong).status_code == 401
+    assert (server["run_dir"] / "auth_token").stat().st_mode & 0o777 == 0o600
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, models, broadcaster):
+    url, headers = server["url"], _auth(server)
+    before = requests.get(url + "/status").json()["version"]
+    metas = [{"name": n, "dtype": "float32", "shape": list(p.shape)} for n, p in models["A"].named_parameters()]
+
+    def update(tensors, **extra):
+        body = {"version": 99, "bucket_bytes": 1 << 16, "tensors": tensors, **extra}
+        return requests.post(url + "/request_weight_update", json=body, headers=headers)
+
+    bad_json = requests.post(url + "/request_weight_update", data="{not json", headers=headers)
+    assert bad_json.status_code == 400 and "malformed JSON" in bad_json.text
+    assert update(metas, colour="red").status_code == 400
+    unknown = update(metas + [{"name": "model.extra.weight", "dtype": "float32", "shape": [2]}])
+    assert unknown.status_code == 422 and "model.extra.weight" in unknown.text
+    shape = update([{**metas[0], "shape": [1, 2]}] + metas[1:])
+    assert shape.status_code == 422 and metas[0]["name"] in shape.text
+    dtype = update([{**metas[0], "dtype": "float16"}] + metas[1:])
+    assert dtype.status_code == 422 and "float16" in dtype.text
+    assert update(metas[1:]).status_code == 422  # a missing tensor
+    init = {"master_addr": "127.0.0.1", "master_port": 18299, "rank_offset": 1, "world_size": 2,
+            "backend": "gloo", "timeout_s": 2.0}
+    second = requests.post(url + "/init_process_group", json=init, headers=headers)
+    assert second.status_code == 409 and "already" in second.text
+    assert requests.post(url + "/init_process_group", json={**init, "backend": "mpi"}, headers=headers).status_code == 400
+    with pytest.raises(ValueError, match=url):  # the trainer checks before any collective starts
+        broadcaster.broadcast(99, [TensorMeta(m["name"], "float16", m["shape"]) for m in metas], iter(()))
+    assert requests.get(url + "/status").json()["version"] == before
+    assert _complete(server, _ids(models, "1+2="), 4)["policy_versions"] == [before] * 4
+
+
+def test_stalled_broadcast_times_out_and_server_resumes_old_weights(server, models, broadcaster):
+    url, headers = server["url"], _auth(server)
+    _send(broadcaster, 20, models["A"])
+    body = {"version": 21, "bucket_bytes": 1 << 16,
+            "tensors": [{"name": n, "dtype": "float32", "shape": list(p.shape)}
+                        for n, p in models["A"].named_parameters()]}
+    replies = {}
+    ids = _ids(models, "12+34=")
+    # the trainer "dies" after announcing the update: nothing is ever broadcast
+    stalled = threading.Thread(target=lambda: replies.update(
+        update=requests.post(url + "/request_weight_update", json=body, headers=headers, timeout=60)))
+    waiting = threading.Thread(target=lambda: replies.update(completion=_complete(server, ids, 30)))
+    t0 = time.monotonic()
+    stalled.start()
+    time.sleep(0.5)
+    waiting.start()
+    concurrent = requests.post(url + "/request_weight_update", json=body, headers=headers)
+    assert concurrent.status_code == 409 and "another control operation" in concurrent.text
+    stalled.join(timeout=60)
+    waiting.join(timeout=60)
+    assert time.monotonic() - t0 < GROUP_TIMEOUT_S + 15
+    failed = replies["update"]
+    assert failed.status_code == 504, failed.text
+    assert f"127.0.0.1:{broadcaster.master_port}" in failed.text and "old weights (version 20)" in failed.text
+    status = requests.get(url + "/status").json()
+    assert status["version"] == 20 and not status["group_ready"]
+    assert replies["completion"]["token_ids"] == hf_greedy(models["A"], ids, 30)
+    assert replies["completion"]["policy_versions"] == [20] * 30
+    with pytest.raises(WeightTransferError, match=re.escape(url)):  # the server left the group
+        _send(broadcaster, 22, models["B"])
+    again = _connect(server)  # a new group is accepted after the failed one
+    _send(again, 22, models["B"])
+    again.close()
+    assert _complete(server, ids, 16)["token_ids"] == hf_greedy(models["B"], ids, 16)
+
+
+def test_tied_embeddings_are_refused(tmp_path):
+    from transformers import Qwen2Config
+
+    from pipelinerl.inference.server import check_model
+
+    Qwen2Config(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
+                intermediate_size=64, vocab_size=32, tie_word_embeddings=True).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="tie"):
+        check_model(str(tmp_path))
