@@ -30,7 +30,8 @@ from pipelinerl.tasks import PromptItem, get_task
 
 log = logging.getLogger(__name__)
 
-TOPIC = "rollouts"
+TOPIC = "rollouts"  # training samples, read by the trainer
+EVAL_TOPIC = "eval"  # held-out evaluation completions, for analysis
 
 
 @dataclass
@@ -87,6 +88,7 @@ class Actor:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pool = ServerPool(cfg.run_dir)
         self.writer = StreamWriter(cfg.run_dir, TOPIC, actor_id, cfg.streams)
+        self.eval_writer = StreamWriter(cfg.run_dir, EVAL_TOPIC, actor_id, cfg.streams)
         self.tb = Scalars(cfg.run_dir, actor_id)
         self.version = 0  # the newest policy version any server reports
         self.started_samples, self.next_prompt = self._resume_position()
@@ -147,19 +149,23 @@ class Actor:
         prompt_ids = self.prompt_ids(item)
         completions = await asyncio.gather(*[self.complete(http, prompt_ids, greedy=False)
                                              for _ in range(self.cfg.actor.attempts)])
-        rows = []
-        for k, c in enumerate(completions):
-            reward = self.task.reward(item, c.text, c.finished)
-            rows.append({"run_id": self.cfg.run_dir, "group_id": f"{self.actor_id}/{index}",
-                         "sample_id": f"{self.actor_id}/{index}/{k}/{uuid.uuid4().hex[:12]}", "prompt_token_ids": prompt_ids,
-                         "completion_token_ids": c.token_ids, "behaviour_logprobs": c.logprobs,
-                         "versions": c.versions, "reward": reward, "finished": c.finished,
-                         "truncated": not c.finished, "task": self.task.name, "actor_id": self.actor_id,
-                         "metadata": {"prompt_id": item.id, "prompt_index": index}})
-            self.window["rewards"].append(reward)
-            self.window["tokens"] += len(c.token_ids)
+        rows = await self.score(f"{self.actor_id}/{index}", item, prompt_ids, completions, {"prompt_index": index})
         self.writer.write_group(rows)
+        self.window["rewards"] += [r["reward"] for r in rows]
+        self.window["tokens"] += sum(len(c.token_ids) for c in completions)
         self.window["samples"] += len(rows)
+
+    async def score(self, group_id: str, item: PromptItem, prompt_ids: list[int], completions: list[Completion],
+                    metadata: dict) -> list[dict]:
+        """Stream rows of one group, with rewards. Rewards run off the event loop: the math task's
+        math-verify may take up to task.reward_timeout_s."""
+        rewards = await asyncio.to_thread(lambda: [self.task.reward(item, c.text, c.finished) for c in completions])
+        return [{"run_id": self.cfg.run_dir, "group_id": group_id,
+                 "sample_id": f"{group_id}/{k}/{uuid.uuid4().hex[:12]}", "prompt_token_ids": prompt_ids,
+                 "completion_token_ids": c.token_ids, "behaviour_logprobs": c.logprobs, "versions": c.versions,
+                 "reward": reward, "finished": c.finished, "truncated": not c.finished, "task": self.task.name,
+                 "actor_id": self.actor_id, "metadata": {"prompt_id": item.id, **metadata}}
+                for k, (c, reward) in enumerate(zip(completions, rewards))]
 
     def may_start(self) -> bool:
         """The lag throttle, the in-flight bound, and the end of training."""
@@ -179,18 +185,30 @@ class Actor:
                 log.warning("could not read the version of %s: %r", url, err)
 
     async def evaluate(self, http: httpx.AsyncClient, version: int) -> float:
+        """pass@1 on the first eval_samples held-out prompts; every completion goes to the `eval` topic."""
         items = self.task.eval_items[: self.cfg.actor.eval_samples]
-        results = await asyncio.gather(*[self.complete(http, self.prompt_ids(i), greedy=True) for i in items])
-        success = sum(self.task.reward(i, c.text, c.finished) for i, c in zip(items, results)) / len(items)
+        greedy = self.cfg.actor.eval_greedy
+        prompts = [self.prompt_ids(i) for i in items]
+        results = await asyncio.gather(*[self.complete(http, p, greedy=greedy) for p in prompts])
+        rows = []
+        for item, prompt_ids, completion in zip(items, prompts, results):
+            rows += await self.score(f"{self.actor_id}/eval{version}/{item.id}", item, prompt_ids, [completion],
+                                     {"eval_version": version, "greedy": greedy})
+        for row in rows:
+            self.eval_writer.write_group([row])
+        self.eval_writer.flush()
+        success = sum(r["reward"] >= 1.0 for r in rows) / len(rows)
         self.tb.log(version, {"eval/success": success})
-        log.info("version %d: held-out greedy success %.3f", version, success)
+        log.info("version %d: held-out %s success %.3f", version, "greedy" if greedy else "sampled", success)
         return success
 
     def log_window(self) -> None:
         w = self.window
         dt = time.monotonic() - w["t0"]
         if w["samples"] and dt > 0:
-            self.tb.log(self.version, {"actor/reward": sum(w["rewards"]) / len(w["rewards"]),
+            rewards = w["rewards"]
+            self.tb.log(self.version, {"actor/reward": sum(rewards) / len(rewards),
+                                       "actor/success": sum(r >= 1.0 for r in rewards) / len(rewards),
                                        "actor/tokens_per_s": w["tokens"] / dt, "actor/samples_per_s": w["samples"] / dt,
                                        "actor/groups_in_flight": len(self.in_flight)})
         self.window = {"rewards": [], "tokens": 0, "samples": 0, "t0": time.monotonic()}
@@ -227,6 +245,7 @@ class Actor:
 
     def close(self) -> None:
         self.writer.close()
+        self.eval_writer.close()
         self.tb.close()
         self.task.close()
 

@@ -21,9 +21,17 @@ def cmd_show_config(args: argparse.Namespace) -> None:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> None:
+    shape = TinyModelConfig(seed=args.seed)
+    if args.warm_start:
+        from pipelinerl.config import TaskConfig
+        from pipelinerl.tasks.warm_start import build_warm_tiny_model
+
+        result = build_warm_tiny_model(args.out_dir, shape, TaskConfig(name="addition", seed=args.seed))
+        print(f"tiny Qwen2 model saved to {args.out_dir}, warm-started on addition: {result['steps']} steps in "
+              f"{result['seconds']:.0f} s, held-out greedy success {result['heldout_greedy']:.3f}")
+        return
     from pipelinerl.tiny_model import build_tiny_model
 
-    shape = TinyModelConfig(seed=args.seed)
     model, _ = build_tiny_model(args.out_dir, shape)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tiny Qwen2 model ({n_params:,} parameters, seed {args.seed}) saved to {args.out_dir}")
@@ -80,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny-model", help="build the offline tiny Qwen2 model + tokenizer (HF format)")
     p.add_argument("out_dir", help="folder to write (replaced if it exists)")
-    p.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default 0)")
+    p.add_argument("--warm-start", action="store_true",
+                   help="then train it briefly (supervised) on the addition task so RL starts above 0 success")
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("streams", help="rollout stream tools")

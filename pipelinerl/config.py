@@ -133,7 +133,7 @@ class InferenceConfig:
 
 @dataclass
 class SamplingConfig:
-    """Sampling parameters of the actor's training rollouts (evaluation is always greedy)."""
+    """Sampling parameters of the actor's rollouts (and of evaluation when actor.eval_greedy is false)."""
 
     temperature: float = 1.0  # 1.0 samples from the policy itself, as the RL maths assumes
     top_p: float = 1.0  # nucleus mass; values < 1 make behaviour log-probs differ from the policy's
@@ -155,8 +155,9 @@ class ActorConfig:
     max_groups_in_flight: int = 32  # prompt groups awaiting completion at once (keeps servers at full batch)
     request_timeout_s: float = 600.0  # one completion request; on timeout it is retried on another server
     max_retries: int = 3  # retries of one request before the actor fails with the server's error
-    eval_every_steps: int = 20  # held-out greedy evaluation every N trainer versions; 0 = never
-    eval_samples: int = 200  # held-out prompts per evaluation
+    eval_every_steps: int = 20  # held-out evaluation every N trainer versions; 0 = never
+    eval_samples: int = 200  # held-out prompts per evaluation (one completion each: pass@1)
+    eval_greedy: bool = True  # greedy (temperature 0) evaluation; false = sampled like training
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:

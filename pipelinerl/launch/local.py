@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipelinerl.config import Config, save_config
+from pipelinerl.config import Config, ConfigError, save_config
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
 
 log = logging.getLogger(__name__)
@@ -41,20 +41,14 @@ def ensure_model(cfg: Config) -> None:
     if (model_dir / "config.json").is_file():
         return
     if not cfg.model.build_tiny_if_missing:
-        raise ValueError(f"config `model.path`: {model_dir} has no config.json; point it at an HF-format model "
+        raise ConfigError(f"config `model.path`: {model_dir} has no config.json; point it at an HF-format model "
                          "(or set model.build_tiny_if_missing=true for the tiny CPU model)")
-    from pipelinerl.tasks import get_task
-    from pipelinerl.tasks.warm_start import warm_start
-    from pipelinerl.tiny_model import build_tiny_model
+    from pipelinerl.tasks.warm_start import build_warm_tiny_model
 
     print(f"building the tiny model in {model_dir} and warm-starting it on `{cfg.task.name}`...", flush=True)
-    build_tiny_model(model_dir, cfg.model.tiny)
-    task = get_task(cfg.task)
-    try:
-        result = warm_start(model_dir, task, cfg.model.tiny)
-    finally:
-        task.close()
-    print(f"warm start: {result}", flush=True)
+    result = build_warm_tiny_model(model_dir, cfg.model.tiny, cfg.task)
+    print(f"warm start: {result['steps']} steps in {result['seconds']:.0f} s, held-out greedy success "
+          f"{result['heldout_greedy']:.3f}", flush=True)
 
 
 def serving_weights(cfg: Config) -> tuple[str, int]:

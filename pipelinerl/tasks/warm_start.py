@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from pipelinerl.config import TinyModelConfig
+from pipelinerl.config import TaskConfig, TinyModelConfig
 from pipelinerl.tasks.base import PromptItem, Task
-from pipelinerl.tiny_model import save_model
+from pipelinerl.tiny_model import build_tiny_model, save_model
 
 BATCH_SIZE = 128
 CHECK_EVERY = 20
@@ -127,3 +127,15 @@ def warm_start(model_dir: str | Path, task: Task, shape: TinyModelConfig) -> dic
         save_model(model, tokenizer, model_dir)
     return {"steps": steps, "heldout_greedy": success, "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None, "seconds": time.monotonic() - started}
+
+
+def build_warm_tiny_model(model_dir: str | Path, shape: TinyModelConfig, task_cfg: TaskConfig) -> dict:
+    """Build the tiny model at model_dir and warm-start it on the task: the starting point of tiny RL."""
+    from pipelinerl.tasks import get_task  # the registry imports this module's package
+
+    build_tiny_model(model_dir, shape)
+    task = get_task(task_cfg)
+    try:
+        return warm_start(model_dir, task, shape)
+    finally:
+        task.close()
