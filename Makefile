@@ -8,10 +8,10 @@ export HF_HUB_OFFLINE = 1
 setup:
 	@bash tools/setup_venv.sh
 
-# Until `pipelinerl run` lands: build the tiny model and show the config it will run with.
+# The tiny CPU run: builds + warm-starts the tiny model if missing, then servers, trainer and actor.
+# Re-running resumes from the last checkpoint; `make run ARGS="run_dir=runs/other"` starts afresh.
 run: setup
-	$(VENV)/bin/pipelinerl make-tiny-model runs/models/tiny_addition
-	$(VENV)/bin/pipelinerl show-config $(CONFIG) $(ARGS)
+	$(VENV)/bin/pipelinerl run $(CONFIG) $(ARGS)
 
 test: setup
 	$(VENV)/bin/python -m pytest -q $(ARGS)

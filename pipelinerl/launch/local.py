@@ -145,6 +145,16 @@ def run_local(cfg: Config) -> None:
     """Entry point of `pipelinerl run`."""
     config_path = prepare_run_dir(cfg)
     ensure_model(cfg)
+    if cfg.trainer.max_steps is not None and serving_weights(cfg)[1] >= cfg.trainer.max_steps:
+        print(f"{cfg.run_dir} already holds a checkpoint at trainer.max_steps={cfg.trainer.max_steps}: nothing to "
+              "train (raise trainer.max_steps to continue, or pick another run_dir)", flush=True)
+    else:
+        _run_roles(cfg, config_path)
+    if cfg.task.name == "addition":
+        report_success(cfg)
+
+
+def _run_roles(cfg: Config, config_path: Path) -> None:
     servers, trainer, actor = _roles(cfg, config_path)
     sup = Supervisor()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally below
@@ -164,5 +174,3 @@ def run_local(cfg: Config) -> None:
         raise SystemExit(130) from None
     finally:
         sup.stop_all()
-    if cfg.task.name == "addition":
-        report_success(cfg)
