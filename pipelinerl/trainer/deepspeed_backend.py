@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -92,7 +92,7 @@ class DeepSpeedTrainer:
     def __init__(self, cfg: TrainerConfig, dist: DistInfo, dtype: str = "float32", broadcaster=None):
         self.cfg, self.dist, self.dtype, self.broadcaster = cfg, dist, dtype, broadcaster
         self.engine = None
-        self.model_path: Optional[Path] = None
+        self.model_path: Path | None = None
         self._hf_ds_config = None  # must outlive from_pretrained for ZeRO-3 (transformers keeps a weakref)
 
     @property

@@ -11,18 +11,28 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 from urllib.parse import urlparse
 
 import torch
 
 from pipelinerl.config import Config, ConfigError
-from pipelinerl.trainer.checkpoints import StopSignals, latest_checkpoint, load_checkpoint, save_checkpoint
+from pipelinerl.trainer.checkpoints import (
+    StopSignals,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from pipelinerl.trainer.deepspeed_backend import DeepSpeedTrainer
-from pipelinerl.trainer.dist import (DistInfo, all_gather_objects, all_reduce_sum, all_reduce_tensor,
-                                     init_process_group, read_dist_env)
+from pipelinerl.trainer.dist import (
+    DistInfo,
+    all_gather_objects,
+    all_reduce_sum,
+    all_reduce_tensor,
+    init_process_group,
+    read_dist_env,
+)
 from pipelinerl.trainer.packing import MicroBatch, Sample, pack
 
 log = logging.getLogger("pipelinerl.trainer")
@@ -33,9 +43,8 @@ TOPIC = "rollouts"  # the actors' stream under RUN_DIR/streams
 class LoopState:
     step: int = 0  # optimizer steps taken = policy version of the current weights
     samples_seen: int = 0  # over all ranks
-    cursor: Optional[dict] = None  # this rank's stream cursor
-    last_saved: int = -1
-    timings: dict = field(default_factory=dict)
+    cursor: dict | None = None  # this rank's stream cursor
+    last_saved: int = -1  # step of the newest checkpoint (resumed from or written)
 
 
 def check_supported(cfg: Config, dist: DistInfo) -> None:
