@@ -191,7 +191,8 @@ def test_in_flight_update_switches_versions_where_it_happened(server, models, br
     threads = [threading.Thread(target=run, args=(i, ids)) for i, ids in enumerate(prompts)]
     for t in threads:
         t.start()
-    _stream_until(server, _ids(models, "9+9="), 20)  # all requests are now ~20 tokens in, at any speed
+    _wait_running(server, len(prompts))
+    _stream_until(server, _ids(models, "9+9="), 20)  # all requests are now >= 20 tokens in, at any speed
     reply = _send(broadcaster, 11, models["C"])
     for t in threads:
         t.join(timeout=120)
@@ -206,6 +207,17 @@ def test_in_flight_update_switches_versions_where_it_happened(server, models, br
             straddled += 1
             assert tokens[k:] == hf_stale_kv(models["A"], models["C"], ids, tokens[:k], len(tokens) - k)
     assert straddled >= len(prompts) // 2, f"only {straddled} requests straddled the update ({reply})"
+
+
+def _wait_running(server, n: int, timeout_s: float = 60.0) -> None:
+    """Wait until vLLM reports n requests running (threads may start their requests late)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in requests.get(server["url"] + "/metrics").text.splitlines():
+            if line.startswith("vllm:num_requests_running") and float(line.split()[-1]) >= n:
+                return
+        time.sleep(0.01)
+    raise TimeoutError(f"{n} requests never ran at once")
 
 
 def _stream_until(server, ids: list[int], n: int) -> None:

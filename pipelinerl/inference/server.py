@@ -1,7 +1,8 @@
 """`pipelinerl serve`: vLLM's OpenAI-compatible server on its async engine, plus the weight-update routes.
 
 vLLM builds the app, the engine and the OpenAI routes (`/v1/chat/completions`, `/v1/completions`,
-`/v1/models`, `/health`, `/metrics`); this module adds, and documents in README/report:
+`/v1/models`, `/health`, `/metrics`, which also carries the `pipelinerl_*` update metrics); this
+module adds:
 
     POST /init_process_group      (bearer token)  join the trainer's weight-update group
     POST /request_weight_update   (bearer token)  pause, receive, load, set version, resume

@@ -137,8 +137,9 @@ class WeightUpdater:
         # The worker engine drops a group whose collective failed; ask rather than assume.
         self.group_ready = all(await self.engine.collective_rpc("pipelinerl_has_group"))
         await self.engine.resume_generation()
-        self.pause_total_s += time.monotonic() - t0
-        self.metrics.pause_total.inc(time.monotonic() - t0)
+        paused_s = time.monotonic() - t0
+        self.pause_total_s += paused_s
+        self.metrics.pause_total.inc(paused_s)
 
     def _account(self, version: int, paused_s: float) -> None:
         self.version = version
