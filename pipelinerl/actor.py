@@ -26,11 +26,11 @@ import httpx
 
 from pipelinerl.config import Config
 from pipelinerl.inference.rundir import list_servers
+from pipelinerl.streams import ROLLOUT_TOPIC
 from pipelinerl.tasks import PromptItem, get_task
 
 log = logging.getLogger(__name__)
 
-TOPIC = "rollouts"  # training samples, read by the trainer
 EVAL_TOPIC = "eval"  # held-out evaluation completions, for analysis
 
 
@@ -87,7 +87,7 @@ class Actor:
         self.task = get_task(cfg.task)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pool = ServerPool(cfg.run_dir)
-        self.writer = StreamWriter(cfg.run_dir, TOPIC, actor_id, cfg.streams)
+        self.writer = StreamWriter(cfg.run_dir, ROLLOUT_TOPIC, actor_id, cfg.streams)
         self.eval_writer = StreamWriter(cfg.run_dir, EVAL_TOPIC, actor_id, cfg.streams)
         self.tb = Scalars(cfg.run_dir, actor_id)
         self.version = 0  # the newest policy version any server reports
@@ -103,7 +103,7 @@ class Actor:
 
         from pipelinerl.streams.segments import list_segments, list_writers, topic_dir
 
-        tdir = topic_dir(self.cfg.run_dir, TOPIC)
+        tdir = topic_dir(self.cfg.run_dir, ROLLOUT_TOPIC)
         samples = groups = 0
         for writer in list_writers(tdir):
             for segment in list_segments(tdir / writer):
@@ -120,10 +120,12 @@ class Actor:
         encoded = self.tokenizer.apply_chat_template(item.messages, add_generation_prompt=True, tokenize=True)
         return list(encoded["input_ids"])
 
-    async def complete(self, http: httpx.AsyncClient, prompt_ids: list[int], greedy: bool) -> Completion:
-        """One completion, retried on another server (bounded) when a request fails or times out."""
+    async def complete(self, http: httpx.AsyncClient, prompt_ids: list[int], greedy: bool,
+                       n: int = 1) -> list[Completion]:
+        """n completions of one prompt in one request (the server shares the prompt's prefill), retried
+        on another server (bounded) when the request fails or times out."""
         a = self.cfg.actor
-        body = {"model": self.cfg.model.path, "prompt": prompt_ids, "max_tokens": a.sampling.max_new_tokens,
+        body = {"model": self.cfg.model.path, "prompt": prompt_ids, "max_tokens": a.sampling.max_new_tokens, "n": n,
                 "temperature": 0.0 if greedy else a.sampling.temperature, "top_p": 1.0 if greedy else a.sampling.top_p,
                 "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True}
         tried: set[str] = set()
@@ -142,13 +144,13 @@ class Actor:
                 last = err
                 continue
             self.pool.release(url, failed=False)
-            return _parse_choice(resp.json()["choices"][0])
+            choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+            return [_parse_choice(c) for c in choices]
         raise RuntimeError(f"a completion failed on {sorted(tried)} after {a.max_retries + 1} attempts: {last!r}")
 
     async def run_group(self, http: httpx.AsyncClient, index: int, item: PromptItem) -> None:
         prompt_ids = self.prompt_ids(item)
-        completions = await asyncio.gather(*[self.complete(http, prompt_ids, greedy=False)
-                                             for _ in range(self.cfg.actor.attempts)])
+        completions = await self.complete(http, prompt_ids, greedy=False, n=self.cfg.actor.attempts)
         rows = await self.score(f"{self.actor_id}/{index}", item, prompt_ids, completions, {"prompt_index": index})
         self.writer.write_group(rows)
         self.window["rewards"] += [r["reward"] for r in rows]
@@ -189,7 +191,7 @@ class Actor:
         items = self.task.eval_items[: self.cfg.actor.eval_samples]
         greedy = self.cfg.actor.eval_greedy
         prompts = [self.prompt_ids(i) for i in items]
-        results = await asyncio.gather(*[self.complete(http, p, greedy=greedy) for p in prompts])
+        results = [c for cs in await asyncio.gather(*[self.complete(http, p, greedy) for p in prompts]) for c in cs]
         rows = []
         for item, prompt_ids, completion in zip(items, prompts, results):
             rows += await self.score(f"{self.actor_id}/eval{version}/{item.id}", item, prompt_ids, [completion],

@@ -14,7 +14,7 @@ from typing import Mapping
 import numpy as np
 
 TOKEN_ARRAYS = {  # name -> dtype of the per-token statistics
-    "step": "int32",  # optimizer step (policy version) that trained the token
+    "step": "int32",  # policy version of the weights the token was trained with (lag = step - its version)
     "lag": "int32",  # step - version of the policy that generated the token
     "behaviour_logprobs": "float32",  # log-prob under the generating policy (from vLLM)
     "current_logprobs": "float32",  # log-prob under the trainer's policy at that step

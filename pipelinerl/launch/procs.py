@@ -93,21 +93,43 @@ class Supervisor:
         return proc.returncode
 
     def stop_all(self, grace_s: float = 20.0) -> None:
-        """SIGTERM each role's process group, newest first; SIGKILL what outlives the grace period."""
+        """Stop roles newest first: SIGTERM the role's own process, which shuts its children down (vLLM's
+        API server stops its engine and frees its shared memory; signalling the engine processes at the
+        same time leaks /dev/shm segments), then SIGKILL whatever of the group outlives `grace_s`."""
         for name in reversed(list(self.running)):
             proc = self.running[name][1]
-            _signal_group(proc, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 log.warning("%s ignored SIGTERM for %.0f s; killing it", name, grace_s)
-            _signal_group(proc, signal.SIGKILL)  # grandchildren that outlived their parent
+            while _group_alive(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            _signal_group(proc.pid, signal.SIGKILL)  # whatever of the group is left
             proc.wait()
         self.running.clear()
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _group_alive(pgid: int) -> bool:
+    """Does any live (non-zombie) process belong to process group `pgid`? Zombies are skipped: they
+    are dead, and where PID 1 does not reap, orphaned zombies linger."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
     try:
-        os.killpg(proc.pid, sig)
+        os.killpg(pgid, sig)
     except ProcessLookupError:
         pass

@@ -36,7 +36,6 @@ from pipelinerl.trainer.dist import (
 from pipelinerl.trainer.packing import MicroBatch, Sample, pack
 
 log = logging.getLogger("pipelinerl.trainer")
-TOPIC = "rollouts"  # the actors' stream under RUN_DIR/streams
 
 
 @dataclass
@@ -79,15 +78,17 @@ def rows_to_samples(batches, version: int, first_index: int, cfg: Config) -> lis
     return samples
 
 
-def read_step(reader, cfg: Config, dist: DistInfo, version: int) -> list[Sample]:
-    """This rank's share of the next step: whole groups, waiting up to trainer.data_timeout_s in total."""
+def read_step(reader, cfg: Config, dist: DistInfo, version: int) -> tuple[list[Sample], list[float]]:
+    """This rank's share of the next step (whole groups, waiting up to trainer.data_timeout_s in total)
+    and the rewards of those samples."""
     want = cfg.trainer.samples_per_step // cfg.actor.attempts // dist.world_size
     deadline = time.monotonic() + cfg.trainer.data_timeout_s
     batches = []
     while len(batches) < want:
         batches += reader.read_groups(want - len(batches), max(deadline - time.monotonic(), 0.0))
     first = dist.rank * (cfg.trainer.samples_per_step // dist.world_size)
-    return rows_to_samples(batches, version, first, cfg)
+    rewards = [r for batch in batches for r in batch.column("reward").to_pylist()]
+    return rows_to_samples(batches, version, first, cfg), rewards
 
 
 def _loss_fn(cfg: Config, num_sequences: int, device: torch.device, token_log: list):
@@ -192,9 +193,9 @@ def checkpoint(trainer, cfg: Config, dist: DistInfo, state: LoopState, reader) -
     save_checkpoint(trainer, Path(cfg.run_dir) / "checkpoints", state.step, meta, cfg.checkpoints.keep_last, dist)
     state.last_saved = state.step
     if dist.is_main:
-        from pipelinerl.streams import release
+        from pipelinerl.streams import ROLLOUT_TOPIC, release
 
-        release(cfg.run_dir, TOPIC, cursors, cfg.streams)  # only segments this checkpoint has passed
+        release(cfg.run_dir, ROLLOUT_TOPIC, cursors, cfg.streams)  # only segments this checkpoint has passed
 
 
 class StepLogger:
@@ -207,16 +208,21 @@ class StepLogger:
         self.scalars = Scalars(cfg.run_dir, "trainer") if cfg.logging.tensorboard and dist.is_main else None
         self.tokens = TokenStats(cfg.run_dir, f"rank{dist.rank}") if cfg.logging.zarr_stats else None
         if self.tokens is not None:
-            self.tokens.truncate_to_step(resumed_step)  # steps after the checkpoint are redone
+            self.tokens.truncate_to_step(resumed_step)  # versions >= the checkpoint's are trained again
 
     def log(self, step: int, stats: dict[str, float], token_log: list) -> None:
-        if self.tokens is not None and token_log:
+        """`step` counts optimizer steps taken, so this step's tokens were trained by version step - 1."""
+        lag = None
+        if token_log:
             lag, behaviour, current = (torch.cat(parts).numpy() for parts in zip(*token_log))
-            self.tokens.append(step, lag, behaviour, current)
+            if self.tokens is not None:
+                self.tokens.append(step - 1, lag, behaviour, current)
         if not self.dist.is_main or step % self.cfg.logging.every_steps:
             return
         if self.scalars is not None:
             self.scalars.log(step, stats)
+            if lag is not None:
+                self.scalars.histogram(step, "lag_hist", lag)
         log.info("step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in sorted(stats.items())))
 
     def close(self) -> None:
@@ -231,7 +237,7 @@ def _checkpoint_due(cfg: Config, step: int) -> bool:
 
 def train(cfg: Config) -> None:
     """The trainer role: runs until trainer.max_steps, or until SIGTERM/SIGUSR1 (then checkpoints)."""
-    from pipelinerl.streams import StreamReader
+    from pipelinerl.streams import ROLLOUT_TOPIC, StreamReader
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     dist = read_dist_env()
@@ -241,7 +247,7 @@ def train(cfg: Config) -> None:
     trainer = DeepSpeedTrainer(cfg.trainer, dist, cfg.model.dtype)
     trainer.init(cfg.model.path)
     state = resume(trainer, Path(cfg.run_dir) / "checkpoints", dist)
-    reader = StreamReader(cfg.run_dir, TOPIC, cfg.streams, cursor=state.cursor, shard=(dist.rank, dist.world_size))
+    reader = StreamReader(cfg.run_dir, ROLLOUT_TOPIC, cfg.streams, cursor=state.cursor, shard=(dist.rank, dist.world_size))
     signals = StopSignals()
     if cfg.checkpoints.save_on_signal:
         signals.install()
@@ -261,14 +267,19 @@ def _run(trainer, reader, cfg: Config, dist: DistInfo, state: LoopState, signals
     max_steps = cfg.trainer.max_steps
     while max_steps is None or state.step < max_steps:
         started = time.monotonic()
-        samples = read_step(reader, cfg, dist, state.step)
+        samples, rewards = read_step(reader, cfg, dist, state.step)
         read_s = time.monotonic() - started
         token_log: list = []
         stats = train_step(trainer, samples, cfg, dist, state, token_log)
         train_s = time.monotonic() - started - read_s
         timings = trainer.broadcast_weights(state.step)
+        step_s = time.monotonic() - started
+        reward_sum, reward_count = all_reduce_sum([sum(rewards), len(rewards)])
         stats.update(read_s=read_s, train_s=train_s, broadcast_s=timings["broadcast_total_s"],
-                     broadcast_bytes=timings["bytes"], samples_seen=state.samples_seen)
+                     broadcast_bytes=timings["bytes"], samples_seen=state.samples_seen,
+                     pause_s=max((r["paused_s"] for r in timings.get("servers", {}).values()), default=0.0),
+                     samples_per_s=cfg.trainer.samples_per_step / step_s, data_wait_fraction=read_s / step_s,
+                     reward_mean=reward_sum / max(reward_count, 1))
         logger.log(state.step, stats, token_log)
         stop = signals.requested()
         if stop or _checkpoint_due(cfg, state.step):
