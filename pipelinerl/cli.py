@@ -77,6 +77,12 @@ def cmd_run(args: argparse.Namespace) -> None:
     run_local(load_config(args.config, args.overrides))
 
 
+def cmd_slurm(args: argparse.Namespace) -> None:
+    from pipelinerl.launch.slurm import main as slurm_main
+
+    slurm_main(args.slurm_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipelinerl", description="Reinforcement learning for LLMs with in-flight weight updates.")
@@ -121,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run the whole pipeline on this machine (servers, trainer, actor)")
     _add_config_args(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("slurm", add_help=False, help="Slurm: launch | servers | submit (`pipelinerl slurm --help`)")
+    p.add_argument("slurm_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_slurm)
     return parser
 
 

@@ -356,7 +356,10 @@ class SlurmConfig:
     gpus_per_node: Optional[int] = 8  # --gpus-per-node; null on CPU-only clusters
     cpus_per_task: Optional[int] = None  # --cpus-per-task
     mem: Optional[str] = None  # --mem, e.g. "0" for the whole node
-    signal_seconds: int = 300  # --signal=B:USR1@N: checkpoint and requeue N seconds before the time limit
+    signal_seconds: int = 300  # --signal=B:USR1@N: checkpoint and requeue N seconds before the time limit;
+    #                            the trainer gets N - 30 s to checkpoint (submitit sets it; scripts: #SBATCH)
+    master_port: Optional[int] = None  # torchrun --master-port on the first training node; null = 20000 +
+    #                                    job id % 10000 (jobs sharing a node then differ)
 
     def __post_init__(self) -> None:
         _check_positive(self.inference_nodes, "launch.slurm.inference_nodes")
@@ -379,6 +382,8 @@ class LaunchConfig:
         _check_positive(self.torch_threads, "launch.torch_threads", allow_null=True)
 
 
+        _check(self.master_port is None or 1 <= self.master_port <= 65535, "launch.slurm.master_port",
+               "must be a TCP port, or null to derive one from the job id")
 @dataclass
 class Config:
     """One run. `run_dir` is the bus every role shares (DESIGN.md)."""

@@ -87,14 +87,16 @@ def _roles(cfg: Config, config_path: Path) -> tuple[list[Role], Role, Role]:
     return servers, trainer, actor
 
 
-def wait_for_servers(cfg: Config, sup: Supervisor) -> list[str]:
+def wait_for_servers(cfg: Config, sup: Supervisor, expected: int | None = None) -> list[str]:
+    """Wait until `expected` servers (default inference.num_servers) announce themselves in RUN_DIR/servers."""
     from pipelinerl.inference.rundir import list_servers
 
+    expected = cfg.inference.num_servers if expected is None else expected
     deadline = time.monotonic() + cfg.inference.startup_timeout_s
-    while len(urls := list_servers(cfg.run_dir)) < cfg.inference.num_servers:
+    while len(urls := list_servers(cfg.run_dir)) < expected:
         sup.check()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{cfg.inference.num_servers - len(urls)} inference server(s) not healthy after "
+            raise TimeoutError(f"{expected - len(urls)} inference server(s) not healthy after "
                                f"{cfg.inference.startup_timeout_s:.0f} s; see {cfg.run_dir}/logs/server*.log")
         time.sleep(0.5)
     return urls

@@ -1,0 +1,455 @@
+"""The pipeline on a Slurm allocation: `slurm/run_*.sh` (sbatch) and submitit both end up in `launch`.
+
+Placement (DESIGN.md): inference nodes run the vLLM servers (`pipelinerl serve`, one per GPU or per
+tensor-parallel group, started by one `servers` agent per node); training nodes run the DeepSpeed
+trainer (torchrun per node, one rank per GPU) and, on the first of them, the actor. Two shapes:
+
+  het    `sbatch slurm/run_*.sh`: a heterogeneous job, component 0 = inference nodes, component 1 =
+         training nodes; every srun names its `--het-group`.
+  split  submitit, which cannot submit het jobs, and job arrays, which Slurm cannot make of het jobs:
+         one homogeneous allocation of inference_nodes + training_nodes; the first inference_nodes
+         hosts serve, the others train; every srun names its `--nodelist`.
+
+`launch` runs in the batch step. It prepares the run directory, starts one srun per role under a
+procs.Supervisor, waits for the servers through RUN_DIR/servers, starts trainer and actor, and waits
+for the trainer. Requeue: Slurm's `--signal=B:USR1@N` reaches this process (the batch script execs
+it); it forwards SIGUSR1 to the trainer step (srun -> torchrun -> every rank), the trainer checkpoints
+after its current step and exits, the other roles stop, and the job runs `scontrol requeue` on itself.
+The requeued job runs the same command and resumes: servers from the checkpoint's weights at its
+version, trainer from its state and stream cursors, actor from the end of its stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipelinerl.config import Config
+from pipelinerl.launch.local import (
+    ensure_model,
+    prepare_run_dir,
+    serving_weights,
+    wait_for_servers,
+)
+from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
+
+log = logging.getLogger(__name__)
+
+REQUEUE_WAIT_S = 120.0  # after `scontrol requeue`, Slurm ends this job; longer means the requeue failed
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The hosts of one job, split by role."""
+
+    inference: list[str]  # vLLM server hosts
+    training: list[str]  # trainer hosts; the actor runs on training[0], torchrun's master too
+    master_addr: str  # training[0]'s address (its NodeAddr: Slurm node names need not resolve)
+    het: bool  # a heterogeneous job (srun --het-group) or one split allocation (srun --nodelist)
+    job_id: str  # what `scontrol requeue` takes: the het leader's id, or the array task's own id
+
+
+def _slurm(*argv: str) -> subprocess.CompletedProcess:
+    """A Slurm client command; the caller judges its exit code."""
+    return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60)
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """Expand a Slurm node list (`n[1-3]`) the way Slurm does."""
+    out = _slurm("scontrol", "show", "hostnames", nodelist)
+    if out.returncode != 0:
+        raise RuntimeError(f"`scontrol show hostnames {nodelist}` failed: {out.stderr.strip()}")
+    return out.stdout.split()
+
+
+def node_address(node: str) -> str:
+    """The address Slurm itself reaches a node at (NodeAddr; the node name where they agree)."""
+    out = _slurm("scontrol", "show", "node", node, "-o")
+    found = re.search(r"\bNodeAddr=(\S+)", out.stdout)
+    if out.returncode != 0 or not found:
+        raise RuntimeError(f"`scontrol show node {node}` gave no NodeAddr: {out.stderr.strip()}")
+    return found.group(1)
+
+
+def allocation_from_env(cfg: Config, env=os.environ) -> Allocation:
+    """This job's hosts; their numbers must match launch.slurm.inference_nodes / training_nodes."""
+    s = cfg.launch.slurm
+    if "SLURM_JOB_ID" not in env:
+        raise ValueError("not inside a Slurm job: submit with `sbatch slurm/run_*.sh` (or look with --dry-run)")
+    het = "SLURM_JOB_NODELIST_HET_GROUP_1" in env
+    if het:
+        inference, training = (hostnames(env[f"SLURM_JOB_NODELIST_HET_GROUP_{k}"]) for k in (0, 1))
+    else:
+        hosts = hostnames(env["SLURM_JOB_NODELIST"])
+        inference, training = hosts[:s.inference_nodes], hosts[s.inference_nodes:]
+    for role, hosts, want in (("inference", inference, s.inference_nodes), ("training", training, s.training_nodes)):
+        if len(hosts) != want:
+            raise ValueError(f"the job has {len(hosts)} {role} node(s) but launch.slurm.{role}_nodes={want}: "
+                             "make the #SBATCH --nodes lines (or sbatch options) and the config agree")
+    return Allocation(inference, training, node_address(training[0]), het, env["SLURM_JOB_ID"])
+
+
+def check_config(cfg: Config) -> None:
+    """Config choices only the Slurm launcher can check: trainer ranks vs training GPUs."""
+    s = cfg.launch.slurm
+    ranks = s.training_nodes * (s.gpus_per_node or 1)
+    if cfg.trainer.num_gpus is not None and cfg.trainer.num_gpus != ranks:
+        raise ValueError(f"trainer.num_gpus={cfg.trainer.num_gpus} but launch.slurm.training_nodes x gpus_per_node "
+                         f"gives {ranks} trainer ranks; set trainer.num_gpus={ranks} (or null)")
+
+
+def dry_run_allocation(cfg: Config) -> Allocation:
+    """Placeholder hosts for --dry-run, shaped like the config asks."""
+    s = cfg.launch.slurm
+    training = [f"training{i}" for i in range(s.training_nodes)]
+    return Allocation([f"inference{i}" for i in range(s.inference_nodes)], training, training[0], True, "JOBID")
+
+
+def master_port(cfg: Config, job_id: str) -> int:
+    """torchrun's port on the first training host: configured, else derived from the job id so that
+    jobs sharing a host (array tasks, the one-host test cluster) do not collide."""
+    if cfg.launch.slurm.master_port is not None:
+        return cfg.launch.slurm.master_port
+    return 20000 + int(job_id) % 10000 if job_id.isdigit() else 29500
+
+
+def _srun(alloc: Allocation, component: int, hosts: list[str], cfg: Config, gpus: bool) -> list[str]:
+    s = cfg.launch.slurm
+    where = [f"--het-group={component}"] if alloc.het else []
+    argv = ["srun", *where, f"--nodes={len(hosts)}", f"--nodelist={','.join(hosts)}", "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1"]
+    if gpus and s.gpus_per_node is not None:
+        argv.append(f"--gpus-per-node={s.gpus_per_node}")
+    if s.cpus_per_task is not None:
+        argv.append(f"--cpus-per-task={s.cpus_per_task}")
+    return argv
+
+
+def drain_seconds(cfg: Config) -> int:
+    """How long the trainer may take to checkpoint after the signal: the warning period less the time
+    to stop the other roles and requeue."""
+    return max(10, cfg.launch.slurm.signal_seconds - 30)
+
+
+def plan_roles(cfg: Config, alloc: Allocation, config_path: Path, python: str = sys.executable) -> dict[str, Role]:
+    """One srun per role: `servers` (component 0), `trainer` and `actor` (component 1)."""
+    s, logs = cfg.launch.slurm, Path(cfg.run_dir) / "logs"
+    cli = [python, "-m", "pipelinerl.cli"]
+    threads = {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
+    model, version = serving_weights(cfg)
+    servers = _srun(alloc, 0, alloc.inference, cfg, gpus=True) + cli + [
+        "slurm", "servers", str(config_path), "--model", model, "--version", str(version)]
+    torchrun = shlex.join([python, "-m", "torch.distributed.run", f"--nnodes={len(alloc.training)}",
+                           f"--nproc-per-node={s.gpus_per_node or 1}", f"--master-addr={alloc.master_addr}",
+                           f"--master-port={master_port(cfg, alloc.job_id)}"])
+    train = shlex.join(cli[1:] + ["train", str(config_path)])
+    # The node rank differs per node, so the one srun command reads it from the task's environment.
+    trainer = _srun(alloc, 1, alloc.training, cfg, gpus=True) + ["--overlap", "bash", "-c",
+                                                                 f'exec {torchrun} --node-rank="$SLURM_NODEID" {train}']
+    # torchrun forwards only SIGTERM/INT/HUP/QUIT by default and kills ranks 30 s after forwarding.
+    trainer_env = {**threads, "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+                   "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(drain_seconds(cfg))}
+    actor = _srun(alloc, 1, alloc.training[:1], cfg, gpus=False) + ["--overlap"] + cli + ["actor", str(config_path)]
+    return {"servers": Role("servers", servers, logs / "servers.log", threads),
+            "trainer": Role("trainer", trainer, logs / "trainer.log", trainer_env),
+            "actor": Role("actor", actor, logs / "actor.log", threads)}
+
+
+def render(cfg: Config, alloc: Allocation) -> str:
+    """The srun lines `launch` would run, one per role, as shell (what --dry-run prints)."""
+    roles = plan_roles(cfg, alloc, Path(cfg.run_dir) / "config.yaml")
+    lines = [f"# inference nodes: {' '.join(alloc.inference)}; training nodes: {' '.join(alloc.training)}"]
+    for role in roles.values():
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in role.env.items())
+        lines.append(f"# {role.name} (log {role.log_path})\n{env + ' ' if env else ''}{shlex.join(role.argv)}")
+    return "\n".join(lines)
+
+
+class _Signals:
+    """USR1 (Slurm's warning before the time limit) asks for checkpoint + requeue; TERM stops the job."""
+
+    def __init__(self) -> None:
+        self.usr1 = False
+        signal.signal(signal.SIGUSR1, self._usr1)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through launch's finally
+
+    def _usr1(self, signum, frame) -> None:
+        self.usr1 = True
+
+
+def _follow_trainer(cfg: Config, sup: Supervisor, signals: _Signals) -> bool:
+    """Wait for the trainer; True when it stopped for a requeue (USR1), False when it finished."""
+    forwarded_at = None
+    while not sup.finished("trainer"):
+        if signals.usr1 and forwarded_at is None:
+            log.info("USR1: asking the trainer to checkpoint (up to %d s)", drain_seconds(cfg))
+            sup.running["trainer"][1].send_signal(signal.SIGUSR1)  # srun forwards it to torchrun
+            forwarded_at = time.monotonic()
+        if forwarded_at is not None and time.monotonic() - forwarded_at > drain_seconds(cfg):
+            log.warning("the trainer did not exit within %d s of USR1; requeueing anyway (it resumes from "
+                        "its last complete checkpoint)", drain_seconds(cfg))
+            return True
+        sup.check(allow_finished={"trainer"})
+        time.sleep(0.5)
+    if signals.usr1:
+        return True
+    code = sup.returncode("trainer")
+    if code != 0:
+        raise RoleFailed(sup.running["trainer"][0], code)
+    return False
+
+
+def requeue(job_id: str) -> None:
+    """Put this job back in the queue; Slurm then ends the running instance (this process included)."""
+    out = _slurm("scontrol", "requeue", job_id)
+    if out.returncode != 0:
+        raise RuntimeError(f"`scontrol requeue {job_id}` failed: {out.stderr.strip()} (submitted with --no-requeue?)")
+    time.sleep(REQUEUE_WAIT_S)
+    raise RuntimeError(f"job {job_id} was requeued but still runs after {REQUEUE_WAIT_S:.0f} s")
+
+
+def stop_steps(job_id: str, sup: Supervisor, grace_s: float = 30.0) -> None:
+    """Stop the roles gracefully: SIGTERM to the tasks of every step of the job (scancel signals steps,
+    not the batch shell), then Supervisor.stop_all for whatever outlives `grace_s`. SIGTERM to srun
+    itself would not do: srun answers it with SIGKILL to its tasks, and a vLLM server killed that way
+    leaves its shared memory behind."""
+    if any(not sup.finished(name) for name in sup.running):
+        _slurm("scancel", "--signal=TERM", job_id)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(not sup.finished(name) for name in sup.running):
+            time.sleep(0.5)
+    sup.stop_all()
+
+
+def launch(cfg: Config, alloc: Allocation) -> None:
+    """Run the pipeline on this allocation until the trainer finishes, or checkpoint and requeue."""
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+    log.info("job %s (restart %s): inference on %s, training on %s", alloc.job_id, restarts,
+             ",".join(alloc.inference), ",".join(alloc.training))
+    config_path = prepare_run_dir(cfg)
+    ensure_model(cfg)
+    roles = plan_roles(cfg, alloc, config_path)
+    signals, sup = _Signals(), Supervisor()
+    try:
+        sup.start(roles["servers"])
+        urls = wait_for_servers(cfg, sup, cfg.inference.num_servers * len(alloc.inference))
+        log.info("servers healthy: %s", ", ".join(urls))
+        sup.start(roles["trainer"])
+        sup.start(roles["actor"])
+        requeue_now = _follow_trainer(cfg, sup, signals)
+    except RoleFailed as err:
+        print(f"pipelinerl slurm launch: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    finally:
+        stop_steps(alloc.job_id, sup)
+    if requeue_now:
+        log.info("checkpointed; requeueing job %s", alloc.job_id)
+        requeue(alloc.job_id)
+
+
+def _node_gpus(cfg: Config) -> list[list[str]] | None:
+    """GPU ids per server on this node (tensor_parallel_size each), or None on CPU."""
+    if cfg.launch.slurm.gpus_per_node is None:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(cfg.launch.slurm.gpus_per_node)]
+    tp, n = cfg.inference.tensor_parallel_size, cfg.inference.num_servers
+    if n * tp > len(gpus):
+        raise ValueError(f"inference.num_servers={n} x tensor_parallel_size={tp} needs {n * tp} GPUs per node; "
+                         f"this node has {len(gpus)}")
+    return [gpus[i * tp:(i + 1) * tp] for i in range(n)]
+
+
+def run_node_servers(cfg: Config, config_path: str, model: str, version: int) -> None:
+    """The `servers` role on one inference node: num_servers `pipelinerl serve`, each on its own GPUs
+    and port (base_port + i), supervised until SIGTERM or the first failure."""
+    node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
+    gpus = _node_gpus(cfg)
+    threads = {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
+    sup = Supervisor()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        for i in range(cfg.inference.num_servers):
+            env = dict(threads) if gpus is None else {**threads, "CUDA_VISIBLE_DEVICES": ",".join(gpus[i])}
+            # Served under the base model's name, which the actor asks for, also when `model` is a checkpoint.
+            argv = [sys.executable, "-m", "pipelinerl.cli", "serve", "--config", config_path, "--model", model,
+                    "--port", str(cfg.inference.base_port + i), "--version", str(version),
+                    f"inference.engine_args.served_model_name={cfg.model.path}"]
+            sup.start(Role(f"server{i}", argv, Path(cfg.run_dir) / "logs" / f"{node}_server{i}.log", env))
+        while True:
+            sup.check()
+            time.sleep(1.0)
+    except RoleFailed as err:
+        print(f"pipelinerl slurm servers on {node}: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    finally:
+        sup.stop_all()
+
+
+# -- submitit: the same launch from Python, in the split shape (see the module docstring) ----------------
+
+def run_pipeline(config: str, overrides: list[str]) -> dict:
+    """What a submitit job runs, in its batch step: the pipeline on this allocation, then its summary."""
+    from pipelinerl.config import load_config
+
+    cfg = load_config(config, overrides)
+    launch(cfg, allocation_from_env(cfg))
+    return summarize(cfg.run_dir)
+
+
+def summarize(run_dir: str) -> dict:
+    """Steps and samples of the last complete checkpoint, and the trainer's last logged mean reward."""
+    import json
+
+    from pipelinerl.trainer.checkpoints import latest_checkpoint
+
+    latest = latest_checkpoint(Path(run_dir) / "checkpoints")
+    meta = json.loads((latest / "meta.json").read_text()) if latest else {}
+    return {"run_dir": str(run_dir), "steps": meta.get("step", 0), "samples_seen": meta.get("samples_seen", 0),
+            "reward_mean": _last_scalar(Path(run_dir) / "tb" / "trainer", "reward_mean")}
+
+
+def _last_scalar(folder: Path, tag: str) -> float | None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not folder.is_dir():
+        return None
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return acc.Scalars(tag)[-1].value if tag in acc.Tags()["scalars"] else None
+
+
+def executor(cfg: Config, folder: str | Path):
+    """A submitit executor for one split allocation of the config's node counts and #SBATCH fields."""
+    import submitit
+
+    s = cfg.launch.slurm
+    # `exec`: the batch shell becomes this Python, so --signal=B:USR1 reaches `launch` (a bash running a
+    # foreground child would die of it); use_srun=False: `launch` runs in the batch step, as from sbatch.
+    ex = submitit.SlurmExecutor(folder, python=f"exec {shlex.quote(sys.executable)}")
+    params = {"nodes": s.inference_nodes + s.training_nodes, "ntasks_per_node": 1, "use_srun": False,
+              "stderr_to_stdout": True, "job_name": "pipelinerl",
+              "additional_parameters": {"time": s.time, "signal": f"B:USR1@{s.signal_seconds}", "requeue": True}}
+    for key in ("partition", "account", "qos", "gpus_per_node", "cpus_per_task", "mem"):
+        if getattr(s, key) is not None:
+            params[key] = getattr(s, key)
+    ex.update_parameters(**params)
+    return ex
+
+
+def _in_queue(job_id: str) -> bool:
+    out = _slurm("squeue", "-h", "-j", job_id, "-o", "%i")
+    return out.returncode == 0 and bool(out.stdout.strip())
+
+
+def _outcome(job) -> tuple[str, object]:
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+
+    try:
+        return "COMPLETED", job.result()
+    except (FailedJobError, UncompletedJobError) as err:  # the job's state and the error's first line
+        return job.state, str(err).strip().splitlines()[0]
+
+
+def wait_jobs(jobs: list, timeout_s: float, poll_s: float = 5.0, vanish_grace_s: float = 60.0) -> list:
+    """(state, summary or error) per submitit job, in order.
+
+    submitit learns that a job ended only from sacct: without accounting, a job that crashed before
+    writing its result stays "UNKNOWN" and job.result() waits forever. So squeue is asked too: a job
+    that left the queue and has no result `vanish_grace_s` later is reported as CRASHED.
+    """
+    deadline, gone_since, outcomes = time.monotonic() + timeout_s, {}, {}
+    while len(outcomes) < len(jobs):
+        for job in jobs:
+            if job.job_id in outcomes:
+                continue
+            if job.done(force_check=True):
+                outcomes[job.job_id] = _outcome(job)
+            elif _in_queue(job.job_id):
+                gone_since.pop(job.job_id, None)
+            elif time.monotonic() - gone_since.setdefault(job.job_id, time.monotonic()) > vanish_grace_s:
+                outcomes[job.job_id] = ("CRASHED", f"left the queue without a result; log: {job.paths.stdout}")
+        if len(outcomes) < len(jobs):
+            if time.monotonic() > deadline:
+                pending = [j.job_id for j in jobs if j.job_id not in outcomes]
+                raise TimeoutError(f"Slurm job(s) {', '.join(pending)} not finished after {timeout_s:.0f} s")
+            time.sleep(poll_s)
+    return [outcomes[j.job_id] for j in jobs]
+
+
+def format_table(rows: list[dict]) -> str:
+    """A fixed-width text table of dicts (columns from the first row)."""
+    cols = list(rows[0])
+    cells = [[_cell(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def outcome_rows(jobs: list, outcomes: list, labels: list[str]) -> list[dict]:
+    """Table rows: label, job, state, then the summary fields (or the error)."""
+    rows = []
+    for label, job, (state, result) in zip(labels, jobs, outcomes):
+        summary = result if isinstance(result, dict) else {"run_dir": None, "error": result}
+        rows.append({"point": label, "job": job.job_id, "state": state, "steps": summary.get("steps"),
+                     "samples_seen": summary.get("samples_seen"), "reward_mean": summary.get("reward_mean"),
+                     "run_dir": summary.get("run_dir") or summary.get("error")})
+    return rows
+
+
+# -- `pipelinerl slurm ...` ---------------------------------------------------------------------------------
+
+def _parser():
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="pipelinerl slurm", description="Run the pipeline on Slurm.")
+    sub = parser.add_subparsers(dest="what", required=True, metavar="WHAT")
+    p = sub.add_parser("launch", help="run the pipeline on this job's nodes (what slurm/run_*.sh executes)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--dry-run", action="store_true", help="print the srun line of each role; start nothing")
+    p = sub.add_parser("servers", help="(started by launch on each inference node) this node's vLLM servers")
+    p.add_argument("config", help="the run's resolved RUN_DIR/config.yaml")
+    p.add_argument("--model", required=True, help="HF folder the servers load")
+    p.add_argument("--version", type=int, required=True, help="policy version of those weights")
+    p = sub.add_parser("submit", help="submit the pipeline with submitit, wait, print its summary")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--folder", default="runs/submitit", help="submitit's folder (scripts, logs, results)")
+    p.add_argument("--timeout-s", type=float, default=7 * 86400, help="give up waiting after this long")
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    from pipelinerl.config import load_config
+
+    args = _parser().parse_args(argv)
+    cfg = load_config(args.config, getattr(args, "overrides", []))
+    try:
+        check_config(cfg)
+        if args.what == "servers":
+            run_node_servers(cfg, args.config, args.model, args.version)
+        elif args.what == "launch" and args.dry_run:
+            print(render(cfg, dry_run_allocation(cfg)))
+        elif args.what == "launch":
+            launch(cfg, allocation_from_env(cfg))
+        else:
+            job = executor(cfg, args.folder).submit(run_pipeline, str(Path(args.config).resolve()), args.overrides)
+            print(f"submitted Slurm job {job.job_id}; waiting (log: {job.paths.stdout})", flush=True)
+            print(format_table(outcome_rows([job], wait_jobs([job], args.timeout_s), ["-"])))
+    except ValueError as err:  # user errors (allocation vs config, GPUs per server): a message, no traceback
+        raise SystemExit(f"pipelinerl slurm {args.what}: error: {err}") from None
