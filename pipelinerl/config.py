@@ -358,7 +358,7 @@ class SlurmConfig:
     mem: Optional[str] = None  # --mem, e.g. "0" for the whole node
     signal_seconds: int = 300  # --signal=B:USR1@N: checkpoint and requeue N seconds before the time limit;
     #                            the trainer gets N - 30 s to checkpoint (submitit sets it; scripts: #SBATCH)
-    master_port: Optional[int] = None  # torchrun --master-port on the first training node; null = 20000 +
+    master_port: Optional[int] = None  # trainer's MASTER_PORT on the first training node; null = 20000 +
     #                                    job id % 10000 (jobs sharing a node then differ)
 
     def __post_init__(self) -> None:

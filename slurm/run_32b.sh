@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Qwen2.5-32B RL on 4 GPU nodes (8 GPUs each) as one heterogeneous Slurm job.
 #   component 0, 2 inference nodes: 2 vLLM servers per node, tensor-parallel over 4 GPUs each (srun --het-group=0)
-#   component 1, 2 training nodes:  DeepSpeed ZeRO-3 over their 16 GPUs (torchrun per node) + the actor
+#   component 1, 2 training nodes:  DeepSpeed ZeRO-3 over their 16 GPUs (one srun task per GPU) + the actor
 #                                   (srun --het-group=1)
 # bf16 weights; after every optimizer step the trainer broadcasts them to the servers over NCCL.
 #
@@ -30,7 +30,7 @@
 #SBATCH --open-mode=append
 #SBATCH --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 --exclusive --mem=0
 #SBATCH hetjob
-#SBATCH --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 --exclusive --mem=0
+#SBATCH --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 --exclusive --mem=0
 
 # shellcheck source=slurm/lib.sh
 source "${PIPELINERL_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}/slurm/lib.sh"

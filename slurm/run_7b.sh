@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Qwen2.5-7B RL on 2 GPU nodes (8 GPUs each) as one heterogeneous Slurm job.
 #   component 0, 1 inference node: 8 vLLM servers, one per GPU (srun --het-group=0)
-#   component 1, 1 training node:  DeepSpeed ZeRO-3 over its 8 GPUs (torchrun) + the actor (srun --het-group=1)
+#   component 1, 1 training node:  DeepSpeed ZeRO-3 over its 8 GPUs (a task per GPU) + the actor (srun --het-group=1)
 # bf16 weights; after every optimizer step the trainer broadcasts them to the servers over NCCL.
 #
 # Submit from the repository root, with the Python environment that has pipelinerl active:
@@ -29,7 +29,7 @@
 #SBATCH --open-mode=append
 #SBATCH --nodes=1 --ntasks-per-node=1 --gpus-per-node=8 --exclusive --mem=0
 #SBATCH hetjob
-#SBATCH --nodes=1 --ntasks-per-node=1 --gpus-per-node=8 --exclusive --mem=0
+#SBATCH --nodes=1 --ntasks-per-node=8 --gpus-per-node=8 --exclusive --mem=0
 
 # shellcheck source=slurm/lib.sh
 source "${PIPELINERL_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}/slurm/lib.sh"

