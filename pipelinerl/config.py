@@ -294,6 +294,21 @@ class RLConfig:
 
 
 @dataclass
+class ConventionalConfig:
+    """Conventional RL, the seeds' baseline (used only with `mode: conventional`): the servers generate a
+    batch of B samples with frozen weights, the trainer then takes G optimizer steps on it (S =
+    trainer.samples_per_step samples each), and only then are the weights synced, once per batch."""
+
+    steps_per_batch: int = 4  # G: optimizer steps per generated batch; 1 = synchronous on-policy RL
+    batch_size: Optional[int] = None  # B: samples generated per batch; null = G x trainer.samples_per_step
+    #                                    (the only valid value: every batch must fill exactly G steps)
+
+    def __post_init__(self) -> None:
+        _check_positive(self.steps_per_batch, "conventional.steps_per_batch")
+        _check_positive(self.batch_size, "conventional.batch_size", allow_null=True)
+
+
+@dataclass
 class StreamsConfig:
     """Arrow rollout streams under RUN_DIR/streams: whole segments published by rename, readers poll
     (pipelinerl/streams/__init__.py describes the protocol)."""
@@ -400,11 +415,28 @@ class Config:
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    conventional: ConventionalConfig = field(default_factory=ConventionalConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.run_dir), "run_dir", "set it to a folder (it is created if missing)")
         _check(self.trainer.samples_per_step % self.actor.attempts == 0, "trainer.samples_per_step",
                f"must be a multiple of actor.attempts ({self.actor.attempts}) so whole groups fill a step")
+        _check_choice(self.mode, ("pipeline", "conventional"), "mode")
+        if self.mode == "conventional":
+            self._check_conventional()
+
+    def _check_conventional(self) -> None:
+        G, S = self.conventional.steps_per_batch, self.trainer.samples_per_step
+        if self.conventional.batch_size is None:
+            self.conventional.batch_size = G * S  # derived here, the one place it is computed
+        _check(self.conventional.batch_size == G * S, "conventional.batch_size",
+               f"got {self.conventional.batch_size}; a batch must fill exactly G = {G} steps of "
+               f"trainer.samples_per_step = {S} samples: set it to {G * S} or null")
+        _check(self.trainer.max_steps is None or self.trainer.max_steps % G == 0, "trainer.max_steps",
+               f"got {self.trainer.max_steps}; conventional mode trains whole batches: use a multiple of "
+               f"conventional.steps_per_batch ({G})")
+        _check(self.actor.max_lag is None, "actor.max_lag",
+               f"conventional mode bounds the lag by construction (at most G - 1 = {G - 1}); set it to null")
 
 
 def _all_keys(schema: type, prefix: str = "") -> list[str]:

@@ -3,7 +3,8 @@
 One process per rank (torchrun / the deepspeed launcher / srun set RANK etc.). Each rank reads its own
 shard of the stream (whole groups; streams/__init__.py says why), so group advantages are local; the
 loss is normalised by the number of sequences in the step over all ranks. The policy version is the
-number of optimizer steps taken: the weights of version k are broadcast right after step k.
+number of optimizer steps taken: the weights of version k are broadcast right after step k. In
+conventional mode (config `mode`) they are broadcast only after every G-th step, once per batch.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from pipelinerl.trainer.dist import (
 from pipelinerl.trainer.packing import MicroBatch, Sample, pack
 
 log = logging.getLogger("pipelinerl.trainer")
+
+
+NO_SYNC = {"broadcast_total_s": 0.0, "bytes": 0.0}  # a step without a weight sync (conventional mode)
 
 
 @dataclass
@@ -230,6 +234,11 @@ class StepLogger:
             self.scalars.close()
 
 
+def _sync_due(cfg: Config, step: int) -> bool:
+    """Pipeline mode syncs after every step; conventional mode after the last step of each batch."""
+    return cfg.mode == "pipeline" or step % cfg.conventional.steps_per_batch == 0
+
+
 def _checkpoint_due(cfg: Config, step: int) -> bool:
     every = cfg.checkpoints.every_steps
     return every is not None and step % every == 0
@@ -272,7 +281,7 @@ def _run(trainer, reader, cfg: Config, dist: DistInfo, state: LoopState, signals
         token_log: list = []
         stats = train_step(trainer, samples, cfg, dist, state, token_log)
         train_s = time.monotonic() - started - read_s
-        timings = trainer.broadcast_weights(state.step)
+        timings = trainer.broadcast_weights(state.step) if _sync_due(cfg, state.step) else NO_SYNC
         step_s = time.monotonic() - started
         reward_sum, reward_count = all_reduce_sum([sum(rewards), len(rewards)])
         stats.update(read_s=read_s, train_s=train_s, broadcast_s=timings["broadcast_total_s"],
