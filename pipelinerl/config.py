@@ -382,6 +382,8 @@ class SlurmConfig:
         _check_positive(self.gpus_per_node, "launch.slurm.gpus_per_node", allow_null=True)
         _check_positive(self.cpus_per_task, "launch.slurm.cpus_per_task", allow_null=True)
         _check(self.signal_seconds >= 0, "launch.slurm.signal_seconds", "must be >= 0")
+        _check(self.master_port is None or 1 <= self.master_port <= 65535, "launch.slurm.master_port",
+               "must be a TCP port, or null to derive one from the job id")
 
 
 @dataclass
@@ -397,14 +399,14 @@ class LaunchConfig:
         _check_positive(self.torch_threads, "launch.torch_threads", allow_null=True)
 
 
-        _check(self.master_port is None or 1 <= self.master_port <= 65535, "launch.slurm.master_port",
-               "must be a TCP port, or null to derive one from the job id")
 @dataclass
 class Config:
     """One run. `run_dir` is the bus every role shares (DESIGN.md)."""
 
     run_dir: str = MISSING  # the run directory on a filesystem all nodes see; re-using one resumes it
     seed: int = 0  # seeds sampling, data order and initialisation
+    mode: str = "pipeline"  # pipeline (in-flight updates after every step, lag bounded by actor.max_lag) |
+    #                         conventional (generate a batch, G steps, one sync: the `conventional` section)
     model: ModelConfig = field(default_factory=ModelConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
