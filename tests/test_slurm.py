@@ -38,7 +38,7 @@ def _tiny_overrides(run_dir: Path, model_dir: Path, max_steps: int, port: int = 
             f"trainer.max_steps={max_steps}", f"trainer.samples_per_step={SAMPLES_PER_STEP}",
             "actor.sampling.max_new_tokens=8", "actor.eval_every_steps=0", "actor.max_groups_in_flight=8",
             "inference.max_model_len=64", "streams.segment_max_seconds=0.5", "checkpoints.every_steps=null",
-            f"inference.base_port={port}", f"trainer.broadcast_port={port + 40}", f"launch.slurm.master_port={port + 60}"]
+            f"inference.base_port={port}", f"trainer.broadcast_port={port + 10}", f"launch.slurm.master_port={port + 20}"]
 
 
 # -- rendered commands and script headers (no cluster) -----------------------------------------------------
@@ -68,27 +68,28 @@ def _rank_command(trainer: list[str]) -> str:
 def test_7b_script_renders_one_inference_and_one_training_node():
     roles = _dry_run("run_7b.sh")
     servers = roles["servers"][1]
-    assert servers[:6] == ["srun", "--het-group=0", "--nodes=1", "--nodelist=inference0", "--ntasks-per-node=1",
-                           "--kill-on-bad-exit=1"]
+    assert servers[:7] == ["srun", "--het-group=0", "--nodes=1", "--nodelist=inference0", "--ntasks=1",
+                           "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert "--gpus-per-node=8" in servers  # the node's servers agent splits them, one GPU per server
     assert servers[-7:] == ["slurm", "servers", "runs/qwen7b_orz/config.yaml", "--model", "/models/Qwen2.5-7B",
                             "--version", "0"]
     env, trainer = roles["trainer"]
-    assert trainer[1:5] == ["--het-group=1", "--nodes=1", "--nodelist=training0", "--ntasks-per-node=8"]
+    assert trainer[1:6] == ["--het-group=1", "--nodes=1", "--nodelist=training0", "--ntasks=8", "--ntasks-per-node=8"]
     assert "--gpus-per-node=8" in trainer and "--overlap" in trainer
     assert _rank_command(trainer).endswith("-m pipelinerl.cli train runs/qwen7b_orz/config.yaml")
     assert env["MASTER_ADDR"] == "training0" and env["MASTER_PORT"].isdigit()
     actor = roles["actor"][1]
-    assert actor[1:5] == ["--het-group=1", "--nodes=1", "--nodelist=training0", "--ntasks-per-node=1"]
+    assert actor[1:6] == ["--het-group=1", "--nodes=1", "--nodelist=training0", "--ntasks=1", "--ntasks-per-node=1"]
     assert "--overlap" in actor and not any(a.startswith("--gpus") for a in actor)
 
 
 def test_32b_script_renders_two_inference_and_two_training_nodes():
     roles = _dry_run("run_32b.sh")
-    assert roles["servers"][1][1:5] == ["--het-group=0", "--nodes=2", "--nodelist=inference0,inference1",
-                                        "--ntasks-per-node=1"]
+    assert roles["servers"][1][1:6] == ["--het-group=0", "--nodes=2", "--nodelist=inference0,inference1",
+                                        "--ntasks=2", "--ntasks-per-node=1"]
     env, trainer = roles["trainer"]
-    assert trainer[1:5] == ["--het-group=1", "--nodes=2", "--nodelist=training0,training1", "--ntasks-per-node=8"]
+    assert trainer[1:6] == ["--het-group=1", "--nodes=2", "--nodelist=training0,training1", "--ntasks=16",
+                            "--ntasks-per-node=8"]
     assert "--gpus-per-node=8" in trainer and env["MASTER_ADDR"] == "training0"
     _rank_command(trainer)
     assert roles["actor"][1][1:4] == ["--het-group=1", "--nodes=1", "--nodelist=training0"]
@@ -257,7 +258,7 @@ def _consumed_samples(run_dir: Path, samples: int) -> list[dict]:
 @pytest.mark.slow
 def test_requeue_mid_run_resumes_without_losing_or_repeating_samples(slurm_env, tiny_model_dir, tmp_path):
     run_dir, max_steps = tmp_path / "run", 60
-    job = _sbatch(slurm_env, tmp_path, _tiny_overrides(run_dir, tiny_model_dir, max_steps=max_steps, port=18420))
+    job = _sbatch(slurm_env, tmp_path, _tiny_overrides(run_dir, tiny_model_dir, max_steps=max_steps, port=18430))
     trainer_log, slurm_log = run_dir / "logs" / "trainer.log", tmp_path / f"slurm-{job}.out"
     _wait_until("trainer step 3", lambda: trainer_log.is_file() and "step 3:" in trainer_log.read_text(),
                 timeout_s=420, poll_s=0.3, log=slurm_log)
@@ -286,10 +287,10 @@ def test_requeue_mid_run_resumes_without_losing_or_repeating_samples(slurm_env, 
 
 @pytest.mark.slow
 def test_submitit_sweep_of_two_points_prints_its_table(slurm_env, tiny_model_dir, tmp_path):
-    overrides = _tiny_overrides(tmp_path / "sweep", tiny_model_dir, max_steps=6, port=18440)
+    overrides = _tiny_overrides(tmp_path / "sweep", tiny_model_dir, max_steps=6, port=18460)
     out = subprocess.run([sys.executable, "tools/sweep.py", "configs/tiny_cpu.yaml", "--grid", "trainer.lr=1e-4,2e-4",
-                          "--folder", str(tmp_path / "submitit"), "--timeout-s", "480", *overrides],
-                         check=False, env=slurm_env, cwd=REPO, capture_output=True, text=True, timeout=600)
+                          "--folder", str(tmp_path / "submitit"), "--timeout-s", "540", *overrides],
+                         check=False, env=slurm_env, cwd=REPO, capture_output=True, text=True, timeout=660)
     assert out.returncode == 0, out.stdout + out.stderr[-5000:]
     table = out.stdout.splitlines()[-3:]
     assert table[0].split()[:6] == ["point", "job", "state", "steps", "samples_seen", "reward_mean"]

@@ -7,8 +7,9 @@ The grid is the product of every --grid; key=value arguments apply to every poin
 pipeline `sbatch slurm/run_*.sh` runs, but in one homogeneous allocation per array task: Slurm cannot
 make arrays of heterogeneous jobs and submitit cannot submit them (pipelinerl/launch/slurm.py splits
 the nodes itself). Point i runs in RUN_DIR/<its overrides>; so that array tasks sharing a host do not
-collide, its servers listen on inference.base_port + i * num_servers and its weight-update store on
-trainer.broadcast_port + i. Exit code 1 when a point did not complete.
+collide, its servers listen on inference.base_port + i * num_servers, its weight-update store on
+trainer.broadcast_port + i and its trainer rendezvous on launch.slurm.master_port + i (when set).
+Exit code 1 when a point did not complete.
 """
 
 from __future__ import annotations
@@ -46,12 +47,20 @@ def point_overrides(config: str, common: list[str], point: list[str], index: int
     overrides = [*common, *point, f"run_dir={Path(base.run_dir) / point_name(point)}",
                  f"inference.base_port={base.inference.base_port + index * base.inference.num_servers}",
                  f"trainer.broadcast_port={base.trainer.broadcast_port + index}"]
+    if base.launch.slurm.master_port is not None:  # else derived from each array task's own job id
+        overrides.append(f"launch.slurm.master_port={base.launch.slurm.master_port + index}")
     load_config(config, overrides)
     return overrides
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipelinerl.launch.slurm import executor, format_table, outcome_rows, run_pipeline, wait_jobs
+    from pipelinerl.launch.slurm import (
+        executor,
+        format_table,
+        outcome_rows,
+        run_pipeline,
+        wait_jobs,
+    )
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", help="YAML config file (configs/*.yaml)")
@@ -59,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", action="append", default=[], metavar="key=v1,v2", help="one swept key (repeat)")
     parser.add_argument("--folder", default="runs/sweeps/submitit", help="submitit's scripts, logs and results")
     parser.add_argument("--timeout-s", type=float, default=7 * 86400, help="give up waiting after this long")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may come after key=value overrides
     try:
         points = grid_points(args.grid)
         all_overrides = [point_overrides(args.config, args.overrides, p, i) for i, p in enumerate(points)]

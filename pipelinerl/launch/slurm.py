@@ -55,7 +55,9 @@ class Allocation:
     training: list[str]  # trainer hosts; the actor and trainer rank 0 run on training[0]
     master_addr: str  # training[0]'s address (its NodeAddr: Slurm node names need not resolve)
     het: bool  # a heterogeneous job (srun --het-group) or one split allocation (srun --nodelist)
-    job_id: str  # what `scontrol requeue` takes: the het leader's id, or the array task's own id
+    job_id: str  # what scancel and `scontrol requeue` take: the het leader's id, or ARRAYID_TASK for an
+    #              array task (its bare SLURM_JOB_ID may be the array's own id, which names every task)
+    unique_id: int  # SLURM_JOB_ID: distinct for every job and array task (derives default ports)
 
 
 def _slurm(*argv: str) -> subprocess.CompletedProcess:
@@ -95,7 +97,10 @@ def allocation_from_env(cfg: Config, env=os.environ) -> Allocation:
         if len(hosts) != want:
             raise ValueError(f"the job has {len(hosts)} {role} node(s) but launch.slurm.{role}_nodes={want}: "
                              "make the #SBATCH --nodes lines (or sbatch options) and the config agree")
-    return Allocation(inference, training, node_address(training[0]), het, env["SLURM_JOB_ID"])
+    job_id = env["SLURM_JOB_ID"]
+    if "SLURM_ARRAY_TASK_ID" in env:
+        job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return Allocation(inference, training, node_address(training[0]), het, job_id, int(env["SLURM_JOB_ID"]))
 
 
 def check_config(cfg: Config) -> None:
@@ -111,23 +116,24 @@ def dry_run_allocation(cfg: Config) -> Allocation:
     """Placeholder hosts for --dry-run, shaped like the config asks."""
     s = cfg.launch.slurm
     training = [f"training{i}" for i in range(s.training_nodes)]
-    return Allocation([f"inference{i}" for i in range(s.inference_nodes)], training, training[0], True, "JOBID")
+    return Allocation([f"inference{i}" for i in range(s.inference_nodes)], training, training[0], True, "JOBID", 0)
 
 
-def master_port(cfg: Config, job_id: str) -> int:
+def master_port(cfg: Config, alloc: Allocation) -> int:
     """The trainer's MASTER_PORT on the first training host: configured, else derived from the job id so that
     jobs sharing a host (array tasks, the one-host test cluster) do not collide."""
     if cfg.launch.slurm.master_port is not None:
         return cfg.launch.slurm.master_port
-    return 20000 + int(job_id) % 10000 if job_id.isdigit() else 29500
+    return 20000 + alloc.unique_id % 10000
 
 
 def _srun(alloc: Allocation, component: int, hosts: list[str], cfg: Config, gpus: bool,
           tasks_per_node: int = 1) -> list[str]:
     s = cfg.launch.slurm
     where = [f"--het-group={component}"] if alloc.het else []
+    # Explicit counts: srun would otherwise take the batch step's SLURM_NTASKS / SLURM_NNODES.
     argv = ["srun", *where, f"--nodes={len(hosts)}", f"--nodelist={','.join(hosts)}",
-            f"--ntasks-per-node={tasks_per_node}", "--kill-on-bad-exit=1"]
+            f"--ntasks={len(hosts) * tasks_per_node}", f"--ntasks-per-node={tasks_per_node}", "--kill-on-bad-exit=1"]
     if gpus and s.gpus_per_node is not None:
         argv.append(f"--gpus-per-node={s.gpus_per_node}")
     if s.cpus_per_task is not None:
@@ -159,7 +165,7 @@ def plan_roles(cfg: Config, alloc: Allocation, config_path: Path, python: str = 
     ranks = 'RANK="$SLURM_PROCID" WORLD_SIZE="$SLURM_NTASKS" LOCAL_RANK="$SLURM_LOCALID"'
     trainer = _srun(alloc, 1, alloc.training, cfg, gpus=True, tasks_per_node=s.gpus_per_node or 1) + [
         "--overlap", "bash", "-c", f"{ranks} exec {train}"]
-    trainer_env = {**threads, "MASTER_ADDR": alloc.master_addr, "MASTER_PORT": str(master_port(cfg, alloc.job_id))}
+    trainer_env = {**threads, "MASTER_ADDR": alloc.master_addr, "MASTER_PORT": str(master_port(cfg, alloc))}
     actor = _srun(alloc, 1, alloc.training[:1], cfg, gpus=False) + ["--overlap"] + cli + ["actor", str(config_path)]
     return {"servers": Role("servers", servers, logs / "servers.log", threads),
             "trainer": Role("trainer", trainer, logs / "trainer.log", trainer_env),
@@ -338,9 +344,12 @@ def executor(cfg: Config, folder: str | Path):
     # `exec`: the batch shell becomes this Python, so --signal=B:USR1 reaches `launch` (a bash running a
     # foreground child would die of it); use_srun=False: `launch` runs in the batch step, as from sbatch.
     ex = submitit.SlurmExecutor(folder, python=f"exec {shlex.quote(sys.executable)}")
-    params = {"nodes": s.inference_nodes + s.training_nodes, "ntasks_per_node": 1, "use_srun": False,
-              "stderr_to_stdout": True, "job_name": "pipelinerl",
-              "additional_parameters": {"time": s.time, "signal": f"B:USR1@{s.signal_seconds}", "requeue": True}}
+    # --nodes goes in additional_parameters: submitit would expect a result from every node's task, but
+    # only the batch step runs the function (use_srun=False), so results() would wait for the others.
+    nodes = s.inference_nodes + s.training_nodes
+    params = {"ntasks_per_node": 1, "use_srun": False, "stderr_to_stdout": True, "job_name": "pipelinerl",
+              "additional_parameters": {"nodes": nodes, "time": s.time, "signal": f"B:USR1@{s.signal_seconds}",
+                                        "requeue": True}}
     for key in ("partition", "account", "qos", "gpus_per_node", "cpus_per_task", "mem"):
         if getattr(s, key) is not None:
             params[key] = getattr(s, key)
