@@ -7,41 +7,16 @@ at lags 0..G-1, the weights go out after every G-th step only, and the two synch
 (G = 1, max_lag = 0) train on tokens of lag 0 only.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import CONVENTIONAL, REPO, S, run_pipelinerl
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pipelinerl.config import ConfigError, StreamsConfig, load_config
 from pipelinerl.metrics import read_token_stats
 from pipelinerl.streams import StreamReader
-
-REPO = Path(__file__).resolve().parent.parent
-S = 32  # samples per optimizer step: 4 prompts x 8 attempts
-CONVENTIONAL = REPO / "configs" / "tiny_cpu_conventional.yaml"
-
-
-def _overrides(run_dir: Path, model_dir: Path, max_steps: int, port: int) -> list[str]:
-    return [f"run_dir={run_dir}", f"model.path={model_dir}", "model.build_tiny_if_missing=false",
-            f"trainer.max_steps={max_steps}", f"trainer.samples_per_step={S}", "trainer.warmup_steps=0",
-            "trainer.lr=1e-3", "actor.sampling.max_new_tokens=24", "actor.eval_every_steps=0",
-            "checkpoints.every_steps=1", "checkpoints.keep_last=100", "logging.progress_bar=false",
-            f"inference.base_port={port}", f"trainer.broadcast_port={port + 50}", "inference.max_model_len=64",
-            "streams.segment_max_seconds=0.3"]
-
-
-def run_pipelinerl(config: Path, run_dir: Path, model_dir: Path, max_steps: int, port: int, *extra: str) -> Path:
-    """`pipelinerl run` to completion; every step checkpointed (the KL analysis reads them)."""
-    out = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", str(config),
-                          *_overrides(run_dir, model_dir, max_steps, port), *extra],
-                         check=False, capture_output=True, text=True, timeout=600, cwd=REPO,
-                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return run_dir
 
 
 def consumed_rows(run_dir: Path, samples: int) -> list[dict]:
@@ -59,19 +34,6 @@ def trainer_scalar(run_dir: Path, tag: str) -> dict[int, float]:
     acc = EventAccumulator(str(run_dir / "tb" / "trainer"), size_guidance={"scalars": 0})
     acc.Reload()
     return {e.step: e.value for e in acc.Scalars(tag)}
-
-
-@pytest.fixture(scope="session")
-def conventional_g2_run(tmp_path_factory, tiny_model_dir) -> Path:
-    """Conventional RL, G = 2: three batches of B = 64 samples, six optimizer steps."""
-    run_dir = tmp_path_factory.mktemp("conv_g2") / "run"
-    return run_pipelinerl(CONVENTIONAL, run_dir, tiny_model_dir, 6, 18610, "conventional.steps_per_batch=2")
-
-
-@pytest.fixture(scope="session")
-def pipeline_lag0_run(tmp_path_factory, tiny_model_dir) -> Path:
-    run_dir = tmp_path_factory.mktemp("pipe_lag0") / "run"
-    return run_pipelinerl(REPO / "configs" / "tiny_cpu.yaml", run_dir, tiny_model_dir, 4, 18620, "actor.max_lag=0")
 
 
 def test_batch_size_is_derived_and_validated():

@@ -1,0 +1,203 @@
+"""PipelineRL against conventional RL on the same model, task, seed and machine, one after the other.
+
+Each mode is a real `pipelinerl run` (tiny_cpu.yaml, then tiny_cpu_conventional.yaml, same overrides)
+while this process samples the servers' running-requests gauge from /metrics. Then, side by side:
+samples trained per second and generated tokens per second (over the same window: first to last
+optimizer step), mean inference batch occupancy (running requests / inference.max_num_seqs), trainer
+idle fraction (time waiting for data / step time), token lag mean and max, and the wall time from the
+first held-out evaluation (version 0) to the first one at or above --target; then pipeline /
+conventional ratios, and tools/lag_model.py's lag predicted from the measured occupancy and rates.
+
+    python tools/bench_pipeline_vs_conventional.py [--steps 96] [--target 0.75] [--G 4] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = {"pipeline": REPO / "configs" / "tiny_cpu.yaml", "conventional": REPO / "configs" / "tiny_cpu_conventional.yaml"}
+
+
+def _lag_model():
+    spec = importlib.util.spec_from_file_location("lag_model", REPO / "tools" / "lag_model.py")
+    module = sys.modules["lag_model"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+class GaugeSampler(threading.Thread):
+    """Polls vLLM's `vllm:num_requests_running` on every server every `period_s`: (unix time, sum)."""
+
+    def __init__(self, urls: list[str], period_s: float = 0.5):
+        super().__init__(daemon=True)
+        self.urls, self.period_s, self.samples, self.stop = urls, period_s, [], threading.Event()
+
+    def run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=2.0) as http:
+            while not self.stop.is_set():
+                total = 0.0
+                try:
+                    for url in self.urls:
+                        total += _running_requests(http.get(f"{url}/metrics").text)
+                    self.samples.append((time.time(), total))
+                except httpx.HTTPError:  # a server starting or stopping: no sample this time
+                    pass
+                self.stop.wait(self.period_s)
+
+
+def _running_requests(prometheus_text: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in prometheus_text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
+
+
+def run_mode(mode: str, out_dir: Path, overrides: list[str], target: float) -> dict:
+    """One `pipelinerl run` with the gauge sampled throughout; returns its measurements."""
+    from pipelinerl.config import load_config
+
+    run_dir = out_dir / mode
+    args = [f"run_dir={run_dir}", *overrides]
+    cfg = load_config(CONFIGS[mode], args)
+    urls = [f"http://{cfg.inference.host}:{cfg.inference.base_port + i}" for i in range(cfg.inference.num_servers)]
+    sampler = GaugeSampler(urls)
+    sampler.start()
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", str(CONFIGS[mode]), *args,
+                           "logging.progress_bar=false"], check=False, cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    sampler.stop.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return measure(cfg, run_dir, sampler.samples, time.time() - started, target)
+
+
+def _scalars(run_dir: Path, role: str) -> dict[str, list]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb" / role), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
+
+
+def _time_to_target(evals: list, target: float) -> tuple[float | None, int | None]:
+    """(seconds from the version-0 evaluation to the first at >= target, that version), or Nones."""
+    if not evals:
+        return None, None
+    start = min(evals, key=lambda e: e.step).wall_time
+    for e in sorted(evals, key=lambda e: e.step):
+        if e.value >= target:
+            return e.wall_time - start, e.step
+    return None, None
+
+
+def _generated_tokens(run_dir: Path, t0: float, t1: float) -> tuple[int, list[int]]:
+    """Completion tokens received by the actor in [t0, t1], and every completion's length."""
+    import pyarrow as pa
+
+    from pipelinerl.streams.segments import list_segments, list_writers, topic_dir
+
+    tdir, tokens, lengths = topic_dir(run_dir, "rollouts"), 0, []
+    for writer in list_writers(tdir):
+        for segment in list_segments(tdir / writer):
+            with pa.memory_map(str(segment.path)) as mapped:
+                table = pa.ipc.open_file(mapped).read_all()
+            n = [len(c) for c in table.column("completion_token_ids").to_pylist()]
+            created = table.column("created_at").to_pylist()
+            lengths += n
+            tokens += sum(k for k, t in zip(n, created) if t0 <= t <= t1)
+    return tokens, lengths
+
+
+def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float, target: float) -> dict:
+    from pipelinerl.metrics import read_token_stats
+
+    trainer = _scalars(run_dir, "trainer")
+    steps = sorted(trainer["read_s"], key=lambda e: e.step)
+    t0, t1 = steps[0].wall_time, steps[-1].wall_time  # from the end of step 1 to the end of the last
+    window_s = t1 - t0
+    tokens, lengths = _generated_tokens(run_dir, t0, t1)
+    busy = [sum(e.value for e in trainer[k]) for k in ("read_s", "train_s", "broadcast_s")]
+    running = [v for t, v in gauge if t0 <= t <= t1]
+    lag = read_token_stats(run_dir)["lag"]
+    to_target_s, at_version = _time_to_target(_scalars(run_dir, "actor0").get("eval/success", []), target)
+    return {"mode": cfg.mode, "samples_per_s": (len(steps) - 1) * cfg.trainer.samples_per_step / window_s,
+            "tokens_per_s": tokens / window_s, "running_mean": float(np.mean(running)) if running else 0.0,
+            "occupancy": (float(np.mean(running)) if running else 0.0)
+            / (cfg.inference.max_num_seqs * cfg.inference.num_servers),
+            "trainer_idle": busy[0] / sum(busy), "lag_mean": float(lag.mean()), "lag_max": int(lag.max()),
+            "time_to_target_s": to_target_s, "target_version": at_version, "wall_s": wall_s,
+            "mean_length": float(np.mean(lengths)), "lengths": lengths,
+            "steps": steps[-1].step, "samples_per_step": cfg.trainer.samples_per_step}
+
+
+def predicted_lag(result: dict, G: int) -> tuple[float, float]:
+    """tools/lag_model.py's token lag (mean, max) for the measured occupancy and rates."""
+    if result["mode"] == "conventional":
+        return (G - 1) / 2, float(G - 1)
+    lengths = np.asarray(result["lengths"])
+    # A decode step produces one token per running sequence: t(b) = running / tokens_per_s.
+    decode_step_s = result["running_mean"] / result["tokens_per_s"]
+    step_period_s = result["samples_per_step"] / result["samples_per_s"]
+    lags = _lag_model()._pipeline_lags(lengths, decode_step_s, step_period_s)
+    return lags["lag_mean"], lags["lag_max"]
+
+
+ROWS = [("samples trained / s", "samples_per_s", "{:.1f}"), ("generated tokens / s", "tokens_per_s", "{:.0f}"),
+        ("mean running requests", "running_mean", "{:.1f}"), ("inference batch occupancy", "occupancy", "{:.3f}"),
+        ("trainer idle fraction", "trainer_idle", "{:.3f}"), ("lag mean (tokens)", "lag_mean", "{:.3f}"),
+        ("lag max", "lag_max", "{}"), ("lag mean / max, lag model", "predicted", "{}"),
+        ("s to target success", "time_to_target_s", "{:.0f}"), ("  reached at version", "target_version", "{}"),
+        ("wall s (whole run)", "wall_s", "{:.0f}")]
+
+
+def print_table(results: dict[str, dict], target: float) -> None:
+    pipe, conv = results["pipeline"], results["conventional"]
+    print(f"\n{'':<28}{'pipeline':>14}{'conventional':>14}{'ratio p/c':>11}")
+    for label, key, fmt in ROWS:
+        p, c = pipe.get(key), conv.get(key)
+        show = [fmt.format(v) if v is not None else "not reached" for v in (p, c)]
+        numbers = isinstance(p, (int, float)) and isinstance(c, (int, float)) and c and key != "target_version"
+        ratio = f"{p / c:.2f}" if numbers else ""
+        label = label.replace("target", f"{target:.2f}")
+        print(f"{label:<28}{show[0]:>14}{show[1]:>14}{ratio:>11}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="PipelineRL vs conventional RL, side by side (tiny model, CPU)")
+    parser.add_argument("--steps", type=int, default=96, help="optimizer steps per mode (a multiple of G)")
+    parser.add_argument("--G", type=int, default=4, help="conventional: optimizer steps per generated batch")
+    parser.add_argument("--target", type=float, default=0.75, help="held-out greedy success to time")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "runs" / "bench_pipeline_vs_conventional")
+    parser.add_argument("--base-port", type=int, default=18650)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides applied to both modes")
+    args = parser.parse_args()
+    common = [f"trainer.max_steps={args.steps}", f"conventional.steps_per_batch={args.G}",
+              f"actor.eval_every_steps={args.G}", f"inference.base_port={args.base_port}",
+              f"trainer.broadcast_port={args.base_port + 40}", *args.overrides]
+    results = {}
+    for mode in ("pipeline", "conventional"):
+        print(f"running {mode} ({args.steps} steps)...", flush=True)
+        results[mode] = run_mode(mode, args.out_dir, common, args.target)  # `conventional.*` unused by pipeline
+        results[mode]["predicted"] = "{:.2f} / {:.2f}".format(*predicted_lag(results[mode], args.G))
+    print_table(results, args.target)
+    summary = {m: {k: v for k, v in r.items() if k != "lengths"} for m, r in results.items()}
+    (args.out_dir / "results.json").write_text(json.dumps(summary, indent=1))
+    print(f"\nwrote {args.out_dir / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
