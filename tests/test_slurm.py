@@ -297,3 +297,24 @@ def test_submitit_sweep_of_two_points_prints_its_table(slurm_env, tiny_model_dir
     for line, lr in zip(table[1:], ("1e-4", "2e-4")):
         assert line.split()[0] == f"trainer.lr={lr}" and line.split()[2:5] == ["COMPLETED", "6", "192"], line
         assert (tmp_path / "sweep" / f"trainer.lr={lr}" / "checkpoints" / "step_00000006").is_dir()
+
+
+class _SilentJob:
+    """A submitit job as seen without accounting after a hard crash: never done, no result."""
+
+    def __init__(self, job_id: str):
+        self.job_id, self.paths = job_id, type("Paths", (), {"stdout": f"/logs/{job_id}.out"})()
+
+    def done(self, force_check: bool = False) -> bool:
+        return False
+
+
+def test_waiting_on_a_crashed_job_without_accounting_ends(monkeypatch):
+    from pipelinerl.launch import slurm
+
+    monkeypatch.setattr(slurm, "_in_queue", lambda job_id: False)  # gone from squeue, never a result
+    outcomes = slurm.wait_jobs([_SilentJob("7_0")], timeout_s=30, poll_s=0.05, vanish_grace_s=0.3)
+    assert outcomes == [("CRASHED", "left the queue without a result; log: /logs/7_0.out")]
+    monkeypatch.setattr(slurm, "_in_queue", lambda job_id: True)  # still queued: the deadline names it
+    with pytest.raises(TimeoutError, match="Slurm job.s. 7_1 not finished after 0 s"):
+        slurm.wait_jobs([_SilentJob("7_1")], timeout_s=0.2, poll_s=0.05)

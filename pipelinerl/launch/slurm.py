@@ -5,7 +5,7 @@ tensor-parallel group, started by one `servers` agent per node); training nodes 
 trainer (one srun task per rank, one rank per GPU) and, on the first of them, the actor. Two shapes:
 
   het    `sbatch slurm/run_*.sh`: a heterogeneous job, component 0 = inference nodes, component 1 =
-         training nodes; every srun names its `--het-group`.
+         training nodes; every srun names its `--het-group` (and, as in split, its `--nodelist`).
   split  submitit, which cannot submit het jobs, and job arrays, which Slurm cannot make of het jobs:
          one homogeneous allocation of inference_nodes + training_nodes; the first inference_nodes
          hosts serve, the others train; every srun names its `--nodelist`.
