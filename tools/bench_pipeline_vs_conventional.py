@@ -140,7 +140,7 @@ def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float,
             "trainer_idle": busy[0] / sum(busy), "lag_mean": float(lag.mean()), "lag_max": int(lag.max()),
             "time_to_target_s": to_target_s, "target_version": at_version, "wall_s": wall_s,
             "mean_length": float(np.mean(lengths)), "lengths": lengths,
-            "steps": steps[-1].step, "samples_per_step": cfg.trainer.samples_per_step}
+            "steps": steps[-1].step, "samples_per_step": cfg.trainer.samples_per_step, "max_lag": cfg.actor.max_lag}
 
 
 def predicted_lag(result: dict, G: int) -> tuple[float, float]:
@@ -152,6 +152,8 @@ def predicted_lag(result: dict, G: int) -> tuple[float, float]:
     decode_step_s = result["running_mean"] / result["tokens_per_s"]
     step_period_s = result["samples_per_step"] / result["samples_per_s"]
     lags = _lag_model()._pipeline_lags(lengths, decode_step_s, step_period_s)
+    if result["trainer_idle"] < 0.5:  # training is the bottleneck: samples queue up to the throttle's bound
+        return max(result["max_lag"] - 0.5, lags["lag_mean"]), max(float(result["max_lag"]), lags["lag_max"])
     return lags["lag_mean"], lags["lag_max"]
 
 

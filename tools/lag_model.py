@@ -44,8 +44,12 @@ class Hardware:
         return self.decode_fixed_s + self.decode_per_seq_s * batch
 
 
-def pipeline(hw: Hardware, lengths: np.ndarray, samples_per_step: int, n_inference: int, n_train: int) -> dict:
-    """Steady state of PipelineRL for completions drawn from `lengths` (tokens)."""
+def pipeline(hw: Hardware, lengths: np.ndarray, samples_per_step: int, n_inference: int, n_train: int,
+             max_lag: int | None = None) -> dict:
+    """Steady state of PipelineRL for completions drawn from `lengths` (tokens). When generation is
+    faster than training, finished samples queue in the stream until the throttle (actor.max_lag)
+    stops the actor: each sample then waits about max_lag steps, and the lag is the throttle's bound
+    (unbounded without one)."""
     mean_len = float(np.mean(lengths))
     gen_rate = n_inference * hw.max_batch / (hw.step_s(hw.max_batch) * mean_len)  # samples/s at full batch
     train_rate = samples_per_step / (samples_per_step * mean_len * hw.train_token_s / n_train + hw.sync_s)
@@ -55,6 +59,9 @@ def pipeline(hw: Hardware, lengths: np.ndarray, samples_per_step: int, n_inferen
     batch = hw.max_batch if gen_rate <= train_rate else (
         rate * mean_len * hw.decode_fixed_s / (n_inference - rate * mean_len * hw.decode_per_seq_s))
     lags = _pipeline_lags(lengths, hw.step_s(batch), samples_per_step / rate)
+    if gen_rate > train_rate:  # queue-bound: a sample starts max_lag steps ahead of the step training it
+        bound = float("inf") if max_lag is None else float(max_lag)
+        lags.update(lag_mean=max(bound - 0.5, lags["lag_mean"]), lag_max=max(bound, lags["lag_max"]))
     return {"samples_per_s": rate, "tokens_per_s": rate * mean_len, "occupancy": batch / hw.max_batch, **lags}
 
 
