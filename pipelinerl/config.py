@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -32,7 +32,7 @@ def _check_choice(value: Any, choices: tuple, key: str) -> None:
     _check(value in choices, key, f"got {value!r}; choose one of {', '.join(map(repr, choices))}")
 
 
-def _check_positive(value: Optional[float], key: str, allow_null: bool = False) -> None:
+def _check_positive(value: float | None, key: str, allow_null: bool = False) -> None:
     if value is None:
         _check(allow_null, key, "must be set (null is not allowed here)")
         return
@@ -97,16 +97,16 @@ class InferenceConfig:
     host: str = "127.0.0.1"  # address servers bind to; `0.0.0.0` on clusters
     base_port: int = 8080  # server i listens on base_port + i (per node)
     tensor_parallel_size: int = 1  # GPUs per server (vLLM tensor parallelism); 1 on CPU
-    max_model_len: Optional[int] = None  # prompt + completion limit in tokens; null = the model's own
+    max_model_len: int | None = None  # prompt + completion limit in tokens; null = the model's own
     max_num_seqs: int = 256  # sequences one server runs concurrently (its full batch)
     gpu_memory_utilization: float = 0.9  # vLLM's fraction of GPU memory; on CPU the default 0.92 fails, use 0.3
-    cpu_kv_cache_gb: Optional[float] = 1.0  # VLLM_CPU_KVCACHE_SPACE in GiB on CPU; null = vLLM's default
+    cpu_kv_cache_gb: float | None = 1.0  # VLLM_CPU_KVCACHE_SPACE in GiB on CPU; null = vLLM's default
     enable_prefix_caching: bool = False  # vLLM prefix cache; only with kv_on_update=recompute (see below)
     kv_on_update: str = "keep"  # running sequences after an update: keep (stale KV) | recompute (re-prefill)
-    weight_update_backend: Optional[str] = None  # nccl | gloo; null = nccl when CUDA is present, else gloo
+    weight_update_backend: str | None = None  # nccl | gloo; null = nccl when CUDA is present, else gloo
     weight_update_timeout_s: float = 600.0  # seconds any weight-update wait may take (group join, each
     #                                          bucket, each reply); the trainer sends it to the servers
-    auth_token: Optional[str] = None  # bearer token of the control routes; null = RUN_DIR/auth_token
+    auth_token: str | None = None  # bearer token of the control routes; null = RUN_DIR/auth_token
     #                                   (created with mode 0600 by the first server that needs it)
     startup_timeout_s: float = 600.0  # launcher waits this long for a server's /health
     engine_args: dict = field(default_factory=dict)  # extra vLLM engine arguments, passed through as-is
@@ -150,7 +150,7 @@ class ActorConfig:
     """The actor: prompts in, G attempts each, rewards, the lag throttle (`pipelinerl actor`)."""
 
     attempts: int = 8  # G: completions sampled per prompt; advantages are computed within each group
-    max_lag: Optional[int] = None  # bound on (trainer version - oldest version in flight); 0 = on-policy;
+    max_lag: int | None = None  # bound on (trainer version - oldest version in flight); 0 = on-policy;
     #                                 null = no bound
     max_groups_in_flight: int = 32  # prompt groups awaiting completion at once (keeps servers at full batch)
     request_timeout_s: float = 600.0  # one completion request; on timeout it is retried on another server
@@ -175,9 +175,9 @@ class TaskConfig:
     """The data set and its reward."""
 
     name: str = "addition"  # addition (2-digit sums, answer written units-first; CPU) | math (math-verify)
-    dataset_path: Optional[str] = None  # math training rows: .jsonl/.json/.parquet of {question, answer}
+    dataset_path: str | None = None  # math training rows: .jsonl/.json/.parquet of {question, answer}
     #                                     (or problem/answer, or Open-Reasoner-Zero pairs); null for addition
-    eval_dataset_path: Optional[str] = None  # math test rows (e.g. MATH-500, AIME 2024), same formats;
+    eval_dataset_path: str | None = None  # math test rows (e.g. MATH-500, AIME 2024), same formats;
     #                                          null = hold out eval_fraction of dataset_path instead
     eval_fraction: float = 0.06  # share of the data held out for evaluation (never trained on)
     seed: int = 0  # data order and the held-out split
@@ -198,24 +198,24 @@ class TrainerConfig:
     """The DeepSpeed trainer (`pipelinerl train`)."""
 
     zero_stage: int = 3  # DeepSpeed ZeRO stage: 0 (plain DDP), 1, 2 or 3 (sharded params, for 7B/32B)
-    num_gpus: Optional[int] = None  # trainer ranks; null = all GPUs of the training nodes (1 process on CPU)
+    num_gpus: int | None = None  # trainer ranks; null = all GPUs of the training nodes (1 process on CPU)
     micro_batch_tokens: int = 8192  # token budget of one packed micro-batch (prompt + completion tokens)
     samples_per_step: int = 64  # samples (completions) per optimizer step, summed over all ranks
-    max_steps: Optional[int] = None  # stop after this many optimizer steps; null = until stopped
+    max_steps: int | None = None  # stop after this many optimizer steps; null = until stopped
     lr: float = 1e-6  # peak learning rate
     lr_schedule: str = "constant"  # constant | linear (decay to 0 at max_steps) | cosine (to 0 at max_steps)
     warmup_steps: int = 0  # linear warm-up from 0 to lr over this many optimizer steps
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     betas: list = field(default_factory=lambda: [0.9, 0.999])  # AdamW (beta1, beta2)
     adam_eps: float = 1e-8  # AdamW epsilon
-    grad_clip: Optional[float] = 1.0  # max global gradient L2 norm; null = no clipping
+    grad_clip: float | None = 1.0  # max global gradient L2 norm; null = no clipping
     gradient_checkpointing: bool = False  # recompute activations in backward (long sequences on GPU)
     attn_implementation: str = "sdpa"  # sdpa (any device; packed sequences get a block-diagonal mask) |
     #                                    flash_attention_2 (GPU with flash-attn installed; varlen kernels)
     deepspeed_config: dict = field(default_factory=dict)  # merged over the generated DeepSpeed config,
     #                                    e.g. {zero_optimization: {reduce_bucket_size: 5e8}}; {} = none
     dist_timeout_s: float = 1800.0  # a trainer collective (all-reduce, gather) waiting longer fails
-    broadcast_host: Optional[str] = None  # address the servers reach trainer rank 0 at for weight updates;
+    broadcast_host: str | None = None  # address the servers reach trainer rank 0 at for weight updates;
     #                                       null = this host's address on the route to the first server
     broadcast_port: int = 29511  # TCP port of the weight-update group's store on trainer rank 0
     broadcast_bucket_mb: float = 256.0  # weights are broadcast in buckets of at most this many MiB
@@ -256,9 +256,9 @@ class RLConfig:
     algorithm: str = "grpo"  # grpo (policy gradient with group baselines) | dpo (online DPO on group pairs)
     baseline: str = "mean"  # group baseline: mean | leave_one_out (mean of the other G-1 rewards)
     divide_by_std: bool = False  # divide advantages by the group's reward std (+ 1e-6)
-    ppo_clip: Optional[float] = None  # PPO ratio clip epsilon, e.g. 0.2; null = no clipping (seed 000)
-    tis_cap: Optional[float] = None  # truncated importance sampling: cap ratios at this; null = no cap
-    max_token_lag: Optional[int] = None  # drop tokens whose lag exceeds this (seed 001); null = keep all
+    ppo_clip: float | None = None  # PPO ratio clip epsilon, e.g. 0.2; null = no clipping (seed 000)
+    tis_cap: float | None = None  # truncated importance sampling: cap ratios at this; null = no cap
+    max_token_lag: int | None = None  # drop tokens whose lag exceeds this (seed 001); null = keep all
     kl_coef: float = 0.0  # weight of the k3 KL to the reference model; 0 = no reference model
     value_function: bool = False  # train a critic head and use GAE advantages (seed 001's baseline)
     gamma: float = 1.0  # GAE discount (value_function only)
@@ -300,7 +300,7 @@ class ConventionalConfig:
     trainer.samples_per_step samples each), and only then are the weights synced, once per batch."""
 
     steps_per_batch: int = 4  # G: optimizer steps per generated batch; 1 = synchronous on-policy RL
-    batch_size: Optional[int] = None  # B: samples generated per batch; null = G x trainer.samples_per_step
+    batch_size: int | None = None  # B: samples generated per batch; null = G x trainer.samples_per_step
     #                                    (the only valid value: every batch must fill exactly G steps)
 
     def __post_init__(self) -> None:
@@ -319,7 +319,7 @@ class StreamsConfig:
     poll_interval_s: float = 0.2  # seconds between a waiting reader's directory listings
     fsync: bool = True  # fsync each segment before its rename and its folder after; false = faster,
     #                      but a machine crash may lose (and a restarted writer renumber) recent segments
-    dedup_window: Optional[int] = 100_000  # sample ids a reader remembers to drop duplicates (~120 bytes
+    dedup_window: int | None = 100_000  # sample ids a reader remembers to drop duplicates (~120 bytes
     #                                         each); null = all of them (memory grows with the run)
     retention: str = "keep"  # consumed segments: keep | delete (by `release`, once a checkpoint covers them)
 
@@ -336,7 +336,7 @@ class StreamsConfig:
 class CheckpointConfig:
     """Checkpoints under RUN_DIR/checkpoints: HF weights + DeepSpeed state + stream cursor + version."""
 
-    every_steps: Optional[int] = 100  # save every N optimizer steps; null = only on signals and at the end
+    every_steps: int | None = 100  # save every N optimizer steps; null = only on signals and at the end
     keep_last: int = 2  # complete checkpoints kept on disk (older ones are deleted)
     save_on_signal: bool = True  # save on SIGTERM / SIGUSR1 (Slurm's pre-time-limit signal), then exit
 
@@ -362,18 +362,18 @@ class LoggingConfig:
 class SlurmConfig:
     """Slurm resources; each field names the #SBATCH flag it sets. null = the cluster's default."""
 
-    account: Optional[str] = None  # --account
-    partition: Optional[str] = None  # --partition
-    qos: Optional[str] = None  # --qos
+    account: str | None = None  # --account
+    partition: str | None = None  # --partition
+    qos: str | None = None  # --qos
     time: str = "3-00:00:00"  # --time, D-HH:MM:SS
     inference_nodes: int = 1  # --nodes of het component 0 (vLLM servers)
     training_nodes: int = 1  # --nodes of het component 1 (DeepSpeed trainer + actor)
-    gpus_per_node: Optional[int] = 8  # --gpus-per-node; null on CPU-only clusters
-    cpus_per_task: Optional[int] = None  # --cpus-per-task
-    mem: Optional[str] = None  # --mem, e.g. "0" for the whole node
+    gpus_per_node: int | None = 8  # --gpus-per-node; null on CPU-only clusters
+    cpus_per_task: int | None = None  # --cpus-per-task
+    mem: str | None = None  # --mem, e.g. "0" for the whole node
     signal_seconds: int = 300  # --signal=B:USR1@N: checkpoint and requeue N seconds before the time limit;
     #                            the trainer gets N - 30 s to checkpoint (submitit sets it; scripts: #SBATCH)
-    master_port: Optional[int] = None  # trainer's MASTER_PORT on the first training node; null = 20000 +
+    master_port: int | None = None  # trainer's MASTER_PORT on the first training node; null = 20000 +
     #                                    job id % 10000 (jobs sharing a node then differ)
 
     def __post_init__(self) -> None:
@@ -391,7 +391,7 @@ class LaunchConfig:
     """Where the roles run."""
 
     backend: str = "local"  # local (child processes of `pipelinerl run`) | slurm
-    torch_threads: Optional[int] = None  # torch threads per CPU process; null = torch's default
+    torch_threads: int | None = None  # torch threads per CPU process; null = torch's default
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def __post_init__(self) -> None:
@@ -466,7 +466,7 @@ def _omegaconf_error(err: OmegaConfBaseException) -> ConfigError:
     return ConfigError(f"config `{key}`: {err}")
 
 
-def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
     """YAML file (optional) + `key=value` overrides -> validated Config. Errors are ConfigError."""
     schema = OmegaConf.structured(Config)
     layers = []

