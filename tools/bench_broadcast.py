@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from pipelinerl.config import TinyModelConfig, TrainerConfig
+from pipelinerl.launch.procs import free_port
 
 SHAPES = {
     "tiny": TinyModelConfig(),
@@ -31,15 +31,6 @@ SHAPES = {
 }
 
 
-def free_port(start: int) -> int:
-    for port in range(start, start + 500):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError(f"no free port from {start}")
 
 
 def start_server(model_dir: Path, run_dir: Path) -> subprocess.Popen:

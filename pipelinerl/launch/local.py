@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 
 from pipelinerl.config import Config, ConfigError, save_config
-from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
+from pipelinerl.launch.procs import Role, RoleFailed, Supervisor, free_port
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +63,6 @@ def serving_weights(cfg: Config) -> tuple[str, int]:
     return str(latest / "hf"), int(meta["version"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _roles(cfg: Config, config_path: Path) -> tuple[list[Role], Role, Role]:
     run_dir = Path(cfg.run_dir)
     cli = [sys.executable, "-m", "pipelinerl.cli"]
@@ -80,7 +73,7 @@ def _roles(cfg: Config, config_path: Path) -> tuple[list[Role], Role, Role]:
                     run_dir / "logs" / f"server{i}.log", threads)
                for i in range(cfg.inference.num_servers)]
     dist_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(_free_port())}
+                "MASTER_PORT": str(free_port())}
     trainer = Role("trainer", cli + ["train", str(config_path)], run_dir / "logs" / "trainer.log",
                    {**threads, **dist_env})
     actor = Role("actor", cli + ["actor", str(config_path)], run_dir / "logs" / "actor.log", threads)

@@ -11,6 +11,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -110,6 +111,20 @@ class Supervisor:
             _signal_group(proc.pid, signal.SIGKILL)  # whatever of the group is left
             proc.wait()
         self.running.clear()
+
+
+def free_port(start: int | None = None) -> int:
+    """A TCP port free on 127.0.0.1 now: the kernel's choice, or the first free one from `start` (for
+    callers that keep their ports in a known range)."""
+    candidates = [0] if start is None else range(start, start + 1000)
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return s.getsockname()[1]
+            except OSError:
+                continue
+    raise RuntimeError(f"no free TCP port in {start}-{start + 999}")
 
 
 def _group_alive(pgid: int) -> bool:
