@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ class PromptItem:
         return [{"role": "user", "content": self.prompt}]
 
 
-class Task:
+class Task(abc.ABC):
     """A data set split into train and held-out items, and a reward. Subclasses fill both lists."""
 
     name: str = ""
@@ -47,10 +48,10 @@ class Task:
                 yield self.train_items[index]
             position = (epoch + 1) * n
 
+    @abc.abstractmethod
     def reward(self, item: PromptItem, completion_text: str, finished: bool) -> float:
         """Reward of one completion. completion_text excludes the EOS token; finished is True when the
         model ended it (EOS), False when it was cut at the length limit."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Release what the task holds (worker processes); the task stays usable and reopens them."""
