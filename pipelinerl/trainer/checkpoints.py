@@ -1,6 +1,6 @@
 """Checkpoints under RUN_DIR/checkpoints, written atomically and resumed from the latest complete one.
 
-Layout of one checkpoint (complete once renamed from `step_XXXXXXXX.tmp`):
+Layout of one checkpoint (complete once renamed from `step_<8-digit step>.tmp`):
 
     step_00000120/
       meta.json      step, policy version, stream cursor, samples seen: written last, by rank 0
