@@ -117,3 +117,23 @@ def test_padding_micro_batch_has_one_target_and_no_sequences():
     mb = padding_micro_batch(["adv"])
     assert mb.is_padding and mb.num_sequences == 0 and mb.target_pos_N.tolist() == [1]
     assert mb.fields_N["adv"].tolist() == [0.0]
+
+
+def test_samples_packed_together_share_a_row_and_the_rest_still_fills_rows():
+    samples = make_samples(24, seed=3)
+    keys = [i // 3 if i % 3 < 2 else None for i in range(24)]  # pairs (0,1), (3,4), ... must stay together
+    rows = pack(samples, micro_batch_tokens=24, together=keys)
+    row_of = {int(i): r for r, row in enumerate(rows) for i in row.seq_index_N.unique()}
+    for i in range(0, 24, 3):
+        assert row_of[i] == row_of[i + 1], f"pair {i},{i + 1} split over rows"
+    assert sorted(row_of) == list(range(24))
+    pair_tokens = [samples[i].num_tokens + samples[i + 1].num_tokens for i in range(0, 24, 3)]
+    assert all(r.num_tokens <= max(24, max(pair_tokens)) for r in rows)
+    assert len(rows) <= sum(s.num_tokens for s in samples) // 24 + 2
+
+
+def test_a_bundle_longer_than_the_budget_gets_its_own_row():
+    a, b, c = Sample([3] * 5, [4] * 5, index=0), Sample([3] * 5, [4] * 5, index=1), Sample([3], [4], index=2)
+    rows = pack([a, c, b], micro_batch_tokens=12, together=["g", None, "g"])
+    assert sorted(r.num_tokens for r in rows) == [2, 20]
+    assert sorted(rows[0].seq_index_N.unique().tolist()) == [0, 1]

@@ -101,7 +101,7 @@ def compute_loss(new_logprobs_T: torch.Tensor, behaviour_logprobs_T: torch.Tenso
     behaviour_T = behaviour_logprobs_T.detach().to(new_logprobs_T.dtype)
     advantages_T = advantages_T.detach().to(new_logprobs_T.dtype)
     stats = token_stats(new_logprobs_T, behaviour_T, lag_T, mask_T, keep_T)
-    stats["sequences"] = stats["tokens"].new_tensor(float(torch.unique(seq_index_T).numel()))
+    stats["sequences"] = stats["tokens"].new_tensor(float(torch.unique(seq_index_T[mask_T]).numel()))
     if cfg.needs_reference_logprobs:
         assert ref_logprobs_T is not None, "this RL config needs ref_logprobs_T (kl_coef > 0 or dpo reference)"
         ref_logprobs_T = ref_logprobs_T.detach().to(new_logprobs_T.dtype)

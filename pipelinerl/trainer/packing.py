@@ -67,22 +67,29 @@ def _row(samples: list[Sample]) -> MicroBatch:
         fields_N=fields, num_sequences=len(samples))
 
 
-def pack(samples: list[Sample], micro_batch_tokens: int) -> list[MicroBatch]:
+def pack(samples: list[Sample], micro_batch_tokens: int, together: list | None = None) -> list[MicroBatch]:
     """First-fit decreasing into rows of at most micro_batch_tokens tokens.
 
-    A sample longer than the budget gets a row to itself (truncating it would change the objective).
-    Deterministic: ties in length keep the samples' order.
+    together: one key per sample (or None); samples sharing a non-None key land in the same row (online
+    DPO scores a pair inside one micro-batch). A sample, or a bundle, longer than the budget gets a row
+    to itself (truncating it would change the objective). Deterministic: ties in length keep the
+    samples' order.
     """
+    units: dict = {}
+    for i, s in enumerate(samples):
+        key = i if together is None or together[i] is None else ("together", together[i])
+        units.setdefault(key, []).append(s)
     bins: list[list[Sample]] = []
     room: list[int] = []
-    for s in sorted(samples, key=lambda s: -s.num_tokens):
-        slot = next((i for i, r in enumerate(room) if r >= s.num_tokens), None)
+    for unit in sorted(units.values(), key=lambda u: -sum(s.num_tokens for s in u)):
+        size = sum(s.num_tokens for s in unit)
+        slot = next((i for i, r in enumerate(room) if r >= size), None)
         if slot is None:
-            bins.append([s])
-            room.append(micro_batch_tokens - s.num_tokens)
+            bins.append(list(unit))
+            room.append(micro_batch_tokens - size)
         else:
-            bins[slot].append(s)
-            room[slot] -= s.num_tokens
+            bins[slot] += unit
+            room[slot] -= size
     return [_row(b) for b in bins]
 
 
