@@ -209,6 +209,7 @@ def test_kl_term_hand_computed():
                                torch.zeros(1), torch.zeros(1), 1, RLConfig(kl_coef=2.0), ref_logprobs_T=ref)
     assert loss.item() == pytest.approx(2.0 * (0.5 - math.log(0.5) - 1))
     assert stats["kl_loss"].item() == pytest.approx(loss.item())
+    assert summarize_stats(stats)["kl_ref"] == pytest.approx(0.5 - math.log(0.5) - 1)  # per kept token, no coef
 
 
 def test_config_rejects_conflicting_options():

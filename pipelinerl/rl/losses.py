@@ -118,8 +118,10 @@ def compute_loss(new_logprobs_T: torch.Tensor, behaviour_logprobs_T: torch.Tenso
         # k3 estimator of KL(pi || ref) per token: exp(ref - new) - (ref - new) - 1 (Schulman 2020).
         log_ref_ratio_T = ref_logprobs_T - new_logprobs_T
         k3_T = log_ref_ratio_T.exp() - log_ref_ratio_T - 1
-        kl_loss = cfg.kl_coef * (k3_T * keep_T).sum() / num_sequences
+        kl_sum = (k3_T * keep_T).sum()
+        kl_loss = cfg.kl_coef * kl_sum / num_sequences
         stats["kl_loss"] = kl_loss.detach().double()
+        stats["kl_ref_sum"] = kl_sum.detach().double()
         loss = loss + kl_loss
     if cfg.value_function:
         assert values_T is not None and returns_T is not None, "value_function needs values_T and returns_T"

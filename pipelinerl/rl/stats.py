@@ -6,7 +6,7 @@ gives exactly the optimizer step's statistics, however its sequences were packed
 then turns them into the logged numbers. ``lag_hist`` has a fixed length so it all-reduces as is.
 
 Keys: tokens, kept_tokens, sequences, ratio_sum, ratio_sq_sum, kl_k1_sum, kl_k3_sum, neg_logprob_sum,
-lag_sum, max_lag, lag_hist; from `compute_loss` also grpo_loss or dpo_loss, and kl_loss, value_loss,
+lag_sum, max_lag, lag_hist; from `compute_loss` also grpo_loss or dpo_loss, and kl_loss, kl_ref_sum, value_loss,
 ppo_clipped_tokens, tis_capped_tokens, dpo_pairs, dpo_correct_pairs, dpo_margin_sum when those are on.
 """
 
@@ -80,6 +80,8 @@ def summarize_stats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
     for key in ("ppo_clipped_tokens", "tis_capped_tokens"):
         if key in stats:
             out[key.replace("_tokens", "_frac")] = _ratio(stats[key], kept)
+    if "kl_ref_sum" in stats:  # k3 estimate of KL(current || reference) per kept token
+        out["kl_ref"] = _ratio(stats["kl_ref_sum"], kept)
     if "dpo_pairs" in stats:
         out["dpo_accuracy"] = _ratio(stats["dpo_correct_pairs"], stats["dpo_pairs"])
         out["dpo_margin"] = _ratio(stats["dpo_margin_sum"], stats["dpo_pairs"])
