@@ -52,7 +52,8 @@ def pg_loss(new_N, behaviour_N, advantage_N, num_sequences):
     return -(ratio_N * advantage_N.to(new_N)).sum() / num_sequences
 
 
-def micro_batch_loss(mb, new_N, num_sequences):
+def micro_batch_loss(mb, new_N, values_N, num_sequences):
+    assert values_N is None  # no value head
     loss = pg_loss(new_N, mb.fields_N["behaviour"], mb.fields_N["advantage"], num_sequences)
     return loss, {"loss": loss.item()}
 
@@ -92,7 +93,7 @@ def worker(rank, world, port, model_dir, spec, out_path):
     first, log = 0, []
     if spec.get("resume"):
         first = load_checkpoint(trainer, latest_checkpoint(spec["ckpt_root"]))["step"]
-    vocab = trainer.module.config.vocab_size
+    vocab = trainer.lm.config.vocab_size
     for step in range(first, spec["steps"]):
         _train(trainer, dist, step, step + 1, spec["micro_batch_tokens"], vocab, log)
         if spec.get("ckpt_root"):

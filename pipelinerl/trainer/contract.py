@@ -17,9 +17,12 @@ class Trainer(Protocol):
     def init(self, model_path: str) -> None:
         """Load the HF checkpoint at model_path, shard weights and optimizer state over the ranks."""
 
-    def forward(self, micro_batch: MicroBatch) -> torch.Tensor:
+    def forward(self, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[N] log-probs (float32, differentiable) of the micro-batch's completion tokens under the
-        current weights, in the order of micro_batch.target_pos_N."""
+        current weights, in the order of micro_batch.target_pos_N, and from the same forward pass the
+        critic's [N] values (float32, differentiable) of the states in which those tokens were chosen, or
+        None when the backend trains no value head (rl.value_function off). The head is the backend's own:
+        broadcasts and HF checkpoints carry the LM alone."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate gradients of loss: this micro-batch's share of the step's total loss (a sum over

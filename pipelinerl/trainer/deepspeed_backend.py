@@ -7,6 +7,11 @@ undo that exactly. Gradient accumulation is unmanaged (`managed_gradient_accumul
 number of micro-batches varies with packing, and `optimizer_step` is the only accumulation boundary.
 ZeRO-2/3 reduce gradients (and ZeRO-3 gathers parameters) on every micro-batch, so every rank must run
 the same number of them: `accumulate` pads the shorter ranks with zero-loss micro-batches.
+
+Value head (rl.value_function). The engine then wraps `ValueHeadLM`: the HF causal LM plus a critic head on
+its final hidden state (shared trunk). The head is trained and checkpointed with the DeepSpeed state, but
+weights that leave the trainer (broadcasts to the inference servers, the hf/ checkpoint folder) are the LM's
+alone, under their HF names.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -27,7 +33,8 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # Files of an HF folder that describe weights; everything else (config, tokenizer) is copied as-is.
 _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
-LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
+# loss_fn(micro_batch, new_logprobs_N, values_N or None without a value head) -> (loss share, stats)
+LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -71,9 +78,38 @@ def lr_factor(step: int, cfg: TrainerConfig) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def completion_logprobs(model, micro_batch: MicroBatch, device: torch.device) -> torch.Tensor:
-    """[N] float32 log-probs of a packed micro-batch's completion tokens under `model` (an HF causal LM
-    or the DeepSpeed engine wrapping one)."""
+class LogitsAndValues(NamedTuple):  # a tuple, so ZeRO-3's hooks on module outputs reach its tensors
+    logits: torch.Tensor  # [1, K, V] the LM's logits of the rows kept by logits_to_keep
+    values: torch.Tensor  # [1, K] the value head on the same rows' final hidden states
+
+
+class ValueHeadLM(torch.nn.Module):
+    """An HF causal LM plus a critic head `nn.Linear(hidden_size, 1)` on its final (post-norm) hidden state,
+    the one the LM head reads. The head starts at zero weight and bias, so every value starts at 0 whatever
+    the seed or rank, and the first value-loss step moves the head alone (its zero weight passes the trunk no
+    gradient)."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.value_head = torch.nn.Linear(lm.config.hidden_size, 1, dtype=lm.dtype)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, logits_to_keep: torch.Tensor, **lm_kwargs) -> LogitsAndValues:
+        # hidden_states[-1] is the final norm's output (transformers ties it to last_hidden_state). The tuple
+        # holds every layer's output, which backward (or gradient checkpointing) keeps anyway.
+        out = self.lm(logits_to_keep=logits_to_keep, output_hidden_states=True, **lm_kwargs)
+        hidden_KH = out.hidden_states[-1][0, logits_to_keep]
+        return LogitsAndValues(out.logits, self.value_head(hidden_KH)[None, :, 0])
+
+
+def completion_forward(model, micro_batch: MicroBatch,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward pass over a packed micro-batch: [N] float32 log-probs of its completion tokens and, when
+    `model` is a ValueHeadLM, [N] float32 values (else None). model: an HF causal LM, a ValueHeadLM, or the
+    DeepSpeed engine wrapping either. values_N[i] is the value of the state in which token i was chosen: the
+    head on row target_pos_N[i] - 1, the same row whose logits give new_N[i]."""
     input_ids = micro_batch.input_ids.to(device)
     target_pos = micro_batch.target_pos_N.to(device)
     # No attention mask: transformers isolates the packed sequences from the position-id restarts.
@@ -82,15 +118,24 @@ def completion_logprobs(model, micro_batch: MicroBatch, device: torch.device) ->
                 logits_to_keep=target_pos - 1)
     logits_NV = out.logits[0].float()
     targets_N = input_ids[0, target_pos]
-    return logits_NV.gather(-1, targets_N[:, None])[:, 0] - logits_NV.logsumexp(-1)
+    logprobs_N = logits_NV.gather(-1, targets_N[:, None])[:, 0] - logits_NV.logsumexp(-1)
+    return logprobs_N, out.values[0].float() if isinstance(out, LogitsAndValues) else None
+
+
+def completion_logprobs(model, micro_batch: MicroBatch, device: torch.device) -> torch.Tensor:
+    """[N] float32 log-probs of a packed micro-batch's completion tokens under an HF causal LM."""
+    return completion_forward(model, micro_batch, device)[0]
 
 
 class DeepSpeedTrainer:
     """See contract.Trainer. `broadcaster` (rank 0 only) is a weights.WeightBroadcaster, or None to
-    gather without sending (benchmarks, tests)."""
+    gather without sending (benchmarks, tests). `value_head`: train a critic head beside the LM (ValueHeadLM);
+    `forward` and `accumulate` then also give the values."""
 
-    def __init__(self, cfg: TrainerConfig, dist: DistInfo, dtype: str = "float32", broadcaster=None):
+    def __init__(self, cfg: TrainerConfig, dist: DistInfo, dtype: str = "float32", broadcaster=None,
+                 value_head: bool = False):
         self.cfg, self.dist, self.dtype, self.broadcaster = cfg, dist, dtype, broadcaster
+        self.value_head = value_head
         self.engine = None
         self.model_path: Path | None = None
         self._hf_ds_config = None  # must outlive from_pretrained for ZeRO-3 (transformers keeps a weakref)
@@ -100,8 +145,9 @@ class DeepSpeedTrainer:
         return torch.device(f"cuda:{self.dist.local_rank}") if self.dist.backend == "nccl" else torch.device("cpu")
 
     @property
-    def module(self) -> torch.nn.Module:
-        return self.engine.module
+    def lm(self) -> torch.nn.Module:
+        """The HF causal LM (without the value head)."""
+        return self.engine.module.lm if self.value_head else self.engine.module
 
     def init(self, model_path: str) -> None:
         import deepspeed
@@ -119,6 +165,9 @@ class DeepSpeedTrainer:
         model.config.use_cache = False
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        if self.value_head:
+            # Created outside zero.Init: under ZeRO-3 deepspeed.initialize partitions it like the LM.
+            model = ValueHeadLM(model)
         cfg = self.cfg
 
         def make_optimizer(params):
@@ -129,8 +178,8 @@ class DeepSpeedTrainer:
             model=model, model_parameters=model.parameters(), optimizer=make_optimizer, config=ds_config,
             lr_scheduler=lambda opt: LambdaLR(opt, lambda step: lr_factor(step, cfg)))
 
-    def forward(self, micro_batch: MicroBatch) -> torch.Tensor:
-        return completion_logprobs(self.engine, micro_batch, self.device)
+    def forward(self, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return completion_forward(self.engine, micro_batch, self.device)
 
     def backward(self, loss: torch.Tensor) -> None:
         # DeepSpeed divides by the data-parallel size when it reduces; the loss is already this rank's
@@ -145,37 +194,40 @@ class DeepSpeedTrainer:
 
     def accumulate(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> list[dict]:
         """Forward + loss + backward over this rank's micro-batches, padded to the ranks' maximum count.
-        loss_fn(micro_batch, new_logprobs_N) -> (loss share, stats). Returns the real batches' stats."""
+        loss_fn(micro_batch, new_logprobs_N, values_N) -> (loss share, stats); values_N is None without a
+        value head, else aligned with new_logprobs_N (see `completion_forward`), and the loss must use it so
+        that every rank reduces the head's gradients. Returns the real batches' stats."""
         count = all_reduce_max(len(micro_batches))
         names = micro_batches[0].fields_N.keys() if micro_batches else ()
         padded = micro_batches + [padding_micro_batch(names)] * (count - len(micro_batches))
         stats = []
         for mb in padded:
-            new_N = self.forward(mb)
-            if mb.is_padding:
-                loss = new_N.sum() * 0.0  # touches every parameter, adds nothing
+            new_N, values_N = self.forward(mb)
+            if mb.is_padding:  # touches every parameter, adds nothing
+                loss = (new_N.sum() if values_N is None else new_N.sum() + values_N.sum()) * 0.0
             else:
-                loss, mb_stats = loss_fn(mb, new_N)
+                loss, mb_stats = loss_fn(mb, new_N, values_N)
                 stats.append(mb_stats)
             self.backward(loss)
         return stats
 
     def _modules_with_params(self) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
-        """Parameters grouped by owning module, in a fixed order shared by metas and tensors."""
-        for prefix, module in self.module.named_modules():
+        """The LM's parameters (HF names, no value head) grouped by owning module, in a fixed order shared
+        by metas and tensors."""
+        for prefix, module in self.lm.named_modules():
             own = [(f"{prefix}.{n}" if prefix else n, p) for n, p in module.named_parameters(recurse=False)]
             if own:
                 yield own
 
     def named_shapes(self) -> list[tuple[str, str, list[int]]]:
-        """(HF name, dtype, full shape) of every parameter, without gathering (ZeRO-3 keeps ds_shape)."""
+        """(HF name, dtype, full shape) of every LM parameter, without gathering (ZeRO-3 keeps ds_shape)."""
         from pipelinerl.weights import dtype_name
 
         return [(name, dtype_name(p.dtype), list(getattr(p, "ds_shape", p.shape)))
                 for own in self._modules_with_params() for name, p in own]
 
     def gathered_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full parameters, one module at a time. A collective under ZeRO-3: every rank must exhaust it.
+        """Full LM parameters, one module at a time. A collective under ZeRO-3: every rank must exhaust it.
         Each tensor is valid until the next one is requested (its module is then re-partitioned)."""
         import deepspeed
 
@@ -198,7 +250,7 @@ class DeepSpeedTrainer:
         return timings
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """CPU copies of all weights on rank 0 (empty elsewhere); a collective under ZeRO-3."""
+        """CPU copies of all LM weights on rank 0 (empty elsewhere); a collective under ZeRO-3."""
         return {name: t.detach().to("cpu", copy=True) for name, t in self.gathered_parameters()
                 if self.dist.is_main}
 
@@ -211,10 +263,11 @@ class DeepSpeedTrainer:
         for src in self.model_path.iterdir():
             if src.is_file() and not any(src.match(p) for p in _WEIGHT_FILES):
                 shutil.copy2(src, out_dir / src.name)
-        self.module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        self.lm.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
 
     def save_state(self, out_dir: Path) -> None:
-        """DeepSpeed engine state (sharded weights, optimizer, schedule); every rank writes its shard."""
+        """DeepSpeed engine state (sharded weights with the value head, optimizer, schedule); every rank writes
+        its shard."""
         self.engine.save_checkpoint(str(out_dir), tag="state", save_latest=False)
 
     def load_state(self, in_dir: Path) -> None:
