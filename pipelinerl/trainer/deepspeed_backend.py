@@ -197,7 +197,7 @@ class DeepSpeedTrainer:
         loss_fn(micro_batch, new_logprobs_N, values_N) -> (loss share, stats); values_N is None without a
         value head, else aligned with new_logprobs_N (see `completion_forward`), and the loss must use it so
         that every rank reduces the head's gradients. Returns the real batches' stats."""
-        count = all_reduce_max(len(micro_batches))
+        count = max(all_reduce_max(len(micro_batches)), 1)  # >= 1 pass: the optimizer step needs gradients
         names = micro_batches[0].fields_N.keys() if micro_batches else ()
         padded = micro_batches + [padding_micro_batch(names)] * (count - len(micro_batches))
         stats = []

@@ -34,7 +34,7 @@ from pipelinerl.trainer.dist import (
     init_process_group,
     read_dist_env,
 )
-from pipelinerl.trainer.packing import MicroBatch, Sample, pack
+from pipelinerl.trainer.packing import MicroBatch, Sample, pack, padding_micro_batch
 
 log = logging.getLogger("pipelinerl.trainer")
 
@@ -56,13 +56,11 @@ def check_supported(cfg: Config, dist: DistInfo) -> None:
     if groups % dist.world_size:
         raise ConfigError(f"trainer.samples_per_step / actor.attempts = {groups} groups per step do not split "
                          f"evenly over {dist.world_size} trainer ranks; make it a multiple of the rank count")
-    if cfg.rl.needs_reference_logprobs or cfg.rl.value_function:
-        raise ConfigError("rl.kl_coef > 0, rl.dpo_reference=reference and rl.value_function need reference "
-                         "log-probs or a critic head, which `pipelinerl train` does not provide yet; turn them off")
 
 
 def rows_to_samples(batches, version: int, first_index: int, cfg: Config) -> list[Sample]:
-    """One record batch per group -> Samples with per-token behaviour log-probs, advantage and lag."""
+    """One record batch per group -> Samples with per-token behaviour log-probs, advantage (or DPO
+    role), lag, group, and when the objective needs them the reference log-probs and the reward."""
     from pipelinerl.rl import dpo_roles, group_advantages
 
     samples = []
@@ -78,8 +76,27 @@ def rows_to_samples(batches, version: int, first_index: int, cfg: Config) -> lis
             n = len(completion)
             fields = {"behaviour": rows["behaviour_logprobs"][i], "advantage": [float(adv[i])] * n,
                       "lag": [version - v for v in rows["versions"][i]], "group": [float(g)] * n}
+            if cfg.rl.needs_reference_logprobs:
+                fields["reference"] = _reference_logprobs(rows, i, n)
+            if cfg.rl.value_function:
+                fields["reward"] = [float(rewards[i])] * n
             samples.append(Sample(rows["prompt_token_ids"][i], completion, first_index + len(samples), fields))
     return samples
+
+
+def _field_names(cfg: Config) -> list[str]:
+    """The per-token fields `rows_to_samples` gives every sample under this config."""
+    return ["behaviour", "advantage", "lag", "group"] + ["reference"] * cfg.rl.needs_reference_logprobs + \
+        ["reward"] * cfg.rl.value_function
+
+
+def _reference_logprobs(rows: dict, i: int, n: int) -> list[float]:
+    values = rows.get("reference_logprobs", [[]] * len(rows["reward"]))[i]
+    if len(values) != n:
+        raise ValueError(f"rollout {rows['sample_id'][i]} has {len(values)} reference log-probs for {n} completion "
+                         "tokens: rl.kl_coef > 0 and rl.dpo_reference=reference need an actor that asks the "
+                         "reference servers (RUN_DIR/reference_servers), which `pipelinerl run` starts for them")
+    return values
 
 
 def read_step(reader, cfg: Config, dist: DistInfo, version: int) -> tuple[list[Sample], list[float]]:
@@ -96,15 +113,24 @@ def read_step(reader, cfg: Config, dist: DistInfo, version: int) -> tuple[list[S
 
 
 def _loss_fn(cfg: Config, num_sequences: int, device: torch.device, token_log: list):
-    from pipelinerl.rl import compute_loss
+    from pipelinerl.rl import compute_loss, gae_advantages, terminal_rewards
 
-    def loss_fn(mb: MicroBatch, new_N: torch.Tensor):
+    def loss_fn(mb: MicroBatch, new_N: torch.Tensor, values_N: torch.Tensor | None):
         f = {k: v.to(device) for k, v in mb.fields_N.items()}
         lag_N = f["lag"].long()
-        loss, stats = compute_loss(new_N, f["behaviour"], f["advantage"], torch.ones_like(lag_N, dtype=torch.bool),
-                                   lag_N, mb.seq_index_N.to(device), num_sequences, cfg.rl,
+        mask_N = torch.full_like(lag_N, not mb.is_padding, dtype=torch.bool)  # padding: zero loss and stats
+        seq_N = torch.unique(mb.seq_index_N.to(device), return_inverse=True)[1]
+        advantages_N, returns_N = f["advantage"], None
+        if cfg.rl.value_function:
+            rewards_S = torch.zeros(int(seq_N.max()) + 1, dtype=torch.float64, device=device).scatter(
+                0, seq_N, f["reward"])
+            rewards_N = terminal_rewards(rewards_S, seq_N, mask_N)
+            advantages_N, returns_N = gae_advantages(rewards_N, values_N, seq_N, cfg.rl.gamma, cfg.rl.gae_lambda)
+        loss, stats = compute_loss(new_N, f["behaviour"], advantages_N, mask_N, lag_N, seq_N, num_sequences, cfg.rl,
+                                   ref_logprobs_T=f.get("reference"), values_T=values_N, returns_T=returns_N,
                                    group_index_T=f["group"].long())
-        token_log.append((lag_N.cpu(), f["behaviour"].cpu(), new_N.detach().cpu()))
+        if not mb.is_padding:
+            token_log.append((lag_N.cpu(), f["behaviour"].cpu(), new_N.detach().cpu()))
         return loss, {k: v.detach().cpu() for k, v in stats.items()}
 
     return loss_fn
@@ -123,14 +149,32 @@ def _reduce_stats(stats_list: list[dict]) -> dict[str, float]:
     return summary
 
 
+def _trained(samples: list[Sample], cfg: Config) -> tuple[list[Sample], list | None]:
+    """The samples that get loss, and which must share a micro-batch. An empty completion has no token
+    to weigh. Online DPO scores each group's (chosen, rejected) pair inside one micro-batch; without a
+    KL term the group's other attempts add nothing to the loss and are not run at all."""
+    trained = [s for s in samples if s.completion_ids]
+    if cfg.rl.algorithm != "dpo":
+        return trained, None
+    role = {id(s): s.token_fields["advantage"][0] for s in trained}
+    if cfg.rl.kl_coef == 0:
+        trained = [s for s in trained if role[id(s)] != 0]
+    return trained, [s.token_fields["group"][0] if role[id(s)] != 0 else None for s in trained]
+
+
 def train_step(trainer: DeepSpeedTrainer, samples: list[Sample], cfg: Config, dist: DistInfo,
                state: LoopState, token_log: list) -> dict[str, float]:
     """Forward/backward over this rank's packed samples, then one optimizer step."""
     (num_sequences, tokens) = all_reduce_sum([len(samples), sum(len(s.completion_ids) for s in samples)])
-    trained = [s for s in samples if s.completion_ids]  # an empty completion has no token to weigh
-    micro_batches = pack(trained, cfg.trainer.micro_batch_tokens)
+    trained, together = _trained(samples, cfg)
+    micro_batches = pack(trained, cfg.trainer.micro_batch_tokens, together)
     loss_fn = _loss_fn(cfg, int(num_sequences), trainer.device, token_log)
-    stats = _reduce_stats(trainer.accumulate(micro_batches, loss_fn))
+    mb_stats = trainer.accumulate(micro_batches, loss_fn)
+    if not mb_stats:  # nothing to train on this rank (e.g. only tied DPO groups): zero statistics, same keys
+        pad = padding_micro_batch(_field_names(cfg))
+        no_values = torch.zeros(1, device=trainer.device) if cfg.rl.value_function else None
+        mb_stats = [loss_fn(pad, torch.zeros(1, device=trainer.device), no_values)[1]]
+    stats = _reduce_stats(mb_stats)
     stats.update(trainer.optimizer_step())
     stats.update(sequences=num_sequences, completion_tokens=tokens,
                  micro_batches=float(all_reduce_sum([len(micro_batches)])[0]))
@@ -253,7 +297,7 @@ def train(cfg: Config) -> None:
     check_supported(cfg, dist)
     init_process_group(dist, cfg.trainer.dist_timeout_s)
     torch.manual_seed(cfg.seed)
-    trainer = DeepSpeedTrainer(cfg.trainer, dist, cfg.model.dtype)
+    trainer = DeepSpeedTrainer(cfg.trainer, dist, cfg.model.dtype, value_head=cfg.rl.value_function)
     trainer.init(cfg.model.path)
     state = resume(trainer, Path(cfg.run_dir) / "checkpoints", dist)
     reader = StreamReader(cfg.run_dir, ROLLOUT_TOPIC, cfg.streams, cursor=state.cursor, shard=(dist.rank, dist.world_size))
