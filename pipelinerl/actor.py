@@ -12,6 +12,11 @@ With max_lag = 0 the actor generates step k's batch only with version-k weights:
 on-policy RL. The bound is exact when groups finish in the order they started; the trainer's
 `rl.max_token_lag` drops any token that still exceeds it.
 
+Reference log-probs. When the RL objective needs them (`rl.needs_reference_logprobs`), each group's
+G prompt + completion sequences go, as one request, to a reference server (RUN_DIR/reference_servers/,
+the frozen initial model): vLLM's `prompt_logprobs` give every token's log-prob given what precedes it,
+and the completion positions become the stream's `reference_logprobs`.
+
 Conventional mode (the seeds' baseline) swaps the rule: sample i, of batch b = floor(i / B), starts
 only once the servers serve version b*G. The trainer syncs only after the G-th step of a batch, i.e.
 after it has consumed all B*b samples started before batch b: so batch b - 1 has drained when batch b
@@ -25,12 +30,12 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
 from pipelinerl.config import Config
-from pipelinerl.inference.rundir import list_servers
+from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, list_servers
 from pipelinerl.streams import ROLLOUT_TOPIC
 from pipelinerl.tasks import PromptItem, get_task
 
@@ -46,20 +51,22 @@ class Completion:
     versions: list[int]
     text: str
     finished: bool  # ended by EOS (or a stop string), not by the length limit
+    reference_logprobs: list[float] = field(default_factory=list)  # per token; empty: no reference model
 
 
 class ServerPool:
-    """The servers announced in RUN_DIR/servers/, least-loaded first. A server that fails is set aside
+    """The servers announced in RUN_DIR/<folder>/, least-loaded first. A server that fails is set aside
     until it is announced again after `retry_after_s` (a restarted server re-publishes its file)."""
 
-    def __init__(self, run_dir: str, retry_after_s: float = 10.0):
-        self.run_dir, self.retry_after_s = run_dir, retry_after_s
+    def __init__(self, run_dir: str, retry_after_s: float = 10.0, folder: str = SERVERS_DIR):
+        self.run_dir, self.retry_after_s, self.folder = run_dir, retry_after_s, folder
         self.load: dict[str, int] = {}
         self.failed_at: dict[str, float] = {}
 
     def refresh(self) -> list[str]:
         now = time.monotonic()
-        announced = [u for u in list_servers(self.run_dir) if now - self.failed_at.get(u, -1e9) > self.retry_after_s]
+        announced = [u for u in list_servers(self.run_dir, self.folder)
+                     if now - self.failed_at.get(u, -1e9) > self.retry_after_s]
         for url in announced:
             self.load.setdefault(url, 0)
         for url in list(self.load):
@@ -92,6 +99,8 @@ class Actor:
         self.task = get_task(cfg.task)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pool = ServerPool(cfg.run_dir)
+        self.reference_pool = (ServerPool(cfg.run_dir, folder=REFERENCE_SERVERS_DIR)
+                               if cfg.rl.needs_reference_logprobs else None)
         self.writer = StreamWriter(cfg.run_dir, ROLLOUT_TOPIC, actor_id, cfg.streams)
         self.eval_writer = StreamWriter(cfg.run_dir, EVAL_TOPIC, actor_id, cfg.streams)
         self.tb = Scalars(cfg.run_dir, actor_id)
@@ -130,37 +139,56 @@ class Actor:
 
     async def complete(self, http: httpx.AsyncClient, prompt_ids: list[int], greedy: bool,
                        n: int = 1) -> list[Completion]:
-        """n completions of one prompt in one request (the server shares the prompt's prefill), retried
-        on another server (bounded) when the request fails or times out."""
+        """n completions of one prompt in one request (the server shares the prompt's prefill)."""
         a = self.cfg.actor
         # No "model": servers of one run may serve different folders (a resumed run serves the latest
         # checkpoint's), and vLLM then uses the one model it serves.
         body = {"prompt": prompt_ids, "max_tokens": a.sampling.max_new_tokens, "n": n,
                 "temperature": 0.0 if greedy else a.sampling.temperature, "top_p": 1.0 if greedy else a.sampling.top_p,
                 "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True}
+        return [_parse_choice(c) for c in await self._post_completions(http, self.pool, body)]
+
+    async def score_reference(self, http: httpx.AsyncClient, prompt_ids: list[int],
+                              completions: list[Completion]) -> None:
+        """Fill each completion's `reference_logprobs`: one request of G prompts (prompt + completion) to a
+        reference server, asking for the log-prob of every prompt token given those before it
+        (`prompt_logprobs: 0` returns just the token's own); the one generated token is discarded."""
+        body = {"prompt": [prompt_ids + c.token_ids for c in completions], "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": 0}
+        choices = await self._post_completions(http, self.reference_pool, body)
+        if len(choices) != len(completions):
+            raise ValueError(f"a reference server answered {len(choices)} choices to {len(completions)} prompts")
+        for c, choice in zip(completions, choices):
+            c.reference_logprobs = _completion_logprobs(choice, len(prompt_ids), c.token_ids)
+
+    async def _post_completions(self, http: httpx.AsyncClient, pool: ServerPool, body: dict) -> list[dict]:
+        """POST /v1/completions to the pool's least-loaded server and return the choices in index order;
+        retried on another server (bounded) when the request fails or times out."""
+        a = self.cfg.actor
         tried: set[str] = set()
         for attempt in range(a.max_retries + 1):
-            url = self.pool.acquire(avoid=tried)
+            url = pool.acquire(avoid=tried)
             while url is None:  # no server announced (yet, or any more): wait for one
                 await asyncio.sleep(1.0)
-                url = self.pool.acquire(avoid=tried)
+                url = pool.acquire(avoid=tried)
             tried.add(url)
             try:
                 resp = await http.post(f"{url}/v1/completions", json=body, timeout=a.request_timeout_s)
                 resp.raise_for_status()
             except httpx.HTTPError as err:
-                self.pool.release(url, failed=True)
-                log.warning("completion on %s failed (attempt %d/%d): %r", url, attempt + 1, a.max_retries + 1, err)
-                last = err
+                pool.release(url, failed=True)
+                detail = f"{err!r}: {err.response.text[:500]}" if isinstance(err, httpx.HTTPStatusError) else repr(err)
+                log.warning("completion on %s failed (attempt %d/%d): %s", url, attempt + 1, a.max_retries + 1, detail)
                 continue
-            self.pool.release(url, failed=False)
-            choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
-            return [_parse_choice(c) for c in choices]
-        raise RuntimeError(f"a completion failed on {sorted(tried)} after {a.max_retries + 1} attempts: {last!r}")
+            pool.release(url, failed=False)
+            return sorted(resp.json()["choices"], key=lambda c: c["index"])
+        raise RuntimeError(f"a completion failed on {sorted(tried)} after {a.max_retries + 1} attempts: {detail}")
 
     async def run_group(self, http: httpx.AsyncClient, index: int, item: PromptItem) -> list[dict]:
         prompt_ids = self.prompt_ids(item)
         completions = await self.complete(http, prompt_ids, greedy=False, n=self.cfg.actor.attempts)
+        if self.reference_pool is not None:
+            await self.score_reference(http, prompt_ids, completions)
         return await self.score(f"{self.actor_id}/{index}", item, prompt_ids, completions, {"prompt_index": index})
 
     def write(self, index: int, rows: list[dict]) -> None:
@@ -188,6 +216,7 @@ class Actor:
         return [{"run_id": self.cfg.run_dir, "group_id": group_id,
                  "sample_id": f"{group_id}/{k}/{uuid.uuid4().hex[:12]}", "prompt_token_ids": prompt_ids,
                  "completion_token_ids": c.token_ids, "behaviour_logprobs": c.logprobs, "versions": c.versions,
+                 "reference_logprobs": c.reference_logprobs,
                  "reward": reward, "finished": c.finished, "truncated": not c.finished, "task": self.task.name,
                  "actor_id": self.actor_id, "metadata": {"prompt_id": item.id, **metadata}}
                 for k, (c, reward) in enumerate(zip(completions, rewards))]
@@ -290,6 +319,16 @@ def _parse_choice(choice: dict) -> Completion:
                          f"{len(versions)} versions: {json.dumps(choice)[:300]}")
     return Completion(token_ids, logprobs, versions, choice.get("text") or "",
                       finished=choice.get("finish_reason") == "stop")
+
+
+def _completion_logprobs(choice: dict, prompt_len: int, token_ids: list[int]) -> list[float]:
+    """The log-probs of `token_ids` (the completion, from position `prompt_len` on) in a choice's
+    `prompt_logprobs`: one {token id (a JSON string): {"logprob": ...}} per position (None first)."""
+    positions = choice.get("prompt_logprobs") or []
+    if len(positions) != prompt_len + len(token_ids):
+        raise ValueError(f"a reference server returned {len(positions)} prompt log-probs for a sequence of "
+                         f"{prompt_len + len(token_ids)} tokens")
+    return [float(positions[prompt_len + i][str(t)]["logprob"]) for i, t in enumerate(token_ids)]
 
 
 def run_actor(cfg: Config, actor_id: str = "actor0") -> None:

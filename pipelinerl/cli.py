@@ -52,11 +52,16 @@ def cmd_streams_inspect(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from pipelinerl.inference.server import serve
 
-    overrides = [*args.overrides, f"model.path={args.model}"]
+    overrides = list(args.overrides)
+    if args.model is not None:
+        overrides.append(f"model.path={args.model}")
     if args.run_dir is not None:
         overrides.append(f"run_dir={args.run_dir}")
+    if args.reference and args.version != 0:
+        raise ConfigError("--version is the policy version of a policy server's weights; a reference server "
+                          "serves the run's initial model: drop --version")
     cfg = load_config(args.config, overrides)
-    serve(cfg, args.port if args.port is not None else cfg.inference.base_port, args.version)
+    serve(cfg, args.port if args.port is not None else cfg.inference.base_port, args.version, args.reference)
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -107,11 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_streams_inspect)
 
     p = sub.add_parser("serve", help="run one vLLM inference server with in-flight weight updates")
-    p.add_argument("--model", required=True, help="HF-format model folder to serve")
+    p.add_argument("--model", default=None, help="HF-format model folder to serve (default: the config's model.path)")
     p.add_argument("--port", type=int, default=None, help="TCP port (default: inference.base_port)")
     p.add_argument("--run-dir", default=None, help="run directory: auth token + discovery (or run_dir=)")
     p.add_argument("--config", default=None, help="YAML config file (optional)")
     p.add_argument("--version", type=int, default=0, help="policy version of the weights loaded (default 0)")
+    p.add_argument("--reference", action="store_true",
+                   help="a frozen reference server for reference log-probs: announced in RUN_DIR/reference_servers/, "
+                        "refuses weight updates")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. inference.host=0.0.0.0")
     p.set_defaults(func=cmd_serve)
 

@@ -109,13 +109,19 @@ class InferenceConfig:
     auth_token: str | None = None  # bearer token of the control routes; null = RUN_DIR/auth_token
     #                                   (created with mode 0600 by the first server that needs it)
     startup_timeout_s: float = 600.0  # launcher waits this long for a server's /health
+    reference_servers: int = 1  # servers of the frozen reference model (`serve --reference`), started only
+    #                             when rl.kl_coef > 0 or rl.dpo_reference=reference; locally on base_port +
+    #                             num_servers + i, on Slurm in the first server slots of the first inference
+    #                             node. They run with max_model_len + 1 (so it must be set): scoring a
+    #                             sequence that fills max_model_len takes one more token of room
     engine_args: dict = field(default_factory=dict)  # extra vLLM engine arguments, passed through as-is
 
     def __post_init__(self) -> None:
         for name in ("num_servers", "tensor_parallel_size", "max_num_seqs", "weight_update_timeout_s",
-                     "startup_timeout_s"):
+                     "startup_timeout_s", "reference_servers"):
             _check_positive(getattr(self, name), f"inference.{name}")
-        _check(1 <= self.base_port <= 65535 - self.num_servers, "inference.base_port", "must be a free TCP port")
+        _check(1 <= self.base_port <= 65535 - self.num_servers - self.reference_servers, "inference.base_port",
+               "must be a free TCP port")
         _check_positive(self.max_model_len, "inference.max_model_len", allow_null=True)
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "inference.gpu_memory_utilization", "must be in (0, 1]")
         _check_positive(self.cpu_kv_cache_gb, "inference.cpu_kv_cache_gb", allow_null=True)

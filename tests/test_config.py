@@ -51,6 +51,7 @@ def test_overrides_apply_with_types():
         (["actor.attempts=1"], "config `actor.attempts`"),
         (["actor.attempts=3"], "config `trainer.samples_per_step`: must be a multiple of actor.attempts (3)"),
         (["inference.kv_on_update=drop"], "choose one of 'keep', 'recompute'"),
+        (["inference.reference_servers=0"], "config `inference.reference_servers`: got 0; must be > 0"),
         (["model.tiny.num_attention_heads=8"], "head_dim = 16"),
         (["trainer.lr_schedule=cosine", "trainer.max_steps=null"], "set max_steps"),
         (["task.name=math"], "config `task.dataset_path`"),

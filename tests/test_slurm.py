@@ -21,7 +21,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pipelinerl.config import StreamsConfig, load_config
-from pipelinerl.launch.slurm import _node_gpus, check_config
+from pipelinerl.launch.slurm import _node_gpus, check_config, dry_run_allocation, node_server_roles, plan_roles
 from pipelinerl.metrics import read_token_stats
 from pipelinerl.streams import StreamReader
 
@@ -154,6 +154,34 @@ def test_trainer_ranks_must_match_the_training_gpus():
     cfg = load_config(REPO / "configs/qwen7b_orz.yaml", ["trainer.num_gpus=16"])
     with pytest.raises(ValueError, match="trainer.num_gpus=16 .* gives 8 trainer ranks"):
         check_config(cfg)
+
+
+def test_reference_servers_take_the_first_slots_of_the_first_inference_node(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    plain = load_config(REPO / "configs/qwen32b_orz.yaml")
+    cfg = load_config(REPO / "configs/qwen32b_orz.yaml", ["rl.kl_coef=0.05"])
+    check_config(cfg)
+    path = Path(cfg.run_dir) / "config.yaml"
+    assert "--reference-node" not in plan_roles(plain, dry_run_allocation(plain), path)["servers"].argv
+    assert plan_roles(cfg, dry_run_allocation(cfg), path)["servers"].argv[-2:] == ["--reference-node", "inference0"]
+    base, n = cfg.inference.base_port, cfg.inference.num_servers
+    reference, policy = node_server_roles(cfg, str(path), "/ckpt/hf", 7, "inference0", references=1)
+    assert (reference.name, reference.env["CUDA_VISIBLE_DEVICES"]) == ("reference0", "0,1,2,3")
+    assert reference.argv[reference.argv.index("serve") + 1:] == ["--config", str(path), "--reference", "--port",
+                                                                  str(base + n)]
+    assert (policy.name, policy.env["CUDA_VISIBLE_DEVICES"]) == ("server1", "4,5,6,7")
+    assert policy.argv[policy.argv.index("--model"):][:6] == ["--model", "/ckpt/hf", "--port", str(base + 1),
+                                                              "--version", "7"]
+    assert [r.name for r in node_server_roles(cfg, str(path), "/ckpt/hf", 7, "inference1", references=0)] == [
+        "server0", "server1"]
+
+
+def test_reference_servers_must_fit_the_first_node_and_leave_a_policy_server():
+    with pytest.raises(ValueError, match="take all 1 server slots .* and leave no policy server"):
+        check_config(load_config(REPO / "configs/tiny_cpu.yaml", ["rl.kl_coef=0.1"]))
+    check_config(load_config(REPO / "configs/tiny_cpu.yaml", ["rl.kl_coef=0.1", "inference.num_servers=2"]))
+    with pytest.raises(ValueError, match="which has inference.num_servers=8"):
+        check_config(load_config(REPO / "configs/qwen7b_orz.yaml", ["rl.kl_coef=0.1", "inference.reference_servers=9"]))
 
 
 # -- real jobs on the local cluster (slow) ------------------------------------------------------------------

@@ -44,6 +44,7 @@ def expected_row(writer: str, group: int, i: int) -> dict:
                 "completion_token_ids": [(group * 31 + i * 7 + k) % 151_000 for k in range(length)],
                 "behaviour_logprobs": [-(k % 8) / 4 for k in range(length)],
                 "versions": [group // 3 + (k >= length // 2) for k in range(length)],
+                "reference_logprobs": [-(k % 5) / 8 for k in range(length)] if group % 2 else [],
                 "reward": float(i == group % G), "finished": i % 2 == 0, "truncated": i % 2 == 1, "task": "addition",
                 "metadata": json.dumps({"answer": group}), "actor_id": writer, "created_at": 1000.0 + group}
 
@@ -105,6 +106,19 @@ def test_round_trip_keeps_every_field_for_lists_and_numpy(tmp_path):
         assert b.schema.equals(ROLLOUT_SCHEMA)
 
 
+def test_reference_logprobs_are_empty_or_one_per_token_and_default_to_empty(tmp_path):
+    full = expected_group("w0", 1)  # odd group: one reference log-prob per completion token
+    absent = [{k: v for k, v in r.items() if k != "reference_logprobs"} for r in expected_group("w0", 2)]
+    with StreamWriter(tmp_path, TOPIC, "w0", cfg_()) as w:
+        w.write_group(full)
+        w.write_group(absent)
+    got = read_all(StreamReader(tmp_path, TOPIC, cfg_()))
+    assert [len(r["reference_logprobs"]) for r in got[0].to_pylist()] == [len(r["completion_token_ids"]) for r in full]
+    assert [r["reference_logprobs"] for r in got[1].to_pylist()] == [[]] * G
+    for b in got:
+        check_group(b)
+
+
 def _mutate(key, value):
     """Set a field of the second row; `value` may be a function of the field's old value."""
     return lambda rows: rows[1].__setitem__(key, value(rows[1][key]) if callable(value) else value)
@@ -117,6 +131,8 @@ BAD_ROWS = [
     (_mutate("prompt_token_ids", [2**40]), "does not fit int32"),
     (_mutate("reward", float("nan")), "`reward` must be a number"),
     (_mutate("behaviour_logprobs", lambda v: [float("nan")] * len(v)), "contains NaN"),
+    (_mutate("reference_logprobs", [-0.5]), "`reference_logprobs` has 1 entries but the completion has 9 tokens"),
+    (_mutate("reference_logprobs", lambda v: [float("nan")] * len(v)), "`reference_logprobs` contains NaN"),
     (_mutate("sample_id", ""), "`sample_id` must be a non-empty string"),
     (_mutate("finished", 1), "`finished` must be a bool"),
     (_mutate("metadata", "{not json"), "`metadata` must be a dict or JSON"),

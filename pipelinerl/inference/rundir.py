@@ -1,7 +1,10 @@
 """The inference servers' files in the run directory: the control token and server discovery.
 
-RUN_DIR/auth_token    the run's secret bearer token for control endpoints (mode 0600)
-RUN_DIR/servers/*     one file per healthy server, holding its base URL
+RUN_DIR/auth_token            the run's secret bearer token for control endpoints (mode 0600)
+RUN_DIR/servers/*             one file per healthy policy server, holding its base URL
+RUN_DIR/reference_servers/*   the same for the frozen reference-model servers (`serve --reference`):
+                              a folder of their own, so the trainer never broadcasts weights to them
+                              and the actor never samples from them
 
 Files are published whole by rename/link (parallel filesystems give no locks; DESIGN.md).
 """
@@ -15,6 +18,7 @@ from pathlib import Path
 
 TOKEN_FILE = "auth_token"
 SERVERS_DIR = "servers"
+REFERENCE_SERVERS_DIR = "reference_servers"
 
 
 def run_token(run_dir: str | Path | None, configured: str | None = None) -> str:
@@ -51,13 +55,13 @@ def _create_token(path: Path) -> None:
         tmp.unlink()
 
 
-def server_file(run_dir: str | Path, host: str, port: int) -> Path:
-    return Path(run_dir) / SERVERS_DIR / f"{host}_{port}"
+def server_file(run_dir: str | Path, host: str, port: int, folder: str = SERVERS_DIR) -> Path:
+    return Path(run_dir) / folder / f"{host}_{port}"
 
 
-def publish_server(run_dir: str | Path, host: str, port: int) -> Path:
-    """Announce a healthy server: write its URL, then rename into RUN_DIR/servers/."""
-    path = server_file(run_dir, host, port)
+def publish_server(run_dir: str | Path, host: str, port: int, folder: str = SERVERS_DIR) -> Path:
+    """Announce a healthy server: write its URL, then rename into RUN_DIR/<folder>/."""
+    path = server_file(run_dir, host, port, folder)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(f"http://{host}:{port}\n")
@@ -65,9 +69,9 @@ def publish_server(run_dir: str | Path, host: str, port: int) -> Path:
     return path
 
 
-def list_servers(run_dir: str | Path) -> list[str]:
-    """Base URLs of the servers announced in RUN_DIR/servers/ (sorted; hidden temporaries skipped)."""
-    folder = Path(run_dir) / SERVERS_DIR
-    if not folder.is_dir():
+def list_servers(run_dir: str | Path, folder: str = SERVERS_DIR) -> list[str]:
+    """Base URLs of the servers announced in RUN_DIR/<folder>/ (sorted; hidden temporaries skipped)."""
+    path = Path(run_dir) / folder
+    if not path.is_dir():
         return []
-    return sorted(p.read_text().strip() for p in folder.iterdir() if not p.name.startswith("."))
+    return sorted(p.read_text().strip() for p in path.iterdir() if not p.name.startswith("."))

@@ -9,6 +9,11 @@ module adds:
     GET  /status                                  version, ranks, update counters (read-only)
 
 vLLM's dev-mode routes are not mounted: they expose every control operation without authentication.
+
+`serve --reference` runs a *reference server*: the same OpenAI server on the run's initial model
+(`model.path`), frozen. It announces itself in RUN_DIR/reference_servers/, so the trainer never
+broadcasts to it and the actor asks it only for reference log-probs (`prompt_logprobs`); its
+weight-update routes answer 403, and it has no weight-transfer engine and no `policy_versions`.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ import json
 import os
 import secrets
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from pipelinerl.config import Config
+from pipelinerl.config import Config, ConfigError
 from pipelinerl.inference import rundir
 from pipelinerl.inference.updates import UpdateError, WeightUpdater
 
@@ -49,19 +55,31 @@ def check_model(model_dir: str) -> dict[str, list[int]]:
     return expected
 
 
-def vllm_argv(cfg: Config, host: str, port: int) -> list[str]:
-    """The engine's vLLM command line, from the config (engine_args pass through as --flags)."""
-    from pipelinerl.inference.engine import ENGINE_NAME
+def vllm_argv(cfg: Config, host: str, port: int, reference: bool = False) -> list[str]:
+    """The engine's vLLM command line, from the config (engine_args pass through as --flags).
 
+    A reference server scores prompt + completion as one prompt, and vLLM refuses a prompt that leaves
+    no room for the one token it must generate: a completion that filled max_model_len could not be
+    scored. So it runs with max_model_len + 1, which needs max_model_len set (and within the model's
+    positions; vLLM says so at start-up if not)."""
     inf = cfg.inference
     argv = ["--model", cfg.model.path, "--host", host, "--port", str(port), "--dtype", cfg.model.dtype,
             "--tensor-parallel-size", str(inf.tensor_parallel_size), "--max-num-seqs", str(inf.max_num_seqs),
             "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
-            "--weight-transfer-config", json.dumps({"backend": ENGINE_NAME}),
-            "--worker-extension-cls", WORKER_EXTENSION,
             "--enable-prefix-caching" if inf.enable_prefix_caching else "--no-enable-prefix-caching"]
-    if inf.max_model_len is not None:
-        argv += ["--max-model-len", str(inf.max_model_len)]
+    if reference:
+        if inf.max_model_len is None:
+            raise ConfigError("config `inference.max_model_len`: a reference server needs it set (it runs with "
+                              "max_model_len + 1 to score completions that fill max_model_len); set it at "
+                              "least one below the model's max_position_embeddings")
+        argv += ["--max-model-len", str(inf.max_model_len + 1)]
+    else:
+        from pipelinerl.inference.engine import ENGINE_NAME
+
+        argv += ["--weight-transfer-config", json.dumps({"backend": ENGINE_NAME}),
+                 "--worker-extension-cls", WORKER_EXTENSION]
+        if inf.max_model_len is not None:
+            argv += ["--max-model-len", str(inf.max_model_len)]
     for key, value in inf.engine_args.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
@@ -125,12 +143,26 @@ def control_router(updater: WeightUpdater, token: str) -> APIRouter:
     return router
 
 
+def reference_router() -> APIRouter:
+    """A reference server's answer to the weight-update routes: a clear 403, not a silent 404."""
+    router = APIRouter()
+
+    async def refuse() -> JSONResponse:
+        return JSONResponse({"error": "a reference server never takes weight updates (it serves the run's "
+                                      "initial model; broadcast to the servers in RUN_DIR/servers/)"},
+                            status_code=403)
+
+    for path in ("/init_process_group", "/request_weight_update"):
+        router.add_api_route(path, refuse, methods=["POST"])
+    return router
+
+
 def advertised_host(bind_host: str) -> str:
     return socket.gethostname() if bind_host in ("", "0.0.0.0", "::") else bind_host
 
 
-async def announce_when_healthy(run_dir: str, bind_host: str, port: int, published: list[Path]) -> None:
-    """Publish RUN_DIR/servers/<host>_<port> once our own /health answers 200."""
+async def announce_when_healthy(run_dir: str, bind_host: str, port: int, folder: str, published: list[Path]) -> None:
+    """Publish RUN_DIR/<folder>/<host>_<port> once our own /health answers 200."""
     import aiohttp
 
     local = "127.0.0.1" if bind_host in ("", "0.0.0.0", "::") else bind_host
@@ -143,10 +175,20 @@ async def announce_when_healthy(run_dir: str, bind_host: str, port: int, publish
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.2)
-    published.append(rundir.publish_server(run_dir, advertised_host(bind_host), port))
+    published.append(rundir.publish_server(run_dir, advertised_host(bind_host), port, folder))
 
 
-async def run(cfg: Config, args, expected: dict[str, list[int]], token: str, version: int) -> None:
+@dataclass
+class Updates:
+    """What a policy server needs for weight updates; a reference server has none."""
+
+    expected: dict[str, list[int]]  # HF tensor name -> shape (check_model)
+    token: str  # bearer token of the control routes
+    version: int  # policy version of the weights it starts with
+
+
+async def run(cfg: Config, args, updates: Updates | None) -> None:
+    """Serve until SIGINT/SIGTERM: a policy server with `updates`, a reference server without."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
@@ -160,14 +202,20 @@ async def run(cfg: Config, args, expected: dict[str, list[int]], token: str, ver
         async with build_async_engine_client(args) as engine:
             tasks = await engine.get_supported_tasks()
             app = build_app(args, tasks, engine.model_config)
-            num_ranks = engine.vllm_config.parallel_config.world_size
-            updater = WeightUpdater(engine, expected, cfg.model.dtype, cfg.inference.kv_on_update,
-                                    num_ranks, version)
-            app.include_router(control_router(updater, token))
+            if updates is None:
+                app.include_router(reference_router())
+            else:
+                num_ranks = engine.vllm_config.parallel_config.world_size
+                updater = WeightUpdater(engine, updates.expected, cfg.model.dtype, cfg.inference.kv_on_update,
+                                        num_ranks, updates.version)
+                app.include_router(control_router(updater, updates.token))
             await init_app_state(engine, app.state, args, tasks)
-            add_versions(app.state)
-            await updater.start()
-            announce = asyncio.create_task(announce_when_healthy(cfg.run_dir, args.host, args.port, published))
+            if updates is not None:
+                add_versions(app.state)
+                await updater.start()
+            folder = rundir.SERVERS_DIR if updates is not None else rundir.REFERENCE_SERVERS_DIR
+            announce = asyncio.create_task(announce_when_healthy(cfg.run_dir, args.host, args.port, folder,
+                                                                 published))
             await serve_http(app, sock=sock, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                              access_log=not args.disable_uvicorn_access_log)
             announce.cancel()
@@ -177,15 +225,19 @@ async def run(cfg: Config, args, expected: dict[str, list[int]], token: str, ver
         sock.close()
 
 
-def serve(cfg: Config, port: int, version: int) -> None:
-    """Entry point of `pipelinerl serve` (blocks until SIGINT/SIGTERM)."""
+def serve(cfg: Config, port: int, version: int, reference: bool = False) -> None:
+    """Entry point of `pipelinerl serve` (blocks until SIGINT/SIGTERM); `reference`: a frozen reference
+    server of `cfg.model.path` (no updates, so neither the token nor the untied-model check applies)."""
+    argv = vllm_argv(cfg, cfg.inference.host, port, reference)  # config errors before the heavy imports
+    updates = None
+    if not reference:
+        updates = Updates(check_model(cfg.model.path), rundir.run_token(cfg.run_dir, cfg.inference.auth_token),
+                          version)
+
     import uvloop
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
     cli_env_setup()  # vLLM's CLI setup: spawn for worker processes
-    token = rundir.run_token(cfg.run_dir, cfg.inference.auth_token)
-    expected = check_model(cfg.model.path)
     if cfg.inference.cpu_kv_cache_gb is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.inference.cpu_kv_cache_gb))
-    args = parse_vllm_args(vllm_argv(cfg, cfg.inference.host, port))
-    uvloop.run(run(cfg, args, expected, token, version))
+    uvloop.run(run(cfg, parse_vllm_args(argv), updates))

@@ -1,11 +1,13 @@
 """`pipelinerl run CONFIG`: the whole pipeline as child processes of one launcher on this machine.
 
 Order: run directory + resolved config -> (tiny model, built and warm-started if missing) -> inference
-servers, healthy -> trainer (opens the weight-update group) -> actor. The launcher then follows the
-trainer's progress through the servers' policy version until the trainer exits. Ctrl-C, SIGTERM or any
-child's failure stops every role (newest first) and names the role that failed and its log.
+servers, and the reference servers when the RL objective needs reference log-probs, healthy -> trainer
+(opens the weight-update group) -> actor. The launcher then follows the trainer's progress through the
+servers' policy version until the trainer exits. Ctrl-C, SIGTERM or any child's failure stops every role
+(newest first) and names the role that failed and its log.
 Re-running with the same run directory resumes: the servers start from the latest checkpoint's weights
-at its version, and the trainer restores its state and stream cursor from the same checkpoint.
+at its version, and the trainer restores its state and stream cursor from the same checkpoint; reference
+servers always serve the initial model (`model.path`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 from pipelinerl.config import Config, ConfigError, save_config
+from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, list_servers
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor, free_port
 
 log = logging.getLogger(__name__)
@@ -24,12 +27,11 @@ log = logging.getLogger(__name__)
 
 def prepare_run_dir(cfg: Config) -> Path:
     """Create the run directory, write the resolved config, and forget servers of an earlier launch."""
-    from pipelinerl.inference.rundir import SERVERS_DIR
-
     run_dir = Path(cfg.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    for stale in (run_dir / SERVERS_DIR).glob("*"):  # their processes are gone with the old launcher
-        stale.unlink()
+    for folder in (SERVERS_DIR, REFERENCE_SERVERS_DIR):
+        for stale in (run_dir / folder).glob("*"):  # their processes are gone with the old launcher
+            stale.unlink()
     save_config(cfg, run_dir / "config.yaml")
     return run_dir / "config.yaml"
 
@@ -63,7 +65,14 @@ def serving_weights(cfg: Config) -> tuple[str, int]:
     return str(latest / "hf"), int(meta["version"])
 
 
+def reference_server_count(cfg: Config) -> int:
+    """How many reference servers the run starts: inference.reference_servers when the RL objective needs
+    reference log-probs, else none."""
+    return cfg.inference.reference_servers if cfg.rl.needs_reference_logprobs else 0
+
+
 def _roles(cfg: Config, config_path: Path) -> tuple[list[Role], Role, Role]:
+    """(servers: the policy servers, then any reference servers; trainer; actor)."""
     run_dir = Path(cfg.run_dir)
     cli = [sys.executable, "-m", "pipelinerl.cli"]
     threads = {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
@@ -72,6 +81,10 @@ def _roles(cfg: Config, config_path: Path) -> tuple[list[Role], Role, Role]:
                                           str(cfg.inference.base_port + i), "--version", str(version)],
                     run_dir / "logs" / f"server{i}.log", threads)
                for i in range(cfg.inference.num_servers)]
+    servers += [Role(f"reference{i}", cli + ["serve", "--reference", "--config", str(config_path), "--port",
+                                             str(cfg.inference.base_port + cfg.inference.num_servers + i)],
+                     run_dir / "logs" / f"reference{i}.log", threads)
+                for i in range(reference_server_count(cfg))]
     dist_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(free_port())}
     trainer = Role("trainer", cli + ["train", str(config_path)], run_dir / "logs" / "trainer.log",
@@ -80,17 +93,17 @@ def _roles(cfg: Config, config_path: Path) -> tuple[list[Role], Role, Role]:
     return servers, trainer, actor
 
 
-def wait_for_servers(cfg: Config, sup: Supervisor, expected: int | None = None) -> list[str]:
-    """Wait until `expected` servers (default inference.num_servers) announce themselves in RUN_DIR/servers."""
-    from pipelinerl.inference.rundir import list_servers
-
+def wait_for_servers(cfg: Config, sup: Supervisor, expected: int | None = None,
+                     folder: str = SERVERS_DIR) -> list[str]:
+    """Wait until `expected` servers (default inference.num_servers) announce themselves in RUN_DIR/<folder>
+    (the policy servers', or REFERENCE_SERVERS_DIR)."""
     expected = cfg.inference.num_servers if expected is None else expected
     deadline = time.monotonic() + cfg.inference.startup_timeout_s
-    while len(urls := list_servers(cfg.run_dir)) < expected:
+    while len(urls := list_servers(cfg.run_dir, folder)) < expected:
         sup.check()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{expected - len(urls)} inference server(s) not healthy after "
-                               f"{cfg.inference.startup_timeout_s:.0f} s; see {cfg.run_dir}/logs/server*.log")
+            raise TimeoutError(f"{expected - len(urls)} server(s) of RUN_DIR/{folder} not healthy after "
+                               f"{cfg.inference.startup_timeout_s:.0f} s; see the server logs in {cfg.run_dir}/logs/")
         time.sleep(0.5)
     return urls
 
@@ -158,6 +171,9 @@ def _run_roles(cfg: Config, config_path: Path) -> None:
             sup.start(role)
         urls = wait_for_servers(cfg, sup)
         print(f"servers healthy: {', '.join(urls)}", flush=True)
+        if reference_server_count(cfg):
+            references = wait_for_servers(cfg, sup, reference_server_count(cfg), REFERENCE_SERVERS_DIR)
+            print(f"reference servers healthy: {', '.join(references)}", flush=True)
         sup.start(trainer)
         sup.start(actor)
         follow_trainer(cfg, sup, urls)

@@ -10,6 +10,13 @@ trainer (one srun task per rank, one rank per GPU) and, on the first of them, th
          one homogeneous allocation of inference_nodes + training_nodes; the first inference_nodes
          hosts serve, the others train; every srun names its `--nodelist`.
 
+Reference servers (only when the RL objective needs reference log-probs: rl.kl_coef > 0 or
+rl.dpo_reference=reference) take the first inference.reference_servers server slots of the first
+inference node: slot i there runs `serve --reference` (the initial model, on the slot's GPUs, port
+base_port + num_servers + i) instead of a policy server, which leaves (inference_nodes x num_servers)
+minus reference_servers policy servers. `check_config` refuses a placement that does not fit on the
+first node or leaves no policy server.
+
 `launch` runs in the batch step. It prepares the run directory, starts one srun per role under a
 procs.Supervisor, waits for the servers through RUN_DIR/servers, starts trainer and actor, and waits
 for the trainer. Requeue: Slurm's `--signal=B:USR1@N` reaches this process (the batch script execs
@@ -34,9 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelinerl.config import Config
+from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR
 from pipelinerl.launch.local import (
     ensure_model,
     prepare_run_dir,
+    reference_server_count,
     serving_weights,
     wait_for_servers,
 )
@@ -104,12 +113,22 @@ def allocation_from_env(cfg: Config, env=os.environ) -> Allocation:
 
 
 def check_config(cfg: Config) -> None:
-    """Config choices only the Slurm launcher can check: trainer ranks vs training GPUs."""
-    s = cfg.launch.slurm
+    """Config choices only the Slurm launcher can check: trainer ranks vs training GPUs, reference server
+    placement."""
+    s, inf = cfg.launch.slurm, cfg.inference
     ranks = s.training_nodes * (s.gpus_per_node or 1)
     if cfg.trainer.num_gpus is not None and cfg.trainer.num_gpus != ranks:
         raise ValueError(f"trainer.num_gpus={cfg.trainer.num_gpus} but launch.slurm.training_nodes x gpus_per_node "
                          f"gives {ranks} trainer ranks; set trainer.num_gpus={ranks} (or null)")
+    references, slots = reference_server_count(cfg), inf.num_servers * s.inference_nodes
+    if references > inf.num_servers:
+        raise ValueError(f"inference.reference_servers={references} but reference servers take server slots of the "
+                         f"first inference node, which has inference.num_servers={inf.num_servers}; lower "
+                         "reference_servers or raise num_servers")
+    if references and references >= slots:
+        raise ValueError(f"inference.reference_servers={references} would take all {slots} server slots "
+                         "(launch.slurm.inference_nodes x inference.num_servers) and leave no policy server; "
+                         "raise inference.num_servers or add an inference node")
 
 
 def dry_run_allocation(cfg: Config) -> Allocation:
@@ -160,6 +179,8 @@ def plan_roles(cfg: Config, alloc: Allocation, config_path: Path, python: str = 
     model, version = serving_weights(cfg)
     servers = _srun(alloc, 0, alloc.inference, cfg, gpus=True) + cli + [
         "slurm", "servers", str(config_path), "--model", model, "--version", str(version)]
+    if reference_server_count(cfg):
+        servers += ["--reference-node", alloc.inference[0]]
     # Rank, world size and local rank differ per task: each task reads them from its Slurm variables.
     train = shlex.join([*cli, "train", str(config_path)])
     ranks = 'RANK="$SLURM_PROCID" WORLD_SIZE="$SLURM_NTASKS" LOCAL_RANK="$SLURM_LOCALID"'
@@ -249,8 +270,12 @@ def launch(cfg: Config, alloc: Allocation) -> None:
     signals, sup = _Signals(), Supervisor()
     try:
         sup.start(roles["servers"])
-        urls = wait_for_servers(cfg, sup, cfg.inference.num_servers * len(alloc.inference))
+        references = reference_server_count(cfg)
+        urls = wait_for_servers(cfg, sup, cfg.inference.num_servers * len(alloc.inference) - references)
         log.info("servers healthy: %s", ", ".join(urls))
+        if references:
+            log.info("reference servers healthy: %s",
+                     ", ".join(wait_for_servers(cfg, sup, references, REFERENCE_SERVERS_DIR)))
         sup.start(roles["trainer"])
         sup.start(roles["actor"])
         requeue_now = _follow_trainer(cfg, sup, signals)
@@ -277,22 +302,37 @@ def _node_gpus(cfg: Config) -> list[list[str]] | None:
     return [gpus[i * tp:(i + 1) * tp] for i in range(n)]
 
 
-def run_node_servers(cfg: Config, config_path: str, model: str, version: int) -> None:
-    """The `servers` role on one inference node: num_servers `pipelinerl serve`, each on its own GPUs
-    and port (base_port + i), supervised until SIGTERM or the first failure."""
-    node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
-    gpus = _node_gpus(cfg)
+def node_server_roles(cfg: Config, config_path: str, model: str, version: int, node: str,
+                      references: int) -> list[Role]:
+    """One `pipelinerl serve` per server slot i of an inference node, each on its own GPUs: the first
+    `references` slots serve the reference model (port base_port + num_servers + i), the others the
+    policy from `model` at `version` (port base_port + i)."""
+    inf, gpus = cfg.inference, _node_gpus(cfg)
     threads = {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
+    serve = [sys.executable, "-m", "pipelinerl.cli", "serve", "--config", config_path]
+    roles = []
+    for i in range(inf.num_servers):
+        env = dict(threads) if gpus is None else {**threads, "CUDA_VISIBLE_DEVICES": ",".join(gpus[i])}
+        if i < references:
+            name, argv = f"reference{i}", serve + ["--reference", "--port", str(inf.base_port + inf.num_servers + i)]
+        else:
+            # Served under the base model's name, which the actor asks for, also when `model` is a checkpoint.
+            name, argv = f"server{i}", serve + ["--model", model, "--port", str(inf.base_port + i), "--version",
+                                                str(version), f"inference.engine_args.served_model_name={cfg.model.path}"]
+        roles.append(Role(name, argv, Path(cfg.run_dir) / "logs" / f"{node}_{name}.log", env))
+    return roles
+
+
+def run_node_servers(cfg: Config, config_path: str, model: str, version: int, reference_node: str | None) -> None:
+    """The `servers` role on one inference node: its `node_server_roles` (reference servers only on
+    `reference_node`), supervised until SIGTERM or the first failure."""
+    node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
+    references = reference_server_count(cfg) if node == reference_node else 0
     sup = Supervisor()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher's normal way to stop this role
     try:
-        for i in range(cfg.inference.num_servers):
-            env = dict(threads) if gpus is None else {**threads, "CUDA_VISIBLE_DEVICES": ",".join(gpus[i])}
-            # Served under the base model's name, which the actor asks for, also when `model` is a checkpoint.
-            argv = [sys.executable, "-m", "pipelinerl.cli", "serve", "--config", config_path, "--model", model,
-                    "--port", str(cfg.inference.base_port + i), "--version", str(version),
-                    f"inference.engine_args.served_model_name={cfg.model.path}"]
-            sup.start(Role(f"server{i}", argv, Path(cfg.run_dir) / "logs" / f"{node}_server{i}.log", env))
+        for role in node_server_roles(cfg, config_path, model, version, node, references):
+            sup.start(role)
         while True:
             sup.check()
             time.sleep(1.0)
@@ -437,6 +477,8 @@ def _parser():
     p.add_argument("config", help="the run's resolved RUN_DIR/config.yaml")
     p.add_argument("--model", required=True, help="HF folder the servers load")
     p.add_argument("--version", type=int, required=True, help="policy version of those weights")
+    p.add_argument("--reference-node", default=None,
+                   help="the node whose first server slots serve the reference model (see the module docstring)")
     p = sub.add_parser("submit", help="submit the pipeline with submitit, wait, print its summary")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="key=value")
@@ -453,7 +495,7 @@ def main(argv: list[str]) -> None:
     try:
         check_config(cfg)
         if args.what == "servers":
-            run_node_servers(cfg, args.config, args.model, args.version)
+            run_node_servers(cfg, args.config, args.model, args.version, args.reference_node)
         elif args.what == "launch" and args.dry_run:
             print(render(cfg, dry_run_allocation(cfg)))
         elif args.what == "launch":

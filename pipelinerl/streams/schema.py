@@ -3,6 +3,9 @@
 This is the contract between actors and the trainer (STYLE.md #1): both sides import it from here.
 Token-level columns are Arrow lists; `behaviour_logprobs[i]` and `versions[i]` describe
 `completion_token_ids[i]` (the policy version is the trainer step whose weights produced that token).
+`reference_logprobs[i]` is that token's log-prob under the run's initial (reference) model, from a
+reference server; the list is empty when the run has no reference model (rl.kl_coef = 0 and no
+dpo_reference=reference), and rows written without the key get an empty list.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 1  # bump on any incompatible change; readers refuse versions they do not know
+SCHEMA_VERSION = 2  # bump on any incompatible change; readers refuse versions they do not know
 SCHEMA_VERSION_KEY = b"pipelinerl.rollout_schema_version"
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -29,6 +32,7 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("completion_token_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("behaviour_logprobs", pa.list_(pa.float32()), nullable=False),  # one per completion token
         pa.field("versions", pa.list_(pa.int32()), nullable=False),  # policy version per completion token
+        pa.field("reference_logprobs", pa.list_(pa.float32()), nullable=False),  # one per token, or none
         pa.field("reward", pa.float64(), nullable=False),
         pa.field("finished", pa.bool_(), nullable=False),  # ended with EOS / a stop string
         pa.field("truncated", pa.bool_(), nullable=False),  # hit the max_new_tokens limit
@@ -42,7 +46,9 @@ ROLLOUT_SCHEMA = pa.schema(
 )
 
 _STRING_COLUMNS = ("run_id", "group_id", "sample_id", "task", "actor_id")
-_OPTIONAL_FIELDS = ("metadata", "created_at", "written_at")  # defaults: "{}", now, set by the writer
+# Fields a row may leave out, and their defaults: metadata "{}", created_at now, written_at (always set by
+# the writer), reference_logprobs [] (no reference model).
+_OPTIONAL_FIELDS = ("metadata", "created_at", "written_at", "reference_logprobs")
 
 TokenSeq = Sequence[int]  # a list, or a 1-D numpy array (converted without per-element Python work)
 
@@ -64,6 +70,8 @@ class Rollout:
     task: str
     actor_id: str
     metadata: str | dict = "{}"  # a dict is serialised to JSON; a string must already be JSON
+    reference_logprobs: TokenSeq = field(default_factory=list)  # one per completion token, or empty: no
+    #                                                               reference model in this run
     created_at: float = field(default_factory=time.time)
 
 
@@ -90,6 +98,10 @@ def _check_row(row: Mapping[str, Any]) -> None:
         if len(row[name]) != n:
             raise ValueError(f"{where}: `{name}` has {len(row[name])} entries but the completion has "
                              f"{n} tokens; there must be one per completion token")
+    n_ref = len(row.get("reference_logprobs", ()))
+    if n_ref not in (0, n):
+        raise ValueError(f"{where}: `reference_logprobs` has {n_ref} entries but the completion has {n} tokens; "
+                         "give one per completion token, or none when the run has no reference model")
     for name in ("finished", "truncated"):
         if not isinstance(row[name], bool):
             raise ValueError(f"{where}: `{name}` must be a bool, got {row[name]!r}")  # noqa: TRY004 - one error type for bad rows
@@ -156,8 +168,8 @@ def _group_columns(rows: list[Mapping[str, Any]], written_at: float) -> list[pa.
             columns.append(pa.array([_metadata_text(r) for r in rows], pa.string()))
         elif f.name == "created_at":
             columns.append(pa.array([float(r.get("created_at", written_at)) for r in rows], pa.float64()))
-        elif pa.types.is_list(f.type):
-            columns.append(_list_column([r[f.name] for r in rows], f.name, f.type.value_type))
+        elif pa.types.is_list(f.type):  # only reference_logprobs may be absent (_check_row): empty
+            columns.append(_list_column([r.get(f.name, []) for r in rows], f.name, f.type.value_type))
         else:
             columns.append(pa.array([r[f.name] for r in rows], f.type))
     return columns
