@@ -29,15 +29,20 @@ PROMPTS = ["12+34=", "7*8=", "99-1="]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("run")
+    yield from serve(tiny_model_dir, tmp_path_factory.mktemp("run"), PORT)
+
+
+def serve(model_dir: Path, run_dir: Path, port: int, *overrides: str):
+    """Run one `pipelinerl serve` until the generator is closed (a fixture body)."""
     log = open(run_dir / "server.log", "w")
-    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", "--model", str(tiny_model_dir), "--port", str(PORT),
-           "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3", "inference.max_model_len=256"]
+    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", "--model", str(model_dir), "--port", str(port),
+           "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3", "inference.max_model_len=256",
+           *overrides]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         url = _wait_published(run_dir, proc)
-        yield {"url": url, "run_dir": run_dir, "token": run_token(run_dir), "model": str(tiny_model_dir)}
+        yield {"url": url, "run_dir": run_dir, "token": run_token(run_dir), "model": str(model_dir)}
     finally:
         _stop(proc)
         log.close()
@@ -172,9 +177,12 @@ def test_update_a_b_a_matches_transformers(server, models, broadcaster):
     assert "pipelinerl_weight_version 2.0" in metrics and "pipelinerl_weight_updates_total 2.0" in metrics
 
 
-def _straddling_round(server, models, broadcaster, old: int, prompts: list[list[int]]) -> tuple[int, dict]:
+def _straddling_round(server, models, broadcaster, old: int, prompts: list[list[int]],
+                      after_update=None) -> tuple[int, dict]:
     """Long requests with an update from A (version old) to C (old + 1) sent while they run: checks every
-    request and returns how many straddled the update."""
+    request and returns how many straddled the update. after_update(prompt, done, n) gives the n tokens
+    a request must continue with once it has generated `done` under A (default: on A's stale KV cache)."""
+    after_update = after_update or (lambda ids, done, n: hf_stale_kv(models["A"], models["C"], ids, done, n))
     _send(broadcaster, old, models["A"])
     results: dict[int, dict] = {}
 
@@ -197,19 +205,23 @@ def _straddling_round(server, models, broadcaster, old: int, prompts: list[list[
         assert tokens[:k] == hf_greedy(models["A"], ids, k)
         if 0 < k < len(tokens):
             straddled += 1
-            assert tokens[k:] == hf_stale_kv(models["A"], models["C"], ids, tokens[:k], len(tokens) - k)
+            assert tokens[k:] == after_update(ids, tokens[:k], len(tokens) - k)
     return straddled, reply
 
 
-def test_in_flight_update_switches_versions_where_it_happened(server, models, broadcaster):
+def straddle_until_half(server, models, broadcaster, after_update=None) -> None:
     """On a quiet machine the 244-token requests may all finish before an update lands: rounds repeat
     (bounded) until at least half of the requests straddled one."""
     prompts = [_ids(models, t) for t in ("1+1=", "23+45=", "6*7=", "80-9=", "5+5=", "314=")]
     for attempt in range(8):
-        straddled, reply = _straddling_round(server, models, broadcaster, 100 + 2 * attempt, prompts)
+        straddled, reply = _straddling_round(server, models, broadcaster, 100 + 2 * attempt, prompts, after_update)
         if straddled >= len(prompts) // 2:
             return
     raise AssertionError(f"only {straddled} requests straddled the update in the last of 8 rounds ({reply})")
+
+
+def test_in_flight_update_switches_versions_where_it_happened(server, models, broadcaster):
+    straddle_until_half(server, models, broadcaster)  # kv_on_update=keep: continue on the stale KV cache
 
 
 def _stream_until(server, ids: list[int], n: int) -> None:

