@@ -62,3 +62,44 @@ def pipeline_lag0_run(tmp_path_factory, tiny_model_dir) -> Path:
     """Pipeline mode with max_lag = 0 (synchronous on-policy), four optimizer steps."""
     run_dir = tmp_path_factory.mktemp("pipe_lag0") / "run"
     return run_pipelinerl(REPO / "configs" / "tiny_cpu.yaml", run_dir, tiny_model_dir, 4, 18620, "actor.max_lag=0")
+
+
+# Fixtures of the inference-server tests (tests/test_inference_*.py): each module defines its own
+# module-scoped `server` fixture ({"url", "run_dir", "token", "model"}); these resolve against it.
+GROUP_PORTS = iter(range(18260, 18290))  # one weight-update group port per connection
+GROUP_TIMEOUT_S = 6.0
+
+
+@pytest.fixture(scope="module")
+def models(server):
+    """Weight sets A (the served checkpoint), B and C (A perturbed with different seeds), and the tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = {"tok": AutoTokenizer.from_pretrained(server["model"])}
+    for key, seed in (("A", None), ("B", 1), ("C", 2)):
+        m = AutoModelForCausalLM.from_pretrained(server["model"], dtype=torch.float32).eval()
+        if seed is not None:
+            g = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.5)
+        out[key] = m
+    return out
+
+
+@pytest.fixture(scope="module")
+def broadcaster(server):
+    b = connect_broadcaster(server)
+    yield b
+    b.close()
+
+
+def connect_broadcaster(server):
+    """A gloo weight-update group with the one test server."""
+    from pipelinerl.weights import WeightBroadcaster
+
+    b = WeightBroadcaster([server["url"]], "gloo", "127.0.0.1", next(GROUP_PORTS), GROUP_TIMEOUT_S,
+                          bucket_bytes=1 << 16, token=server["token"], checksums=True)
+    b.connect()
+    return b

@@ -81,10 +81,10 @@ def test_unknown_key_in_yaml_file(tmp_path):
 
 def test_cli_show_config_and_errors():
     run = [sys.executable, "-m", "pipelinerl.cli"]
-    out = subprocess.run(run + ["show-config", str(TINY), "trainer.lr=0.5"], capture_output=True, text=True)
+    out = subprocess.run(run + ["show-config", str(TINY), "trainer.lr=0.5"], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert "lr: 0.5" in out.stdout and "run_dir: runs/tiny_cpu" in out.stdout
-    bad = subprocess.run(run + ["show-config", str(TINY), "trainer.lr=-2"], capture_output=True, text=True)
+    bad = subprocess.run(run + ["show-config", str(TINY), "trainer.lr=-2"], capture_output=True, text=True, check=False)
     assert bad.returncode == 2
     assert "config `trainer.lr`: got -2.0; must be > 0" in bad.stderr
     assert "Traceback" not in bad.stderr

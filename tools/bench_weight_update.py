@@ -81,8 +81,8 @@ def raw_gloo_gbps(metas: list[TensorMeta], port: int, rounds: int) -> float:
 def start_server(model_dir: Path, run_dir: Path, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", "--model", str(model_dir), "--port", str(port),
            "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3", "inference.max_model_len=512"]
-    proc = subprocess.Popen(cmd, stdout=open(run_dir / "server.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    with open(run_dir / "server.log", "w") as log:  # the server keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
     while not list_servers(run_dir):
         if proc.poll() is not None or time.monotonic() > deadline:
