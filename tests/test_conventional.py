@@ -48,6 +48,7 @@ def test_batch_size_is_derived_and_validated():
             load_config(CONVENTIONAL, base + ["conventional.steps_per_batch=4", override])
 
 
+@pytest.mark.slow
 def test_each_batch_is_generated_by_one_version_and_trained_for_g_steps(conventional_g2_run):
     G, B = 2, 2 * S
     rows = consumed_rows(conventional_g2_run, 6 * S)
@@ -58,12 +59,14 @@ def test_each_batch_is_generated_by_one_version_and_trained_for_g_steps(conventi
     np.testing.assert_array_equal(stats["lag"], stats["step"] % G)  # steps bG..bG+G-1 train batch b
 
 
+@pytest.mark.slow
 def test_weights_are_synced_once_per_batch(conventional_g2_run):
     sent = trainer_scalar(conventional_g2_run, "broadcast_bytes")
     assert sorted(sent) == [1, 2, 3, 4, 5, 6]
     assert [step for step, nbytes in sorted(sent.items()) if nbytes > 0] == [2, 4, 6]
 
 
+@pytest.mark.slow
 def test_g1_conventional_and_max_lag_0_pipeline_train_on_policy(tmp_path_factory, tiny_model_dir,
                                                                  pipeline_lag0_run):
     g1 = run_pipelinerl(CONVENTIONAL, tmp_path_factory.mktemp("conv_g1") / "run", tiny_model_dir, 4, 18630,

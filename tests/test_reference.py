@@ -91,6 +91,7 @@ def test_a_reference_server_needs_max_model_len():
     assert "config `inference.max_model_len`: a reference server needs it set" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_reference_server_is_announced_apart_and_refuses_weight_updates(servers):
     cfg = servers["cfg"]
     assert list_servers(cfg.run_dir) == servers["policy"] == [f"http://127.0.0.1:{PORT}"]
@@ -102,6 +103,7 @@ def test_a_reference_server_is_announced_apart_and_refuses_weight_updates(server
     assert httpx.get(servers["reference"][0] + "/health", timeout=10).status_code == 200
 
 
+@pytest.mark.slow
 def test_the_actor_writes_the_initial_models_logprobs_for_every_completion_token(servers, tmp_path):
     cfg = servers["cfg"]
     proc = _start_actor(Path(cfg.run_dir) / "config.yaml", tmp_path / "actor.log")
@@ -115,6 +117,7 @@ def test_the_actor_writes_the_initial_models_logprobs_for_every_completion_token
         torch.testing.assert_close(torch.tensor(r["reference_logprobs"]), torch.tensor(want), rtol=0, atol=ATOL)
 
 
+@pytest.mark.slow
 def test_a_sequence_filling_max_model_len_is_scored(servers, tmp_path):
     """prompt + completion == max_model_len: vLLM refuses such a prompt on a server of that length (no
     room for the token it must generate); the reference server's max_model_len + 1 leaves that room."""

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -54,6 +55,7 @@ def _hf_greedy(model_dir, prompt, n):
     return ids[0, -n:].tolist(), min(margins)
 
 
+@pytest.mark.slow
 def test_transformers_and_vllm_cpu_agree_on_greedy_continuation(tiny_model_dir):
     prompts, n = ["37+48=", "5*5-1="], 12
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
