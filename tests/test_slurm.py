@@ -21,7 +21,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pipelinerl.config import StreamsConfig, load_config
-from pipelinerl.launch.slurm import _node_gpus, check_config, dry_run_allocation, node_server_roles, plan_roles
+from pipelinerl.launch.slurm import check_config, dry_run_allocation, plan_roles
+from pipelinerl.launch.slurm_node import _node_gpus, node_server_roles
 from pipelinerl.metrics import read_token_stats
 from pipelinerl.streams import StreamReader
 
