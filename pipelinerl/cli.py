@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pipelinerl.config import ConfigError, TinyModelConfig, load_config, to_yaml
@@ -65,9 +66,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from pipelinerl.trainer.loop import train
+    cfg = load_config(args.config, args.overrides)
+    if args.nproc is None:
+        from pipelinerl.trainer.loop import train
 
-    train(load_config(args.config, args.overrides))
+        train(cfg)
+        return
+    from pipelinerl.launch.placement import parse_gpu_ids
+    from pipelinerl.launch.procs import free_port
+    from pipelinerl.launch.ranks import run_ranks
+
+    argv = [sys.executable, "-m", "pipelinerl.cli", "train", args.config, *args.overrides]
+    gpus = parse_gpu_ids(args.gpus) if args.gpus else None
+    code = run_ranks(argv, args.nproc, args.master_port or free_port(), gpus)
+    if code:
+        raise SystemExit(code)
 
 
 def cmd_actor(args: argparse.Namespace) -> None:
@@ -79,7 +92,7 @@ def cmd_actor(args: argparse.Namespace) -> None:
 def cmd_run(args: argparse.Namespace) -> None:
     from pipelinerl.launch.local import run_local
 
-    run_local(load_config(args.config, args.overrides))
+    run_local(load_config(args.config, args.overrides), dry_run=args.dry_run)
 
 
 def cmd_slurm(args: argparse.Namespace) -> None:
@@ -123,8 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. inference.host=0.0.0.0")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("train", help="run one trainer rank (start every rank with torchrun or srun)")
+    p = sub.add_parser("train", help="run one trainer rank (RANK, WORLD_SIZE, ... from torchrun or srun), or "
+                                     "--nproc local ranks")
     _add_config_args(p)
+    p.add_argument("--nproc", type=int, default=None,
+                   help="start this many ranks on this machine (gloo on CPU, one GPU each with --gpus) and wait")
+    p.add_argument("--gpus", default=None, help="with --nproc: the ranks' GPU ids, e.g. 4-7 (rank r uses the r-th)")
+    p.add_argument("--master-port", type=int, default=None, help="with --nproc: rank 0's port (default: a free one)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("actor", help="run one actor: prompts -> servers -> rewards -> rollout stream")
@@ -134,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run the whole pipeline on this machine (servers, trainer, actor)")
     _add_config_args(p)
+    p.add_argument("--dry-run", action="store_true", help="print where each role runs and its command; start nothing")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("slurm", add_help=False, help="Slurm: launch | servers | submit (`pipelinerl slurm --help`)")
@@ -144,7 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.command} %(name)s: %(message)s")
+    role = args.command
+    if args.command == "train" and args.nproc is None and "RANK" in os.environ:
+        role = f"train[rank {os.environ['RANK']}]"  # ranks may share one log
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the role logs
     try:
         args.func(args)

@@ -139,16 +139,33 @@ class InferenceConfig:
 
 @dataclass
 class SamplingConfig:
-    """Sampling parameters of the actor's rollouts (and of evaluation when actor.eval_greedy is false)."""
+    """Sampling parameters of the actor's rollouts (and of evaluation when actor.eval_greedy is false).
 
-    temperature: float = 1.0  # 1.0 samples from the policy itself, as the RL maths assumes
-    top_p: float = 1.0  # nucleus mass; values < 1 make behaviour log-probs differ from the policy's
+    The servers report the log-probs of the distribution actually sampled (vLLM's processed log-probs:
+    logits / temperature), and the trainer scores with the same temperature, so importance ratios, ESS and
+    KL compare like with like. Truncations the trainer cannot reproduce (top_p < 1) are refused.
+    """
+
+    temperature: float = 1.0  # softmax temperature of rollouts; the trainer scores with it too. 1.0
+    #                           samples the policy itself
+    top_p: float = 1.0  # nucleus mass: only 1.0 (no truncation) is accepted; kept so that a config
+    #                     asking for nucleus sampling gets a clear refusal rather than an unknown key
     max_new_tokens: int = 8192  # completion length limit in tokens; longer ones are marked truncated
+    min_new_tokens: int = 0  # every sampled completion has at least this many tokens (vLLM's `min_tokens`:
+    #                          EOS and stop tokens are masked until then); greedy evaluation ignores it.
+    #                          0 = no minimum; must be <= max_new_tokens. The behaviour log-probs are then
+    #                          those of the masked distribution, which the trainer does not reproduce
+    #                          (ratios low by the EOS mass): for tests and benchmarks, not for training
 
     def __post_init__(self) -> None:
         _check(0 < self.temperature <= 2, "actor.sampling.temperature", "must be in (0, 2]: vLLM refuses more, and greedy is not RL sampling")
-        _check(0.0 < self.top_p <= 1.0, "actor.sampling.top_p", "must be in (0, 1]")
+        _check(self.top_p == 1.0, "actor.sampling.top_p",
+               f"got {self.top_p!r}; only 1.0 is supported: the trainer cannot reproduce nucleus truncation of "
+               "the behaviour distribution, so importance ratios, ESS and KL would be wrong. Use temperature "
+               "to sharpen sampling instead")
         _check_positive(self.max_new_tokens, "actor.sampling.max_new_tokens")
+        _check(0 <= self.min_new_tokens <= self.max_new_tokens, "actor.sampling.min_new_tokens",
+               f"got {self.min_new_tokens!r}; must be in [0, max_new_tokens={self.max_new_tokens}]")
 
 
 @dataclass
@@ -204,7 +221,8 @@ class TrainerConfig:
     """The DeepSpeed trainer (`pipelinerl train`)."""
 
     zero_stage: int = 3  # DeepSpeed ZeRO stage: 0 (plain DDP), 1, 2 or 3 (sharded params, for 7B/32B)
-    num_gpus: int | None = None  # trainer ranks; null = all GPUs of the training nodes (1 process on CPU)
+    num_gpus: int | None = None  # trainer ranks (one per GPU; gloo processes on CPU); null = every GPU of
+    #                               the training nodes / of launch.training_gpus (1 process on CPU)
     micro_batch_tokens: int = 8192  # token budget of one packed micro-batch (prompt + completion tokens)
     samples_per_step: int = 64  # samples (completions) per optimizer step, summed over all ranks
     max_steps: int | None = None  # stop after this many optimizer steps; null = until stopped
@@ -226,7 +244,9 @@ class TrainerConfig:
     broadcast_port: int = 29511  # TCP port of the weight-update group's store on trainer rank 0
     broadcast_bucket_mb: float = 256.0  # weights are broadcast in buckets of at most this many MiB
     broadcast_checksums: bool = False  # debug: servers check a per-tensor checksum after each update
-    data_timeout_s: float = 3600.0  # fail if the rollout stream yields nothing for this long
+    data_timeout_s: float = 1500.0  # fail, naming the stream and cursor, if a step's data does not arrive
+    #                                  within this long; must be < dist_timeout_s (the other ranks wait
+    #                                  in a collective meanwhile)
 
     def __post_init__(self) -> None:
         _check_choice(self.zero_stage, (0, 1, 2, 3), "trainer.zero_stage")
@@ -248,6 +268,9 @@ class TrainerConfig:
         _check_positive(self.data_timeout_s, "trainer.data_timeout_s")
         _check_choice(self.attn_implementation, ("sdpa", "flash_attention_2"), "trainer.attn_implementation")
         _check_positive(self.dist_timeout_s, "trainer.dist_timeout_s")
+        _check(self.data_timeout_s < self.dist_timeout_s, "trainer.data_timeout_s",
+               f"got {self.data_timeout_s}; must be < trainer.dist_timeout_s ({self.dist_timeout_s}), or a starved "
+               "trainer dies of a collective timeout instead of saying what it waited for")
         _check(1 <= self.broadcast_port <= 65535, "trainer.broadcast_port", "must be a free TCP port")
         _check("train_batch_size" not in self.deepspeed_config
                and "gradient_accumulation_steps" not in self.deepspeed_config, "trainer.deepspeed_config",
@@ -383,7 +406,7 @@ class SlurmConfig:
     #                                    job id % 10000 (jobs sharing a node then differ)
 
     def __post_init__(self) -> None:
-        _check_positive(self.inference_nodes, "launch.slurm.inference_nodes")
+        _check(self.inference_nodes >= 0, "launch.slurm.inference_nodes", "must be >= 0 (0 = colocated)")
         _check_positive(self.training_nodes, "launch.slurm.training_nodes")
         _check_positive(self.gpus_per_node, "launch.slurm.gpus_per_node", allow_null=True)
         _check_positive(self.cpus_per_task, "launch.slurm.cpus_per_task", allow_null=True)
@@ -398,11 +421,25 @@ class LaunchConfig:
 
     backend: str = "local"  # local (child processes of `pipelinerl run`) | slurm
     torch_threads: int | None = None  # torch threads per CPU process; null = torch's default
+    inference_gpus: str | None = None  # GPU ids of a node the servers use, e.g. "0-3" (tensor_parallel_size
+    #                                     contiguous ids per server); null = locally the first half of the
+    #                                     machine's GPUs, on Slurm every GPU of an inference node
+    training_gpus: str | None = None  # GPU ids of a node the trainer ranks use, one per rank, e.g. "4-7";
+    #                                    null = locally the second half of the machine's GPUs, on Slurm
+    #                                    every GPU of a training node. Disjoint from inference_gpus
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def __post_init__(self) -> None:
+        from pipelinerl.launch.placement import parse_gpu_ids
+
         _check_choice(self.backend, ("local", "slurm"), "launch.backend")
         _check_positive(self.torch_threads, "launch.torch_threads", allow_null=True)
+        for name in ("inference_gpus", "training_gpus"):
+            try:
+                if getattr(self, name) is not None:
+                    parse_gpu_ids(getattr(self, name))
+            except ValueError as err:
+                _check(False, f"launch.{name}", str(err))
 
 
 @dataclass
@@ -429,6 +466,10 @@ class Config:
         _check(bool(self.run_dir), "run_dir", "set it to a folder (it is created if missing)")
         _check(self.trainer.samples_per_step % self.actor.attempts == 0, "trainer.samples_per_step",
                f"must be a multiple of actor.attempts ({self.actor.attempts}) so whole groups fill a step")
+        groups = self.trainer.samples_per_step // self.actor.attempts
+        _check(self.trainer.num_gpus is None or groups % self.trainer.num_gpus == 0, "trainer.num_gpus",
+               f"{groups} groups per step (trainer.samples_per_step / actor.attempts) do not split evenly over "
+               f"{self.trainer.num_gpus} trainer ranks: make samples_per_step a multiple of attempts x ranks")
         _check_choice(self.mode, ("pipeline", "conventional"), "mode")
         if self.mode == "conventional":
             self._check_conventional()

@@ -77,9 +77,18 @@ class TokenStats:
             array.resize((keep,))
 
 
-def read_token_stats(run_dir: str | Path, writer: str = "rank0") -> dict[str, np.ndarray]:
-    """All per-token arrays of one writer, as numpy (for analysis and tests)."""
+def read_token_stats(run_dir: str | Path, writer: str | None = None) -> dict[str, np.ndarray]:
+    """Per-token arrays as numpy (for analysis and tests): one writer's, or with `writer=None` every
+    trainer rank's concatenated in rank order, plus a `rank` array saying whose each token is."""
     import zarr
 
-    root = Path(run_dir) / "stats" / writer
-    return {name: zarr.open_array(str(root / name), mode="r")[:] for name in TOKEN_ARRAYS}
+    root = Path(run_dir) / "stats"
+    writers = [writer] if writer is not None else sorted(
+        (p.name for p in root.glob("rank*")), key=lambda name: int(name[4:]))
+    if not writers:
+        raise FileNotFoundError(f"no per-token statistics under {root}")
+    parts = [{name: zarr.open_array(str(root / w / name), mode="r")[:] for name in TOKEN_ARRAYS} for w in writers]
+    out = {name: np.concatenate([p[name] for p in parts]) for name in TOKEN_ARRAYS}
+    out["rank"] = np.concatenate([np.full(len(p["step"]), int(w[4:]) if w.startswith("rank") else -1, dtype=np.int32)
+                                  for p, w in zip(parts, writers)])
+    return out

@@ -23,9 +23,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 # Short `pipelinerl run`s of the untrained tiny model, shared by tests/test_conventional.py and
-# tests/test_kl_analysis.py (each run starts a vLLM server and a DeepSpeed rank: about a minute).
+# tests/test_kl_analysis.py (each run starts a vLLM server and 1-3 DeepSpeed ranks: about a minute).
 CONVENTIONAL = REPO / "configs" / "tiny_cpu_conventional.yaml"
-S = 32  # samples per optimizer step: 4 prompts x 8 attempts
+S = 48  # samples per optimizer step: 6 prompts x 8 attempts, so 1, 2 or 3 ranks get whole groups
 
 
 def _run_overrides(run_dir: Path, model_dir: Path, max_steps: int, port: int) -> list[str]:
@@ -52,16 +52,18 @@ def run_pipelinerl(config: Path, run_dir: Path, model_dir: Path, max_steps: int,
 
 @pytest.fixture(scope="session")
 def conventional_g2_run(tmp_path_factory, tiny_model_dir) -> Path:
-    """Conventional RL, G = 2: three batches of B = 64 samples, six optimizer steps."""
+    """Conventional RL, G = 2, on 3 trainer ranks: three batches of B = 96 samples, six optimizer steps."""
     run_dir = tmp_path_factory.mktemp("conv_g2") / "run"
-    return run_pipelinerl(CONVENTIONAL, run_dir, tiny_model_dir, 6, 18610, "conventional.steps_per_batch=2")
+    return run_pipelinerl(CONVENTIONAL, run_dir, tiny_model_dir, 6, 18610, "conventional.steps_per_batch=2",
+                          "trainer.num_gpus=3")
 
 
 @pytest.fixture(scope="session")
 def pipeline_lag0_run(tmp_path_factory, tiny_model_dir) -> Path:
-    """Pipeline mode with max_lag = 0 (synchronous on-policy), four optimizer steps."""
+    """Pipeline mode with max_lag = 0 (synchronous on-policy) on 2 trainer ranks, four optimizer steps."""
     run_dir = tmp_path_factory.mktemp("pipe_lag0") / "run"
-    return run_pipelinerl(REPO / "configs" / "tiny_cpu.yaml", run_dir, tiny_model_dir, 4, 18620, "actor.max_lag=0")
+    return run_pipelinerl(REPO / "configs" / "tiny_cpu.yaml", run_dir, tiny_model_dir, 4, 18620, "actor.max_lag=0",
+                          "trainer.num_gpus=2")
 
 
 # Fixtures of the inference-server tests (tests/test_inference_*.py): each module defines its own

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from pipelinerl.actor import Actor, Completion
 from pipelinerl.config import load_config, save_config
 from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, list_servers
-from pipelinerl.launch.local import _roles, wait_for_servers
+from pipelinerl.launch.local import _roles, placement, wait_for_servers
 from pipelinerl.launch.procs import Supervisor
 from pipelinerl.streams import StreamReader
 
@@ -47,7 +47,7 @@ def _config(run_dir: Path, model_dir: Path, *overrides: str):
 def servers(tmp_path_factory, tiny_model_dir):
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     cfg = _config(run_dir, tiny_model_dir)
-    roles, _, _ = _roles(cfg, run_dir / "config.yaml")
+    roles, _, _ = _roles(cfg, run_dir / "config.yaml", placement(cfg, []))
     sup = Supervisor()
     try:
         for role in roles:
@@ -71,7 +71,7 @@ def test_the_launcher_starts_reference_servers_only_when_needed_and_always_on_th
     cfg = _config(tmp_path / "run", model_dir, "inference.num_servers=2", "inference.reference_servers=2")
     (tmp_path / "run" / "checkpoints" / "step_00000003" / "hf").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "step_00000003" / "meta.json").write_text(json.dumps({"version": 3}))
-    servers, _, _ = _roles(cfg, tmp_path / "run" / "config.yaml")
+    servers, _, _ = _roles(cfg, tmp_path / "run" / "config.yaml", placement(cfg, []))
     assert [r.name for r in servers] == ["server0", "server1", "reference0", "reference1"]
     for role in servers[:2]:  # a resumed run: policy servers load the latest checkpoint
         assert role.argv[role.argv.index("--model") + 1].endswith("step_00000003/hf")
@@ -79,7 +79,8 @@ def test_the_launcher_starts_reference_servers_only_when_needed_and_always_on_th
         assert "--reference" in role.argv and "--model" not in role.argv and "--version" not in role.argv
         assert role.argv[role.argv.index("--port") + 1] == str(PORT + 2 + i)
         assert role.log_path.name == f"reference{i}.log"
-    servers, _, _ = _roles(_config(tmp_path / "run", model_dir, "rl.kl_coef=0"), tmp_path / "run" / "config.yaml")
+    plain = _config(tmp_path / "run", model_dir, "rl.kl_coef=0")
+    servers, _, _ = _roles(plain, tmp_path / "run" / "config.yaml", placement(plain, []))
     assert [r.name for r in servers] == ["server0"]
 
 

@@ -1,4 +1,4 @@
-"""Rollout streams in one process: schema, validation, rolling, order, faults, cursors, sharding,
+"""Rollout streams in one process: schema, validation, rolling, order, faults, cursors,
 dedup, retention, timeouts, inspect. The multi-process and SIGKILL tests are in test_streams_processes.py.
 
 Every sample's content is a pure function of its ids (`expected_row`), so a read-back group is checked
@@ -297,28 +297,7 @@ def test_resume_from_a_saved_cursor_after_crashes_loses_and_repeats_nothing(tmp_
     assert Counter(trained) == _all_ids(writers)
 
 
-def test_shards_are_disjoint_complete_balanced_and_resume_per_rank(tmp_path):
-    writers = {"a": 30, "b": 21, "c": 5}
-    for w, n in writers.items():
-        write_groups(tmp_path, w, range(n), cfg_(segment_max_rows=12))
-    world = 3
-    shares = []
-    for rank in range(world):
-        reader = StreamReader(tmp_path, TOPIC, cfg_(), shard=(rank, world))
-        head = reader.read_groups(3, timeout_s=1.0)
-        resumed = StreamReader(tmp_path, TOPIC, cfg_(), cursor=json.loads(json.dumps(reader.cursor())),
-                               shard=(rank, world))
-        shares.append(Counter(ids_of(head + read_all(resumed))))
-    assert sum(shares, Counter()) == _all_ids(writers)
-    assert all(not (shares[i].keys() & shares[j].keys()) for i in range(world) for j in range(i + 1, world))
-    groups = [sum(shares[r].values()) // G for r in range(world)]
-    segments = sum(len(list_segments(tmp_path / "streams" / TOPIC / w)) for w in writers)
-    assert max(groups) - min(groups) <= segments
-    with pytest.raises(ValueError, match="resume with the same"):
-        StreamReader(tmp_path, TOPIC, cfg_(), cursor=reader.cursor(), shard=(0, world))
-
-
-def test_duplicate_sample_ids_are_dropped_on_every_rank(tmp_path):
+def test_duplicate_sample_ids_are_dropped(tmp_path):
     with StreamWriter(tmp_path, TOPIC, "a", cfg_(segment_max_rows=4)) as w:
         for g in range(6):
             w.write_group(expected_group("a", g))
@@ -329,8 +308,6 @@ def test_duplicate_sample_ids_are_dropped_on_every_rank(tmp_path):
     want = _all_ids({"a": 6}) + Counter(r["sample_id"] for r in expected_group("a", 6)[:2])
     assert Counter(ids_of(read_all(single))) == want
     assert single.duplicates_dropped == G + 2
-    shares = [Counter(ids_of(read_all(StreamReader(tmp_path, TOPIC, cfg_(), shard=(r, 2))))) for r in range(2)]
-    assert shares[0] + shares[1] == want
 
 
 def test_the_dedup_memory_bound_is_real(tmp_path):
@@ -341,23 +318,19 @@ def test_the_dedup_memory_bound_is_real(tmp_path):
     assert len(ids_of(read_all(tight))) == 3 * G
 
 
-def test_retention_deletes_only_what_all_saved_cursors_passed(tmp_path):
+def test_retention_deletes_only_what_the_saved_cursor_passed(tmp_path):
     write_groups(tmp_path, "a", range(10), cfg_(), flush_every=1)  # one group per segment
     wdir = tmp_path / "streams" / TOPIC / "a"
-    r0 = StreamReader(tmp_path, TOPIC, cfg_(), shard=(0, 2))
-    r1 = StreamReader(tmp_path, TOPIC, cfg_(), shard=(1, 2))
-    consumed = ids_of(r0.read_groups(4, 1.0)) + ids_of(r1.read_groups(2, 1.0))
-    cursors = [json.loads(json.dumps(r.cursor())) for r in (r0, r1)]  # as saved in the checkpoint
-    assert release(tmp_path, TOPIC, cursors, cfg_()) == []  # retention: keep
-    with pytest.raises(ValueError, match="cursors of all 2 rank"):
-        release(tmp_path, TOPIC, cursors[:1], cfg_(retention="delete"))
-    bound = min(c["next"]["a"][0] for c in cursors)
-    assert 0 < bound < 9
-    deleted = release(tmp_path, TOPIC, cursors, cfg_(retention="delete"))
+    reader = StreamReader(tmp_path, TOPIC, cfg_())
+    consumed = ids_of(reader.read_groups(4, 1.0))
+    cursor = json.loads(json.dumps(reader.cursor()))  # as saved in the checkpoint
+    assert release(tmp_path, TOPIC, cursor, cfg_()) == []  # retention: keep
+    bound = cursor["next"]["a"][0]
+    assert bound == 4
+    deleted = release(tmp_path, TOPIC, cursor, cfg_(retention="delete"))
     assert sorted(int(Path(p).name[:8]) for p in deleted) == list(range(bound))
     assert [s.seq for s in list_segments(wdir)] == list(range(bound, 10))
-    for rank, cursor in enumerate(cursors):  # nothing unconsumed was deleted
-        consumed += ids_of(read_all(StreamReader(tmp_path, TOPIC, cfg_(), cursor=cursor, shard=(rank, 2))))
+    consumed += ids_of(read_all(StreamReader(tmp_path, TOPIC, cfg_(), cursor=cursor)))  # nothing unread was deleted
     assert Counter(consumed) == _all_ids({"a": 10})
 
 
@@ -365,7 +338,7 @@ def test_a_writer_restarted_after_release_continues_past_every_cursor(tmp_path):
     write_groups(tmp_path, "a", range(3), cfg_(), flush_every=1)
     reader = StreamReader(tmp_path, TOPIC, cfg_())
     assert len(read_all(reader)) == 3
-    release(tmp_path, TOPIC, [reader.cursor()], cfg_(retention="delete"))
+    release(tmp_path, TOPIC, reader.cursor(), cfg_(retention="delete"))
     wdir = tmp_path / "streams" / TOPIC / "a"
     assert [s.seq for s in list_segments(wdir)] == [2]  # the newest stays as the high-water mark
     write_groups(tmp_path, "a", range(3, 5), cfg_(), flush_every=1)
@@ -413,9 +386,7 @@ def test_streams_config_fields_are_validated():
     assert load_config(None, ["run_dir=x", "model.path=m", "streams.dedup_window=null"]).streams.dedup_window is None
 
 
-def test_bad_names_and_shards_are_refused(tmp_path):
+def test_bad_names_are_refused(tmp_path):
     with pytest.raises(ValueError, match="writer_id"):
         StreamWriter(tmp_path, TOPIC, "../escape", cfg_())
-    with pytest.raises(ValueError, match="shard"):
-        StreamReader(tmp_path, TOPIC, cfg_(), shard=(2, 2))
     assert os.listdir(tmp_path) == []

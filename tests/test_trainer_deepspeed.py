@@ -31,7 +31,8 @@ PERSIST_NOTHING = {"zero_optimization": {"stage3_param_persistence_threshold": 0
 def trainer_config(stage: int, micro_batch_tokens: int) -> TrainerConfig:
     return TrainerConfig(zero_stage=stage, micro_batch_tokens=micro_batch_tokens, samples_per_step=SAMPLES_PER_STEP,
                          max_steps=STEPS, lr=LR, lr_schedule="linear", warmup_steps=2, weight_decay=0.01,
-                         grad_clip=1.0, deepspeed_config=PERSIST_NOTHING, dist_timeout_s=120)
+                         grad_clip=1.0, deepspeed_config=PERSIST_NOTHING, dist_timeout_s=120,
+                         data_timeout_s=60)
 
 
 def step_samples(step: int, vocab: int) -> list[Sample]:

@@ -1,8 +1,8 @@
 """KL(behaviour || target) as a function of lag, from a run's checkpoints and rollout stream (seed 001's
 "Exp 2": PipelineRL's in-flight behaviour policy against conventional RL's, at equal lag).
 
-For every sample the trainer consumed at step t (the stream in the trainer's reading order; rank r of W
-reads its shard, S / W samples per step), the target policy is the one trained at that step: version t,
+For every sample the trainer consumed at step t (the stream in the trainer's reading order: step t
+trains samples t*S .. (t+1)*S - 1, split over the ranks), the target policy is the one trained at that step: version t,
 i.e. checkpoint step_t (the base model for t = 0). Behaviour log-probs come from the stream (the
 servers' log-probs of the sampled tokens); target log-probs from transformers on the checkpoint's HF
 weights. With tokens x ~ behaviour and r = pi_target(x) / pi_behaviour(x), two per-token estimators:
@@ -36,18 +36,16 @@ def consumed_by_step(run_dir: Path, max_samples_per_step: int | None) -> dict[in
     if not checkpoints:
         raise ValueError(f"{run_dir} has no checkpoint: the trained steps and their weights are unknown")
     meta = json.loads((checkpoints[-1] / "meta.json").read_text())
-    world, steps = len(meta["cursors"]), int(meta["version"])
-    per_rank = cfg.trainer.samples_per_step // world
+    steps, S = int(meta["version"]), cfg.trainer.samples_per_step
     by_step: dict[int, list[dict]] = defaultdict(list)
-    for rank in range(world):
-        reader = StreamReader(run_dir, ROLLOUT_TOPIC, cfg.streams, shard=(rank, world))
-        rows: list[dict] = []
-        while len(rows) < steps * per_rank:
-            groups = reader.read_groups(max_groups=256, timeout_s=5.0)
-            rows.extend(row for group in groups for row in group.to_pylist())
-        for i, row in enumerate(rows[: steps * per_rank]):
-            if max_samples_per_step is None or len(by_step[i // per_rank]) < max_samples_per_step:
-                by_step[i // per_rank].append(row)
+    reader = StreamReader(run_dir, ROLLOUT_TOPIC, cfg.streams)
+    rows: list[dict] = []
+    while len(rows) < steps * S:
+        groups = reader.read_groups(max_groups=256, timeout_s=5.0)
+        rows.extend(row for group in groups for row in group.to_pylist())
+    for i, row in enumerate(rows[: steps * S]):
+        if max_samples_per_step is None or len(by_step[i // S]) < max_samples_per_step:
+            by_step[i // S].append(row)
     return dict(by_step)
 
 

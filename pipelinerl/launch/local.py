@@ -8,11 +8,18 @@ servers' policy version until the trainer exits. Ctrl-C, SIGTERM or any child's 
 Re-running with the same run directory resumes: the servers start from the latest checkpoint's weights
 at its version, and the trainer restores its state and stream cursor from the same checkpoint; reference
 servers always serve the initial model (`model.path`).
+
+Placement (launch/placement.py): on a GPU machine the servers take launch.inference_gpus (tensor-parallel
+groups of contiguous GPUs) and the trainer ranks launch.training_gpus, disjoint; by default the first
+half of the GPUs serve and the second half train. The trainer role is `pipelinerl train --nproc N`: N
+ranks (trainer.num_gpus; gloo processes on CPU) that receive every stop signal together.
+`pipelinerl run --dry-run` prints the placement and every command.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -20,6 +27,7 @@ from pathlib import Path
 
 from pipelinerl.config import Config, ConfigError, save_config
 from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, list_servers
+from pipelinerl.launch.placement import Placement, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor, free_port
 
 log = logging.getLogger(__name__)
@@ -71,26 +79,73 @@ def reference_server_count(cfg: Config) -> int:
     return cfg.inference.reference_servers if cfg.rl.needs_reference_logprobs else 0
 
 
-def _roles(cfg: Config, config_path: Path) -> tuple[list[Role], Role, Role]:
+def machine_gpus() -> list[str]:
+    """The GPU ids this launcher may hand out: CUDA_VISIBLE_DEVICES if set, else every GPU nvidia-smi
+    lists; [] on a CPU machine. (No torch import: the launcher stays light.)"""
+    import shutil
+    import subprocess
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        return [g for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False, timeout=60)
+    return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")] if out.returncode == 0 else []
+
+
+def placement(cfg: Config, gpus: list[str]) -> Placement:
+    """This machine's split between the servers (policy, then reference) and the trainer ranks, in the
+    ids of `gpus` (so a launcher started under CUDA_VISIBLE_DEVICES=2,3 hands out 2 and 3)."""
+    try:
+        plan = split_node(len(gpus), cfg.launch.inference_gpus, cfg.launch.training_gpus,
+                          cfg.inference.num_servers + reference_server_count(cfg), cfg.inference.tensor_parallel_size,
+                          cfg.trainer.num_gpus)
+    except ValueError as err:
+        raise ConfigError(f"config `launch`: {err}") from None
+    if plan.server_gpus is None:
+        return plan
+    return Placement([[gpus[int(i)] for i in group] for group in plan.server_gpus],
+                     [gpus[int(i)] for i in plan.trainer_gpus], plan.trainer_ranks)
+
+
+def _roles(cfg: Config, config_path: Path, where: Placement) -> tuple[list[Role], Role, Role]:
     """(servers: the policy servers, then any reference servers; trainer; actor)."""
     run_dir = Path(cfg.run_dir)
     cli = [sys.executable, "-m", "pipelinerl.cli"]
     threads = {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
     model, version = serving_weights(cfg)
-    servers = [Role(f"server{i}", cli + ["serve", "--config", str(config_path), "--model", model, "--port",
-                                          str(cfg.inference.base_port + i), "--version", str(version)],
-                    run_dir / "logs" / f"server{i}.log", threads)
-               for i in range(cfg.inference.num_servers)]
-    servers += [Role(f"reference{i}", cli + ["serve", "--reference", "--config", str(config_path), "--port",
-                                             str(cfg.inference.base_port + cfg.inference.num_servers + i)],
-                     run_dir / "logs" / f"reference{i}.log", threads)
+    inf = cfg.inference
+    servers = [(f"server{i}", ["--model", model, "--port", str(inf.base_port + i), "--version", str(version)])
+               for i in range(inf.num_servers)]
+    servers += [(f"reference{i}", ["--reference", "--port", str(inf.base_port + inf.num_servers + i)])
                 for i in range(reference_server_count(cfg))]
-    dist_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(free_port())}
-    trainer = Role("trainer", cli + ["train", str(config_path)], run_dir / "logs" / "trainer.log",
-                   {**threads, **dist_env})
+    server_roles = []
+    for slot, (name, args) in enumerate(servers):
+        env = dict(threads)
+        if where.server_gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(where.server_gpus[slot])
+        server_roles.append(Role(name, cli + ["serve", "--config", str(config_path), *args],
+                                 run_dir / "logs" / f"{name}.log", env))
+    ranks = ["--nproc", str(where.trainer_ranks), "--master-port", str(free_port())]
+    if where.trainer_gpus is not None:
+        ranks += ["--gpus", ",".join(where.trainer_gpus)]
+    trainer = Role("trainer", cli + ["train", str(config_path), *ranks], run_dir / "logs" / "trainer.log", threads)
     actor = Role("actor", cli + ["actor", str(config_path)], run_dir / "logs" / "actor.log", threads)
-    return servers, trainer, actor
+    return server_roles, trainer, actor
+
+
+def render(cfg: Config, config_path: Path, gpus: list[str]) -> str:
+    """The placement and each role's command, as `pipelinerl run --dry-run` prints them."""
+    import shlex
+
+    where = placement(cfg, gpus)
+    servers, trainer, actor = _roles(cfg, config_path, where)
+    lines = [f"# GPUs on this machine: {','.join(gpus) or 'none (CPU)'}",
+             *(f"# {line}" for line in where.describe(len(servers)))]
+    for role in (*servers, trainer, actor):
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in role.env.items())
+        lines.append(f"# {role.name} (log {role.log_path})\n{env + ' ' if env else ''}{shlex.join(role.argv)}")
+    return "\n".join(lines)
 
 
 def wait_for_servers(cfg: Config, sup: Supervisor, expected: int | None = None,
@@ -149,8 +204,11 @@ def report_success(cfg: Config) -> None:
           f"({100 * (after - before):+.1f} points)", flush=True)
 
 
-def run_local(cfg: Config) -> None:
+def run_local(cfg: Config, dry_run: bool = False) -> None:
     """Entry point of `pipelinerl run`."""
+    if dry_run:
+        print(render(cfg, Path(cfg.run_dir) / "config.yaml", machine_gpus()))
+        return
     config_path = prepare_run_dir(cfg)
     ensure_model(cfg)
     if cfg.trainer.max_steps is not None and serving_weights(cfg)[1] >= cfg.trainer.max_steps:
@@ -163,7 +221,7 @@ def run_local(cfg: Config) -> None:
 
 
 def _run_roles(cfg: Config, config_path: Path) -> None:
-    servers, trainer, actor = _roles(cfg, config_path)
+    servers, trainer, actor = _roles(cfg, config_path, placement(cfg, machine_gpus()))
     sup = Supervisor()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally below
     try:

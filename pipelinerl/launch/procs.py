@@ -26,7 +26,7 @@ except OSError:  # not Linux: process groups still let the launcher stop the chi
     _prctl = None
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child between fork and exec: only two system calls, no locks, no imports."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -62,7 +62,7 @@ class Supervisor:
         with open(role.log_path, "ab") as out:
             proc = subprocess.Popen(role.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env={**os.environ, **role.env}, start_new_session=True,
-                                    preexec_fn=_die_with_parent)  # noqa: PLW1509 (see _die_with_parent)
+                                    preexec_fn=die_with_parent)  # noqa: PLW1509 (see die_with_parent)
         self.running[role.name] = (role, proc)
         log.info("started %s (pid %d), log %s", role.name, proc.pid, role.log_path)
         return proc

@@ -13,19 +13,16 @@ Parallel filesystems (Lustre, GPFS, NFS) give no reliable locks, inotify or appe
 * **Cursor.** Per writer, the (segment seq, group index) of the next unread group. Readers hand out only
   whole groups and move the cursor as they do, so a reader rebuilt from a saved cursor neither repeats
   nor skips a group, whatever it had loaded but not handed out when it died.
-* **Sharding.** `shard=(rank, world)`: every rank reads every segment and keeps the groups that a fixed
-  function of (writer, seq, group index) assigns to it; shares are disjoint and complete, and they
-  differ by at most one group per segment. Chosen over one reader that scatters to the ranks because it
-  needs no collective (streams stay free of torch and process groups) and no rank waits on another's
-  I/O; the cost, every rank reading every segment, is small: rollouts are token ids, ~100 MB per step
-  at 32B scale against a step of minutes. Each rank keeps its own cursor.
+* **One reader per run.** The trainer's rank 0 reads the stream and hands each rank its exact share
+  of every step (pipelinerl/trainer/step_data.py): shares that a per-rank rule computed per segment
+  drifted apart across segments, and a rank short of data waited for groups that never came. Readers
+  stay free of torch and process groups; one cursor describes the whole run's position.
 * **Faults.** A segment whose CRC-32 or Arrow structure is wrong is renamed to `*.corrupt`, logged
   (logging.ERROR) and skipped. Duplicate sample ids are dropped: the seen-set holds the last
   `streams.dedup_window` ids (FIFO; ~120 bytes each, so 100k ids is ~12 MB); older duplicates pass.
-  Dedup runs on every group before sharding, so all ranks agree on duplicates from one writer. The
-  seen-set is not part of the cursor: after a resume, duplicates of samples read before it pass.
-* **Retention.** `release(run_dir, topic, cursors, cfg)` deletes the segments all ranks' cursors have
-  passed (with `retention: delete`); call it only after the checkpoint that holds those cursors is
+  The seen-set is not part of the cursor: after a resume, duplicates of samples read before it pass.
+* **Retention.** `release(run_dir, topic, cursor, cfg)` deletes the segments the cursor has
+  passed (with `retention: delete`); call it only after the checkpoint that holds that cursor is
   written. The newest file of each writer stays, so a restarted writer continues its numbering.
 """
 

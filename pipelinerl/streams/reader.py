@@ -1,11 +1,10 @@
-"""StreamReader (follow all writers of a topic, dedup, shard, cursor) and `release` (retention)."""
+"""StreamReader (follow all writers of a topic, dedup, cursor) and `release` (retention)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
-import zlib
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -62,15 +61,6 @@ class _Item:
     after: tuple[int, int]  # the writer's cursor once this item is handed out: (seq, next group index)
 
 
-def _check_shard(shard: tuple[int, int] | None) -> tuple[int, int] | None:
-    if shard is None:
-        return None
-    rank, world = shard
-    if not (isinstance(rank, int) and isinstance(world, int) and 0 <= rank < world):
-        raise ValueError(f"shard must be (rank, world) with 0 <= rank < world, got {shard!r}")
-    return rank, world
-
-
 def _check_cursor(cursor: dict, topic: str) -> dict[str, tuple[int, int]]:
     if not isinstance(cursor, dict) or cursor.get("format") != CURSOR_FORMAT:
         raise ValueError(f"not a stream cursor of format {CURSOR_FORMAT}: {cursor!r}")
@@ -81,21 +71,15 @@ def _check_cursor(cursor: dict, topic: str) -> dict[str, tuple[int, int]]:
 
 class StreamReader:
     """Reads whole groups from every writer of a topic; see the package docstring for the order,
-    sharding, dedup and cursor semantics."""
+    dedup and cursor semantics."""
 
-    def __init__(self, run_dir: str | os.PathLike, topic: str, cfg: StreamsConfig,
-                 cursor: dict | None = None, shard: tuple[int, int] | None = None):
+    def __init__(self, run_dir: str | os.PathLike, topic: str, cfg: StreamsConfig, cursor: dict | None = None):
         self.cfg = cfg
         self.topic = topic
         self.dir = topic_dir(run_dir, topic)
-        self.shard = _check_shard(tuple(shard) if shard is not None else None)
         self._next: dict[str, tuple[int, int]] = {}  # per writer: (seq, group) of the next unread group
         if cursor is not None:
             self._next = _check_cursor(cursor, topic)
-            saved = tuple(cursor["shard"]) if cursor.get("shard") is not None else None
-            if saved != self.shard:
-                raise ValueError(f"cursor was saved by shard {saved} but this reader is shard {self.shard}: "
-                                 "resume with the same (rank, world)")
         self._queued: dict[str, int] = {w: seq - 1 for w, (seq, _) in self._next.items()}
         self._segments: deque[Segment] = deque()  # listed, not loaded yet
         self._pending: deque[_Item] = deque()  # loaded, not handed out yet
@@ -106,7 +90,6 @@ class StreamReader:
     def cursor(self) -> dict[str, Any]:
         """JSON-serialisable position after the last group handed out; save it with the checkpoint."""
         return {"format": CURSOR_FORMAT, "topic": self.topic,
-                "shard": list(self.shard) if self.shard else None,
                 "next": {w: list(pos) for w, pos in sorted(self._next.items())}}
 
     def read_groups(self, max_groups: int, timeout_s: float) -> list[pa.RecordBatch]:
@@ -127,8 +110,11 @@ class StreamReader:
                 if out:
                     return out
                 raise StreamTimeout(f"no rollout group arrived in {self.dir} within {timeout_s:.1f} s "
-                                    f"(shard {self.shard}; writers seen: {sorted(self._queued) or 'none'})")
+                                    f"(writers seen: {self.writers_seen() or 'none'})")
             time.sleep(min(self.cfg.poll_interval_s, remaining))
+
+    def writers_seen(self) -> list[str]:
+        return sorted(self._queued)
 
     def _take(self, n: int) -> list[pa.RecordBatch]:
         out = []
@@ -151,7 +137,7 @@ class StreamReader:
         first = start[1] if start[0] == segment.seq else 0
         for index in range(first, len(batches)):
             batch = self._drop_duplicates(batches[index])
-            if self._is_mine(segment, index) and batch.num_rows:
+            if batch.num_rows:
                 self._pending.append(_Item(batch, segment.writer_id, (segment.seq, index + 1)))
         self._pending.append(_Item(None, segment.writer_id, (segment.seq + 1, 0)))
         return True
@@ -183,8 +169,6 @@ class StreamReader:
         return []
 
     def _drop_duplicates(self, batch: pa.RecordBatch) -> pa.RecordBatch:
-        """Every group is seen by every rank (sharding happens after this), so within one writer all
-        ranks make the same decisions."""
         keep = [self._seen.add(sid) for sid in batch.column("sample_id").to_pylist()]
         if all(keep):
             return batch
@@ -193,33 +177,21 @@ class StreamReader:
                     batch.column("group_id")[0].as_py())
         return batch.filter(pa.array(keep))
 
-    def _is_mine(self, segment: Segment, index: int) -> bool:
-        """Group `index` of a segment goes to rank (index + seq + hash(writer)) % world: a fixed
-        function of the segment, so shares are disjoint and complete whatever each rank saw when;
-        consecutive groups and segments rotate over the ranks, so shares stay within one group per
-        segment of each other."""
-        if self.shard is None:
-            return True
-        rank, world = self.shard
-        return (index + segment.seq + zlib.crc32(segment.writer_id.encode())) % world == rank
 
+def release(run_dir: str | os.PathLike, topic: str, cursor: dict, cfg: StreamsConfig) -> list[str]:
+    """Retention: with `retention: delete`, delete the segments the given cursor has passed.
 
-def release(run_dir: str | os.PathLike, topic: str, cursors: list[dict], cfg: StreamsConfig) -> list[str]:
-    """Retention: with `retention: delete`, delete the segments every given cursor has passed.
-
-    Call it after the checkpoint holding these cursors is written, with the cursors of all ranks
-    (a segment one rank has finished may still hold another rank's groups). The newest file of each
-    writer is kept: it marks the highest sequence number, so a restarted writer never reuses one that a
-    cursor has passed. Returns the deleted paths. With `retention: keep` it deletes nothing.
+    Call it after the checkpoint holding this cursor is written. The newest file of each writer is
+    kept: it marks the highest sequence number, so a restarted writer never reuses one that a cursor
+    has passed. Returns the deleted paths. With `retention: keep` it deletes nothing.
     """
     if cfg.retention == "keep":
         return []
-    positions = [_check_cursor(c, topic) for c in cursors]
-    _check_complete_shards(cursors)
+    position = _check_cursor(cursor, topic)
     deleted = []
     tdir = topic_dir(run_dir, topic)
     for writer_id in list_writers(tdir):
-        bound = min((pos.get(writer_id, (0, 0))[0] for pos in positions), default=0)
+        bound = position.get(writer_id, (0, 0))[0]
         newest = highest_seq(tdir / writer_id)
         for segment in list_segments(tdir / writer_id):
             if segment.seq < bound and segment.seq != newest:
@@ -227,12 +199,3 @@ def release(run_dir: str | os.PathLike, topic: str, cursors: list[dict], cfg: St
                 deleted.append(str(segment.path))
     log.info("stream %s: released %d consumed segment(s)", tdir, len(deleted))
     return deleted
-
-
-def _check_complete_shards(cursors: list[dict]) -> None:
-    shards = sorted(tuple(c["shard"]) if c.get("shard") else (0, 1) for c in cursors)
-    world = shards[0][1] if shards else 1
-    if shards != [(r, world) for r in range(world)]:
-        raise ValueError(f"release needs the cursors of all {world} rank(s), exactly once each; got "
-                         f"shards {shards}")
-

@@ -77,17 +77,6 @@ def all_reduce_tensor(t, op: str):
     return work.cpu()
 
 
-def all_gather_objects(obj) -> list:
-    """Every rank's obj (JSON-like), in rank order: stream cursors for a checkpoint."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def barrier() -> None:
     import torch.distributed as dist
 

@@ -1,8 +1,8 @@
 """`pipelinerl train`: read the rollout stream, advantages, pack, step, broadcast, log, checkpoint.
 
-One process per rank (torchrun / the deepspeed launcher / srun set RANK etc.). Each rank reads its own
-shard of the stream (whole groups; streams/__init__.py says why), so group advantages are local; the
-loss is normalised by the number of sequences in the step over all ranks. The policy version is the
+One process per rank (`pipelinerl run`, torchrun or srun set RANK etc.). Rank 0 reads the stream and
+gives every rank exactly its share of whole groups each step (step_data.py), so group advantages are
+local; the loss is normalised by the number of sequences in the step over all ranks. The policy version is the
 number of optimizer steps taken: the weights of version k are broadcast right after step k. In
 conventional mode (config `mode`) they are broadcast only after every G-th step, once per batch.
 """
@@ -28,13 +28,13 @@ from pipelinerl.trainer.checkpoints import (
 from pipelinerl.trainer.deepspeed_backend import DeepSpeedTrainer
 from pipelinerl.trainer.dist import (
     DistInfo,
-    all_gather_objects,
     all_reduce_sum,
     all_reduce_tensor,
     init_process_group,
     read_dist_env,
 )
 from pipelinerl.trainer.packing import MicroBatch, Sample, pack, padding_micro_batch
+from pipelinerl.trainer.step_data import StepData
 
 log = logging.getLogger("pipelinerl.trainer")
 
@@ -46,7 +46,7 @@ NO_SYNC = {"broadcast_total_s": 0.0, "bytes": 0.0}  # a step without a weight sy
 class LoopState:
     step: int = 0  # optimizer steps taken = policy version of the current weights
     samples_seen: int = 0  # over all ranks
-    cursor: dict | None = None  # this rank's stream cursor
+    cursor: dict | None = None  # the stream position after the last trained step (rank 0's reader)
     last_saved: int = -1  # step of the newest checkpoint (resumed from or written)
 
 
@@ -99,14 +99,8 @@ def _reference_logprobs(rows: dict, i: int, n: int) -> list[float]:
     return values
 
 
-def read_step(reader, cfg: Config, dist: DistInfo, version: int) -> tuple[list[Sample], list[float]]:
-    """This rank's share of the next step (whole groups, waiting up to trainer.data_timeout_s in total)
-    and the rewards of those samples."""
-    want = cfg.trainer.samples_per_step // cfg.actor.attempts // dist.world_size
-    deadline = time.monotonic() + cfg.trainer.data_timeout_s
-    batches = []
-    while len(batches) < want:
-        batches += reader.read_groups(want - len(batches), max(deadline - time.monotonic(), 0.0))
+def step_samples(batches, cfg: Config, dist: DistInfo, version: int) -> tuple[list[Sample], list[float]]:
+    """This rank's share of a step as Samples, and the rewards of those samples."""
     first = dist.rank * (cfg.trainer.samples_per_step // dist.world_size)
     rewards = [r for batch in batches for r in batch.column("reward").to_pylist()]
     return rows_to_samples(batches, version, first, cfg), rewards
@@ -227,23 +221,24 @@ def resume(trainer: DeepSpeedTrainer, root: Path, dist: DistInfo) -> LoopState:
     if path is None:
         return LoopState()
     meta = load_checkpoint(trainer, path)
-    if len(meta["cursors"]) != dist.world_size:
-        raise ValueError(f"{path} was written by {len(meta['cursors'])} trainer ranks; resume with that many "
-                         f"(stream shards are per rank), not {dist.world_size}")
-    log.info("resumed from %s (step %d)", path, meta["step"])
-    return LoopState(step=meta["step"], samples_seen=meta["samples_seen"], cursor=meta["cursors"][dist.rank],
+    if "cursor" not in meta:
+        raise ValueError(f"{path} holds per-rank stream cursors (written before the trainer read the stream on "
+                         "rank 0 only); resume it with the pipelinerl version that wrote it, or start a new run_dir")
+    log.info("resumed from %s (step %d, %d rank(s))", path, meta["step"], dist.world_size)
+    return LoopState(step=meta["step"], samples_seen=meta["samples_seen"], cursor=meta["cursor"],
                      last_saved=meta["step"])
 
 
-def checkpoint(trainer, cfg: Config, dist: DistInfo, state: LoopState, reader) -> None:
-    cursors = all_gather_objects(reader.cursor())
-    meta = {"version": state.step, "samples_seen": state.samples_seen, "cursors": cursors}
+def checkpoint(trainer, cfg: Config, dist: DistInfo, state: LoopState) -> None:
+    """Collective. The cursor is the stream position after the last trained step, so a stop that came
+    while a step's data was being read re-reads that data after the resume."""
+    meta = {"version": state.step, "samples_seen": state.samples_seen, "cursor": state.cursor}
     save_checkpoint(trainer, Path(cfg.run_dir) / "checkpoints", state.step, meta, cfg.checkpoints.keep_last, dist)
     state.last_saved = state.step
-    if dist.is_main:
+    if dist.is_main and state.cursor is not None:
         from pipelinerl.streams import ROLLOUT_TOPIC, release
 
-        release(cfg.run_dir, ROLLOUT_TOPIC, cursors, cfg.streams)  # only segments this checkpoint has passed
+        release(cfg.run_dir, ROLLOUT_TOPIC, state.cursor, cfg.streams)  # only segments this checkpoint has passed
 
 
 class StepLogger:
@@ -290,8 +285,6 @@ def _checkpoint_due(cfg: Config, step: int) -> bool:
 
 def train(cfg: Config) -> None:
     """The trainer role: runs until trainer.max_steps, or until SIGTERM/SIGUSR1 (then checkpoints)."""
-    from pipelinerl.streams import ROLLOUT_TOPIC, StreamReader
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     dist = read_dist_env()
     check_supported(cfg, dist)
@@ -300,27 +293,35 @@ def train(cfg: Config) -> None:
     trainer = DeepSpeedTrainer(cfg.trainer, dist, cfg.model.dtype, value_head=cfg.rl.value_function)
     trainer.init(cfg.model.path)
     state = resume(trainer, Path(cfg.run_dir) / "checkpoints", dist)
-    reader = StreamReader(cfg.run_dir, ROLLOUT_TOPIC, cfg.streams, cursor=state.cursor, shard=(dist.rank, dist.world_size))
     signals = StopSignals()
     if cfg.checkpoints.save_on_signal:
         signals.install()
+    data = StepData(cfg, dist, state.cursor, lambda: signals.received is not None)
     trainer.broadcaster = connect_broadcaster(cfg, dist) if dist.is_main else None
     logger = StepLogger(cfg, dist, state.step)
     try:
         if state.step > 0:  # servers may have (re)started from older weights
             trainer.broadcast_weights(state.step)
-        _run(trainer, reader, cfg, dist, state, signals, logger)
+        _run(trainer, data, cfg, dist, state, signals, logger)
     finally:
         logger.close()
         if trainer.broadcaster is not None:
             trainer.broadcaster.close()
 
 
-def _run(trainer, reader, cfg: Config, dist: DistInfo, state: LoopState, signals: StopSignals, logger) -> None:
+def _run(trainer, data: StepData, cfg: Config, dist: DistInfo, state: LoopState, signals: StopSignals,
+         logger) -> None:
     max_steps = cfg.trainer.max_steps
     while max_steps is None or state.step < max_steps:
         started = time.monotonic()
-        samples, rewards = read_step(reader, cfg, dist, state.step)
+        batches = data.next_step(state.step)
+        if batches is None:  # a stop signal came while rank 0 waited for data
+            if state.last_saved != state.step:
+                checkpoint(trainer, cfg, dist, state)
+            log.info("stop signal while waiting for data: checkpointed at step %d, exiting", state.step)
+            return
+        state.cursor = data.cursor()
+        samples, rewards = step_samples(batches, cfg, dist, state.step)
         read_s = time.monotonic() - started
         token_log: list = []
         stats = train_step(trainer, samples, cfg, dist, state, token_log)
@@ -336,9 +337,9 @@ def _run(trainer, reader, cfg: Config, dist: DistInfo, state: LoopState, signals
         logger.log(state.step, stats, token_log)
         stop = signals.requested()
         if stop or _checkpoint_due(cfg, state.step):
-            checkpoint(trainer, cfg, dist, state, reader)
+            checkpoint(trainer, cfg, dist, state)
         if stop:
             log.info("stop signal %s: checkpointed at step %d, exiting", signals.received, state.step)
             return
     if state.last_saved != state.step:
-        checkpoint(trainer, cfg, dist, state, reader)
+        checkpoint(trainer, cfg, dist, state)

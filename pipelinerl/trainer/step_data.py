@@ -1,0 +1,125 @@
+"""Each optimizer step's rollout groups, split exactly over the trainer ranks.
+
+Rank 0 alone reads the stream: it takes the next `samples_per_step / G` groups in stream order and
+scatters `groups / W` of them to every rank (torch.distributed scatter_object_list). Every step is
+then exactly the next S samples of the stream whatever the number of actors, segments, ranks and
+attempts, which is what the actor's lag throttle assumes (sample i is trained at step floor(i / S)).
+Rules that let each rank pick its own groups per segment drift apart: one rank waits for data that the
+actor, stopped at its sample bound, never writes. One cursor, rank 0's, is the run's stream position,
+so a checkpoint resumes exactly, at any rank count.
+
+While rank 0 waits for data the others wait in the scatter, so rank 0 answers every step in bounded
+time: with the groups, with `stop` when a stop signal (SIGTERM / SIGUSR1) arrives during the wait, or
+with the reason it starved once trainer.data_timeout_s has passed (less than dist_timeout_s, so no
+collective times out first). Every rank then acts on the same answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pyarrow as pa
+
+from pipelinerl.config import Config
+from pipelinerl.trainer.dist import DistInfo
+
+log = logging.getLogger(__name__)
+
+WAIT_SLICE_S = 1.0  # rank 0 looks at its stop flag at least this often while waiting for data
+
+
+class StreamStarved(TimeoutError):
+    """A step's data did not arrive within trainer.data_timeout_s; the message says what was awaited."""
+
+
+def split_groups(tokens: list[int], world: int) -> list[list[int]]:
+    """Indexes of `tokens` (one total per group) for each of `world` ranks: exactly len / world each,
+    token totals balanced greedily (longest group first to the lightest rank that still has room), each
+    rank's indexes in stream order. Deterministic: ties go to the lower index and the lower rank."""
+    assert len(tokens) % world == 0, (len(tokens), world)
+    per_rank = len(tokens) // world
+    shares: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
+        rank = min((r for r in range(world) if len(shares[r]) < per_rank), key=lambda r: (load[r], r))
+        shares[rank].append(i)
+        load[rank] += tokens[i]
+    return [sorted(share) for share in shares]
+
+
+def group_tokens(batch: pa.RecordBatch) -> int:
+    """Prompt + completion tokens of one group (what a rank's forward pass costs)."""
+    return sum(len(p) + len(c) for p, c in zip(batch.column("prompt_token_ids").to_pylist(),
+                                              batch.column("completion_token_ids").to_pylist()))
+
+
+class StepData:
+    """The trainer's view of the rollout stream: `next_step()` on every rank, in step."""
+
+    def __init__(self, cfg: Config, dist: DistInfo, cursor: dict | None, stop_flag):
+        """`stop_flag()` is true once this process received a stop signal (read on rank 0 only)."""
+        from pipelinerl.streams import ROLLOUT_TOPIC, StreamReader
+
+        self.cfg, self.dist, self.stop_flag = cfg, dist, stop_flag
+        self.groups = cfg.trainer.samples_per_step // cfg.actor.attempts
+        self.reader = StreamReader(cfg.run_dir, ROLLOUT_TOPIC, cfg.streams, cursor=cursor) if dist.is_main else None
+
+    def cursor(self) -> dict | None:
+        """The stream position after the last step handed out (rank 0; None elsewhere)."""
+        return self.reader.cursor() if self.reader is not None else None
+
+    def next_step(self, step: int) -> list[pa.RecordBatch] | None:
+        """This rank's groups of the next step, or None when a stop signal came while rank 0 waited.
+        Raises StreamStarved on every rank when the data did not come in time."""
+        answer = self._read(step) if self.dist.is_main else None
+        if self.dist.world_size > 1:
+            answer = _scatter(answer)
+        elif answer is not None:
+            answer = answer[0]
+        kind, payload = answer
+        if kind == "starved":
+            raise StreamStarved(payload)
+        return payload if kind == "groups" else None
+
+    def _read(self, step: int) -> list[tuple[str, object]]:
+        """Rank 0: one (kind, payload) per rank: ("groups", batches) | ("stop", None) | ("starved", why)."""
+        world, started = self.dist.world_size, time.monotonic()
+        deadline = started + self.cfg.trainer.data_timeout_s
+        before = self.reader.cursor()
+        batches: list[pa.RecordBatch] = []
+        while len(batches) < self.groups:
+            if self.stop_flag():
+                log.info("stop signal while waiting for step %d's data (%d of %d groups read)", step,
+                         len(batches), self.groups)
+                return [("stop", None)] * world
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return [("starved", self._starved_message(step, len(batches), before))] * world
+            batches += self._read_some(self.groups - len(batches), min(WAIT_SLICE_S, remaining))
+        shares = split_groups([group_tokens(b) for b in batches], world)
+        return [("groups", [batches[i] for i in share]) for share in shares]
+
+    def _read_some(self, n: int, timeout_s: float) -> list[pa.RecordBatch]:
+        from pipelinerl.streams import StreamTimeout
+
+        try:
+            return self.reader.read_groups(n, timeout_s)
+        except StreamTimeout:
+            return []
+
+    def _starved_message(self, step: int, have: int, before: dict) -> str:
+        G = self.cfg.actor.attempts
+        return (f"trainer step {step} waited {self.cfg.trainer.data_timeout_s:.0f} s (trainer.data_timeout_s) for "
+                f"{self.groups} groups of {G} samples from {self.reader.dir} and got {have}; stream cursor at the "
+                f"step's start: {before['next'] or 'the beginning'}; writers seen: "
+                f"{self.reader.writers_seen() or 'none'}. Is the actor running and are the servers answering? "
+                f"See RUN_DIR/logs/actor.log")
+
+
+def _scatter(answer: list | None):
+    import torch.distributed as tdist
+
+    out = [None]
+    tdist.scatter_object_list(out, answer, src=0)
+    return out[0]
