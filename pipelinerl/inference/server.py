@@ -10,6 +10,13 @@ module adds:
 
 vLLM's dev-mode routes are not mounted: they expose every control operation without authentication.
 
+A policy server reports the log-probs of the distribution it sampled from (`--logprobs-mode
+processed_logprobs`: after temperature, and after any min_tokens suppression of EOS), which is what the
+trainer scores against (`DeepSpeedTrainer(temperature=...)`); vLLM's default, the raw model log-probs,
+would make importance ratios wrong at any temperature != 1. Every server also ignores the model folder's
+generation_config.json (`--generation-config vllm`): its top_k / top_p / repetition_penalty defaults would
+otherwise apply to every request field the actor leaves unset, silently changing the sampled distribution.
+
 `serve --reference` runs a *reference server*: the same OpenAI server on the run's initial model
 (`model.path`), frozen. It announces itself in RUN_DIR/reference_servers/, so the trainer never
 broadcasts to it and the actor asks it only for reference log-probs (`prompt_logprobs`); its
@@ -55,6 +62,11 @@ def check_model(model_dir: str) -> dict[str, list[int]]:
     return expected
 
 
+# Engine arguments the servers set themselves (module docstring); engine_args may not override them.
+# Reference servers skip logprobs_mode: vLLM never processes prompt log-probs, the only ones they return.
+OWN_ENGINE_ARGS = {"generation_config": "vllm", "logprobs_mode": "processed_logprobs"}
+
+
 def vllm_argv(cfg: Config, host: str, port: int, reference: bool = False) -> list[str]:
     """The engine's vLLM command line, from the config (engine_args pass through as --flags).
 
@@ -67,6 +79,12 @@ def vllm_argv(cfg: Config, host: str, port: int, reference: bool = False) -> lis
             "--tensor-parallel-size", str(inf.tensor_parallel_size), "--max-num-seqs", str(inf.max_num_seqs),
             "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
             "--enable-prefix-caching" if inf.enable_prefix_caching else "--no-enable-prefix-caching"]
+    for key, value in OWN_ENGINE_ARGS.items():
+        if key in inf.engine_args:
+            raise ConfigError(f"config `inference.engine_args.{key}`: the servers set it to {value!r} (behaviour "
+                              "log-probs must be those of the distribution sampled); remove it")
+        if not (reference and key == "logprobs_mode"):
+            argv += ["--" + key.replace("_", "-"), value]
     if reference:
         if inf.max_model_len is None:
             raise ConfigError("config `inference.max_model_len`: a reference server needs it set (it runs with "

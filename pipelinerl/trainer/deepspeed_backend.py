@@ -104,12 +104,16 @@ class ValueHeadLM(torch.nn.Module):
         return LogitsAndValues(out.logits, self.value_head(hidden_KH)[None, :, 0])
 
 
-def completion_forward(model, micro_batch: MicroBatch,
-                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def completion_forward(model, micro_batch: MicroBatch, device: torch.device,
+                       temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward pass over a packed micro-batch: [N] float32 log-probs of its completion tokens and, when
     `model` is a ValueHeadLM, [N] float32 values (else None). model: an HF causal LM, a ValueHeadLM, or the
     DeepSpeed engine wrapping either. values_N[i] is the value of the state in which token i was chosen: the
-    head on row target_pos_N[i] - 1, the same row whose logits give new_N[i]."""
+    head on row target_pos_N[i] - 1, the same row whose logits give new_N[i].
+
+    The log-probs are those of softmax(logits / temperature), the distribution the servers sample from and
+    report (vLLM's processed log-probs): at temperature != 1 the raw softmax is not the behaviour policy's
+    counterpart, and importance ratios against it are wrong even on-policy. Values are untouched."""
     input_ids = micro_batch.input_ids.to(device)
     target_pos = micro_batch.target_pos_N.to(device)
     # No attention mask: transformers isolates the packed sequences from the position-id restarts.
@@ -117,25 +121,32 @@ def completion_forward(model, micro_batch: MicroBatch,
     out = model(input_ids=input_ids, position_ids=micro_batch.position_ids.to(device), use_cache=False,
                 logits_to_keep=target_pos - 1)
     logits_NV = out.logits[0].float()
+    if temperature != 1.0:
+        logits_NV = logits_NV / temperature
     targets_N = input_ids[0, target_pos]
     logprobs_N = logits_NV.gather(-1, targets_N[:, None])[:, 0] - logits_NV.logsumexp(-1)
     return logprobs_N, out.values[0].float() if isinstance(out, LogitsAndValues) else None
 
 
-def completion_logprobs(model, micro_batch: MicroBatch, device: torch.device) -> torch.Tensor:
-    """[N] float32 log-probs of a packed micro-batch's completion tokens under an HF causal LM."""
-    return completion_forward(model, micro_batch, device)[0]
+def completion_logprobs(model, micro_batch: MicroBatch, device: torch.device,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """[N] float32 log-probs of a packed micro-batch's completion tokens under an HF causal LM (tempered as in
+    `completion_forward`)."""
+    return completion_forward(model, micro_batch, device, temperature)[0]
 
 
 class DeepSpeedTrainer:
     """See contract.Trainer. `broadcaster` (rank 0 only) is a weights.WeightBroadcaster, or None to
     gather without sending (benchmarks, tests). `value_head`: train a critic head beside the LM (ValueHeadLM);
-    `forward` and `accumulate` then also give the values."""
+    `forward` and `accumulate` then also give the values. `temperature`: the rollouts' sampling temperature
+    (actor.sampling.temperature); completion log-probs are scored at it, like the behaviour log-probs."""
 
     def __init__(self, cfg: TrainerConfig, dist: DistInfo, dtype: str = "float32", broadcaster=None,
-                 value_head: bool = False):
+                 value_head: bool = False, temperature: float = 1.0):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r} (actor.sampling.temperature)")
         self.cfg, self.dist, self.dtype, self.broadcaster = cfg, dist, dtype, broadcaster
-        self.value_head = value_head
+        self.value_head, self.temperature = value_head, temperature
         self.engine = None
         self.model_path: Path | None = None
         self._hf_ds_config = None  # must outlive from_pretrained for ZeRO-3 (transformers keeps a weakref)
@@ -179,7 +190,7 @@ class DeepSpeedTrainer:
             lr_scheduler=lambda opt: LambdaLR(opt, lambda step: lr_factor(step, cfg)))
 
     def forward(self, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return completion_forward(self.engine, micro_batch, self.device)
+        return completion_forward(self.engine, micro_batch, self.device, self.temperature)
 
     def backward(self, loss: torch.Tensor) -> None:
         # DeepSpeed divides by the data-parallel size when it reduces; the loss is already this rank's
