@@ -280,7 +280,8 @@ class TrainerConfig:
 @dataclass
 class RLConfig:
     """The RL objective. Defaults are seed 000's simplified GRPO: importance-weighted policy gradient,
-    no clipping, no KL, no entropy, no value function, loss normalised by the number of sequences."""
+    no clipping, no KL, no entropy, no value function, loss normalised by the number of sequences.
+    algorithm=dpo defaults to seed 004's online DPO: anchored at the initial model, mean loss per pair."""
 
     algorithm: str = "grpo"  # grpo (policy gradient with group baselines) | dpo (online DPO on group pairs)
     baseline: str = "mean"  # group baseline: mean | leave_one_out (mean of the other G-1 rewards)
@@ -288,15 +289,18 @@ class RLConfig:
     ppo_clip: float | None = None  # PPO ratio clip epsilon, e.g. 0.2; null = no clipping (seed 000)
     tis_cap: float | None = None  # truncated importance sampling: cap ratios at this; null = no cap
     max_token_lag: int | None = None  # drop tokens whose lag exceeds this (seed 001); null = keep all
-    kl_coef: float = 0.0  # weight of the k3 KL to the reference model; 0 = no reference model
+    kl_coef: float = 0.0  # weight of the k3 KL to the reference model (per-token log-ratio clamped to
+    #                       +-10, rl/losses.py); 0 = no KL term
     value_function: bool = False  # train a critic head and use GAE advantages (seed 001's baseline)
     gamma: float = 1.0  # GAE discount (value_function only)
     gae_lambda: float = 1.0  # GAE lambda (value_function only)
     value_coef: float = 0.5  # weight of the critic's squared error (value_function only)
-    dpo_beta: float = 0.1  # online DPO temperature (algorithm=dpo only)
-    dpo_reference: str = "behaviour"  # DPO's reference log-probs (algorithm=dpo only): behaviour (the
-    #                                    sampling policy's, no reference server; a moving trust region) |
-    #                                    reference (the reference server's, classic DPO anchored at the start)
+    dpo_beta: float = 0.1  # online DPO temperature (algorithm=dpo only); the DPO loss is the mean over
+    #                        the step's pairs of -log sigmoid(beta * margin) (seed 004)
+    dpo_reference: str = "reference"  # DPO's reference log-probs (algorithm=dpo only): reference (the
+    #                                    frozen initial model's, from reference servers: seed 004's online
+    #                                    DPO anchored at the start) | behaviour (the sampling policy's, no
+    #                                    reference server; a moving trust region)
 
     def __post_init__(self) -> None:
         _check_choice(self.algorithm, ("grpo", "dpo"), "rl.algorithm")

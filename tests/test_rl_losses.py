@@ -32,8 +32,9 @@ def make_sequences(seed, num_groups=3, group_size=4, max_len=7):
     return seqs
 
 
-def reference_loss(seqs, num_sequences, cfg):
-    """The objective written token by token in float64, one sequence at a time."""
+def reference_loss(seqs, num_sequences, cfg, num_pairs=None):
+    """The objective written token by token in float64, one sequence at a time: per-token terms over
+    num_sequences, DPO's pair terms over num_pairs (the mean pair loss). The KL is not clamped."""
     total = 0.0
     margins = {}
     for s in seqs:
@@ -54,9 +55,8 @@ def reference_loss(seqs, num_sequences, cfg):
             total += cfg.kl_coef * (math.exp(ref - new) - (ref - new) - 1)
             if cfg.value_function:
                 total += cfg.value_coef * (s["val"][t] - s["ret"][t]) ** 2
-    for margin in margins.values():
-        total += math.log1p(math.exp(-cfg.dpo_beta * margin))
-    return total / num_sequences
+    pair_total = sum(math.log1p(math.exp(-cfg.dpo_beta * margin)) for margin in margins.values())
+    return total / num_sequences + (pair_total / num_pairs if margins else 0.0)
 
 
 def pack(seqs, dtype=torch.float64):
@@ -72,11 +72,12 @@ def pack(seqs, dtype=torch.float64):
     return batch, new_leaves, val_leaves
 
 
-def run_loss(seqs, num_sequences, cfg):
+def run_loss(seqs, num_sequences, cfg, num_pairs=None):
     batch, new_leaves, val_leaves = pack(seqs)
     key = "role" if cfg.algorithm == "dpo" else "adv"
     adv_T = torch.cat([torch.full((len(s["new"]),), float(s[key]), dtype=torch.float64) for s in seqs])
-    loss, stats = compute_loss(advantages_T=adv_T, num_sequences=num_sequences, cfg=cfg, **batch)
+    loss, stats = compute_loss(advantages_T=adv_T, num_sequences=num_sequences, cfg=cfg, num_pairs=num_pairs,
+                               **batch)
     return loss, stats, new_leaves, val_leaves
 
 
@@ -87,8 +88,9 @@ CONFIGS = {
     "lag_drop": RLConfig(max_token_lag=2),
     "kl": RLConfig(kl_coef=0.3),
     "value": RLConfig(value_function=True, value_coef=0.7),
-    "dpo_behaviour": RLConfig(algorithm="dpo", dpo_beta=0.5),
-    "dpo_reference": RLConfig(algorithm="dpo", dpo_beta=0.5, dpo_reference="reference"),
+    "dpo_behaviour": RLConfig(algorithm="dpo", dpo_beta=0.5, dpo_reference="behaviour"),
+    "dpo_reference": RLConfig(algorithm="dpo", dpo_beta=0.5),
+    "dpo_kl": RLConfig(algorithm="dpo", dpo_beta=0.5, kl_coef=0.2, max_token_lag=3),
     "all_pg": RLConfig(ppo_clip=0.1, max_token_lag=3, kl_coef=0.1, value_function=True, baseline="leave_one_out"),
 }
 
@@ -97,16 +99,16 @@ CONFIGS = {
 def test_loss_equals_float64_per_sequence_loop(name):
     cfg = CONFIGS[name]
     for seed in range(3):
-        seqs = make_sequences(seed)
-        loss, _, _, _ = run_loss(seqs, num_sequences=24, cfg=cfg)
-        assert loss.item() == pytest.approx(reference_loss(seqs, 24, cfg), rel=1e-12, abs=1e-12)
+        seqs = make_sequences(seed)  # 3 groups of 4, each with one pair; the step has 24 sequences, 5 pairs
+        loss, _, _, _ = run_loss(seqs, num_sequences=24, cfg=cfg, num_pairs=5)
+        assert loss.item() == pytest.approx(reference_loss(seqs, 24, cfg, num_pairs=5), rel=1e-12, abs=1e-12)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_loss_and_gradient_do_not_depend_on_packing(name):
     cfg = CONFIGS[name]
     seqs = make_sequences(seed=5, num_groups=4)
-    whole, _, new_w, val_w = run_loss(seqs, len(seqs), cfg)
+    whole, _, new_w, val_w = run_loss(seqs, len(seqs), cfg, num_pairs=4)
     whole.backward()
     # Split the step's groups (DPO pairs must stay together) into micro-batches in a shuffled order.
     order = list(range(4))
@@ -114,7 +116,7 @@ def test_loss_and_gradient_do_not_depend_on_packing(name):
     total, grads_new, grads_val, parts = 0.0, {}, {}, []
     for chunk in ([order[0]], order[1:3], [order[3]]):
         part = [s for g in chunk for s in seqs[4 * g: 4 * g + 4]]
-        loss, stats, new_p, val_p = run_loss(part, len(seqs), cfg)
+        loss, stats, new_p, val_p = run_loss(part, len(seqs), cfg, num_pairs=4)
         loss.backward()
         total += loss.item()
         parts.append(stats)
@@ -125,7 +127,7 @@ def test_loss_and_gradient_do_not_depend_on_packing(name):
         torch.testing.assert_close(grads_new[s["id"]], leaf_n.grad, rtol=1e-12, atol=1e-15)
         if cfg.value_function:
             torch.testing.assert_close(grads_val[s["id"]], leaf_v.grad, rtol=1e-12, atol=1e-15)
-    _, whole_stats, _, _ = run_loss(seqs, len(seqs), cfg)
+    _, whole_stats, _, _ = run_loss(seqs, len(seqs), cfg, num_pairs=4)
     merged, reference = summarize_stats(merge_stats(parts)), summarize_stats(whole_stats)
     assert merged.keys() == reference.keys()
     for key in reference:
@@ -184,14 +186,15 @@ def test_dpo_loss_hand_computed():
     roles = torch.tensor([1, 1, -1, 0, 0, 0], dtype=torch.float64)
     seq, group = torch.tensor([0, 0, 1, 2, 3, 4]), torch.tensor([0, 0, 0, 0, 1, 1])
     mask, lag = torch.ones(6, dtype=torch.bool), torch.zeros(6, dtype=torch.long)
-    loss, stats = compute_loss(new, beh, roles, mask, lag, seq, 5, RLConfig(algorithm="dpo", dpo_beta=2.0),
-                               group_index_T=group)
+    # The step has 5 sequences and 2 pairs (the other on another rank): the loss is a mean over pairs.
+    cfg = RLConfig(algorithm="dpo", dpo_beta=2.0, dpo_reference="behaviour")
+    loss, stats = compute_loss(new, beh, roles, mask, lag, seq, 5, cfg, group_index_T=group, num_pairs=2)
     margin = (0.5 + 0.0) - (-0.5)  # chosen's log-ratio sum minus rejected's
-    assert loss.item() == pytest.approx(-math.log(1 / (1 + math.exp(-2.0 * margin))) / 5)
+    assert loss.item() == pytest.approx(-math.log(1 / (1 + math.exp(-2.0 * margin))) / 2)
     summary = summarize_stats(stats)
     assert summary["dpo_pairs"] == 1 and summary["dpo_accuracy"] == 1 and summary["dpo_margin"] == pytest.approx(1.0)
     loss.backward()
-    g = 2.0 * (1 - 1 / (1 + math.exp(-2.0))) / 5  # -d/dm log sigmoid(beta m) * beta / N
+    g = 2.0 * (1 - 1 / (1 + math.exp(-2.0))) / 2  # -d/dm log sigmoid(beta m) * beta / pairs
     torch.testing.assert_close(new.grad, torch.tensor([-g, -g, g, 0, 0, 0], dtype=torch.float64))
 
 
@@ -199,7 +202,29 @@ def test_dpo_rejects_a_pair_split_across_micro_batches():
     new = torch.zeros(2, dtype=torch.float64)
     with pytest.raises(AssertionError, match="whole inside one micro-batch"):
         compute_loss(new, new, torch.tensor([1.0, 0.0]), torch.ones(2, dtype=torch.bool), torch.zeros(2),
-                     torch.tensor([0, 1]), 4, RLConfig(algorithm="dpo"), group_index_T=torch.tensor([3, 3]))
+                     torch.tensor([0, 1]), 4, RLConfig(algorithm="dpo", dpo_reference="behaviour"),
+                     group_index_T=torch.tensor([3, 3]), num_pairs=1)
+
+
+def test_dpo_anchors_at_the_reference_by_default_and_a_step_without_pairs_is_zero():
+    """Seed 004: margins against the frozen initial model. No pair in the whole step: 0, not 0 / 0."""
+    new = torch.tensor([-0.5, -2.0, -0.7], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-1.0, -1.5, -0.7], dtype=torch.float64)
+    roles, seq, group = torch.tensor([1.0, -1.0, 0.0]), torch.tensor([0, 1, 2]), torch.tensor([0, 0, 1])
+    mask, lag = torch.ones(3, dtype=torch.bool), torch.zeros(3, dtype=torch.long)
+    assert RLConfig(algorithm="dpo").dpo_reference == "reference"
+    loss, _ = compute_loss(new, new.detach(), roles, mask, lag, seq, 3, RLConfig(algorithm="dpo"),
+                           ref_logprobs_T=ref, group_index_T=group, num_pairs=1)
+    assert loss.item() == pytest.approx(math.log1p(math.exp(-0.1 * (0.5 - (-0.5)))))  # beta 0.1, margin 1
+    cfg = RLConfig(algorithm="dpo", kl_coef=0.5)
+    loss, stats = compute_loss(new[2:], new[2:].detach(), roles[2:], mask[2:], lag[2:], seq[2:], 3, cfg,
+                               ref_logprobs_T=ref[2:], group_index_T=group[2:], num_pairs=0)
+    loss.backward()
+    assert loss.item() == 0.0 and stats["dpo_loss"].item() == 0.0 and stats["dpo_pairs"].item() == 0
+    assert new.grad.tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(AssertionError, match="whole step's pairs"):
+        compute_loss(new, new.detach(), roles, mask, lag, seq, 3, RLConfig(algorithm="dpo"),
+                     ref_logprobs_T=ref, group_index_T=group, num_pairs=0)
 
 
 def test_kl_term_hand_computed():
@@ -212,10 +237,35 @@ def test_kl_term_hand_computed():
     assert summarize_stats(stats)["kl_ref"] == pytest.approx(0.5 - math.log(0.5) - 1)  # per kept token, no coef
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_kl_log_ratio_is_clamped_so_a_rare_token_cannot_overflow(dtype):
+    """log(ref / new) = 200 (exp overflows float32) and -200: finite loss and gradient, both clamped to
+    the bound (constant there: no gradient); tokens inside the bound keep the float64 k3 exactly."""
+    x = [200.0, -200.0, 9.5, -9.5, 0.3]  # log(ref / new) per token
+    new = torch.tensor([-210.0, -1.0, -10.0, -0.5, -2.0], dtype=dtype, requires_grad=True)
+    ref = new.detach().double() + torch.tensor(x, dtype=torch.float64)
+    zeros = torch.zeros(5, dtype=torch.float64)
+    loss, stats = compute_loss(new, new.detach(), zeros, torch.ones(5, dtype=torch.bool), torch.zeros(5),
+                               torch.arange(5), 1, RLConfig(kl_coef=1.0), ref_logprobs_T=ref.to(dtype))
+    loss.backward()
+    assert torch.isfinite(loss) and bool(torch.isfinite(new.grad).all())
+    k3 = lambda v: math.exp(v) - v - 1
+    expected = [k3(10.0), k3(-10.0), k3(9.5), k3(-9.5), k3(0.3)]  # the bound of 10 for +-200
+    exact = ref.to(dtype).double() - new.detach().double()  # the log-ratios as stored in this dtype
+    expected[2:] = [k3(v) for v in exact[2:].tolist()]
+    rel = 1e-12 if dtype == torch.float64 else 1e-2
+    assert loss.item() == pytest.approx(sum(expected), rel=rel)
+    assert new.grad[:2].tolist() == [0.0, 0.0]
+    # d/dnew k3(ref - new) = 1 - exp(ref - new) inside the bound.
+    assert new.grad[2:].double().tolist() == pytest.approx([1 - math.exp(v) for v in exact[2:].tolist()], rel=rel)
+    assert summarize_stats(stats)["kl_ref"] == pytest.approx(sum(expected) / 5, rel=rel)
+
+
 def test_config_rejects_conflicting_options():
     with pytest.raises(ConfigError, match="rl.tis_cap"):
         RLConfig(ppo_clip=0.2, tis_cap=2.0)
     with pytest.raises(ConfigError, match="rl.dpo_reference"):
         RLConfig(dpo_reference="sft")
-    assert RLConfig(algorithm="dpo", dpo_reference="reference").needs_reference_logprobs
-    assert not RLConfig(algorithm="dpo").needs_reference_logprobs and RLConfig(kl_coef=0.1).needs_reference_logprobs
+    assert RLConfig(algorithm="dpo").needs_reference_logprobs  # seed 004: the frozen initial model
+    assert not RLConfig(algorithm="dpo", dpo_reference="behaviour").needs_reference_logprobs
+    assert RLConfig(kl_coef=0.1).needs_reference_logprobs and not RLConfig().needs_reference_logprobs

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pipelinerl.rl.stats import LAG_HIST_BINS, merge_stats, summarize_stats, token_stats
+from pipelinerl.rl.stats import LAG_HIST_BINS, k3_kl, merge_stats, summarize_stats, token_stats
 
 
 def stats_of(new, behaviour, lag=None, mask=None):
@@ -52,3 +52,14 @@ def test_lag_histogram_mean_max_and_merge():
 def test_empty_micro_batch_gives_nan_not_an_error():
     summary = summarize_stats(stats_of([-1.0], [-1.0], mask=[False]))
     assert math.isnan(summary["ess"]) and summary["lag_max"] == 0 and summary["tokens"] == 0
+
+
+def test_k3_is_hand_computed_and_the_bound_only_touches_log_ratios_beyond_it():
+    x = torch.tensor([-50.0, -3.0, 0.0, 2.0, 50.0], dtype=torch.float64)
+    expected = [math.exp(v) - 1 - v for v in x.tolist()]
+    assert k3_kl(x).tolist() == pytest.approx(expected, rel=1e-15)
+    bounded = [math.exp(v) - 1 - v for v in (-10.0, -3.0, 0.0, 2.0, 10.0)]
+    assert k3_kl(x, bound=10.0).tolist() == pytest.approx(bounded, rel=1e-15)
+    # token_stats' KL(behaviour || current) diagnostic is not clamped: a log-ratio of 50 is reported as is.
+    summary = summarize_stats(stats_of([0.0], [-50.0]))
+    assert summary["kl_k3"] == pytest.approx(math.exp(50.0) - 51.0, rel=1e-12)

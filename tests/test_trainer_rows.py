@@ -1,12 +1,26 @@
-"""Stream rows -> trainer samples: advantages, lags and indices against hand-computed values."""
+"""Stream rows -> trainer samples: advantages, lags and indices against hand-computed values; the
+step's loss normalisation over real gloo ranks."""
+
+import math
+import os
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from pipelinerl.config import ConfigError, load_config
+from pipelinerl.launch.procs import free_port
 from pipelinerl.streams.schema import group_batch
 from pipelinerl.trainer.dist import DistInfo
-from pipelinerl.trainer.loop import _field_names, _loss_fn, _trained, check_supported, rows_to_samples
+from pipelinerl.trainer.loop import (
+    LoopState,
+    _field_names,
+    _loss_fn,
+    _trained,
+    check_supported,
+    rows_to_samples,
+    train_step,
+)
 from pipelinerl.trainer.packing import pack, padding_micro_batch
 
 
@@ -31,11 +45,19 @@ def test_rows_become_samples_with_group_advantages_and_lags():
     assert samples[0].prompt_ids == [1, 5] and samples[3].completion_ids == [5, 5, 5]
 
 
-def test_dpo_roles_mark_the_best_and_worst_attempt():
+def test_dpo_roles_mark_the_best_and_worst_attempt_and_the_reference_logprobs_travel():
     cfg = load_config(None, ["run_dir=x", "model.path=m", "actor.attempts=3", "trainer.samples_per_step=3",
-                             "rl.algorithm=dpo"])
-    samples = rows_to_samples([_group("a", [0.2, 0.9, 0.1], [[0], [0], [0]])], version=0, first_index=0, cfg=cfg)
+                             "rl.algorithm=dpo"])  # seed 004's default: margins against the reference model
+    batch = _group("a", [0.2, 0.9, 0.1], [[0], [0], [0]], reference=[[-0.5], [-0.25], [-2.0]])
+    samples = rows_to_samples([batch], version=0, first_index=0, cfg=cfg)
     assert [s.token_fields["advantage"][0] for s in samples] == [0.0, 1.0, -1.0]
+    assert [s.token_fields["reference"] for s in samples] == [[-0.5], [-0.25], [-2.0]]
+    with pytest.raises(ValueError, match="reference log-probs"):
+        rows_to_samples([_group("a", [0.2, 0.9, 0.1], [[0], [0], [0]])], version=0, first_index=0, cfg=cfg)
+    behaviour = load_config(None, ["run_dir=x", "model.path=m", "actor.attempts=3", "trainer.samples_per_step=3",
+                                   "rl.algorithm=dpo", "rl.dpo_reference=behaviour"])
+    plain = rows_to_samples([_group("a", [0.2, 0.9, 0.1], [[0], [0], [0]])], version=0, first_index=0, cfg=behaviour)
+    assert "reference" not in plain[0].token_fields
 
 
 def test_unsupported_configs_fail_before_loading_anything():
@@ -96,7 +118,7 @@ def test_loss_fn_feeds_gae_advantages_and_returns_to_the_loss():
     values = torch.tensor([0.25, 0.5, -0.5], dtype=torch.float64, requires_grad=True)
     new = torch.tensor([-0.5, -0.5, -1.0], dtype=torch.float64, requires_grad=True)  # = behaviour: ratio 1
     token_log = []
-    loss, stats = _loss_fn(cfg, 2, torch.device("cpu"), token_log)(mb, new, values)
+    loss, stats = _loss_fn(cfg, 2, 0, torch.device("cpu"), token_log)(mb, new, values)
     rewards, v = {0: 1.0, 1: 0.0}, values.tolist()
     seq = mb.seq_index_N.tolist()
     expected = sum(-(rewards[q] - v[t]) + 0.5 * (v[t] - rewards[q]) ** 2 for t, q in enumerate(seq)) / 2
@@ -112,7 +134,7 @@ def test_padding_micro_batch_adds_zero_loss_and_the_same_statistics_keys():
     mb = _micro_batch(samples, cfg)
     assert list(mb.fields_N) == _field_names(cfg)
     pad = padding_micro_batch(_field_names(cfg))
-    loss_fn = _loss_fn(cfg, 6, torch.device("cpu"), [])
+    loss_fn = _loss_fn(cfg, 6, 1, torch.device("cpu"), [])
     new = torch.full((pad.target_pos_N.numel(),), -0.3, dtype=torch.float64, requires_grad=True)
     pad_loss, pad_stats = loss_fn(pad, new, None)
     real_loss, real_stats = loss_fn(mb, torch.full((mb.target_pos_N.numel(),), -0.3, dtype=torch.float64), None)
@@ -121,3 +143,84 @@ def test_padding_micro_batch_adds_zero_loss_and_the_same_statistics_keys():
     assert all(float(v.abs().sum()) == 0.0 for v in pad_stats.values())
     pad_loss.backward()
     assert new.grad is not None  # the padding pass still reaches every parameter
+
+
+class ShiftedScores:
+    """Stands in for DeepSpeedTrainer in `train_step` (the loop's arithmetic is under test, not the model):
+    the current log-prob of each token is its reference log-prob + SHIFT * its DPO role, so a pair's
+    margin is SHIFT * (chosen tokens + rejected tokens)."""
+
+    SHIFT = 0.25
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.losses = []
+
+    def accumulate(self, micro_batches, loss_fn):
+        stats = []
+        for mb in micro_batches:
+            new = (mb.fields_N["reference"] + self.SHIFT * mb.fields_N["advantage"]).requires_grad_()
+            loss, mb_stats = loss_fn(mb, new, None)
+            loss.backward()
+            self.losses.append(loss.item())
+            stats.append(mb_stats)
+        return stats
+
+    def optimizer_step(self):
+        return {}
+
+
+def _dpo_step(share: int, rank: int = 0, world: int = 1) -> dict:
+    """One DPO train_step on the given rank of share `share`'s samples: share 0 holds two pairs (chosen 3 / rejected 1 tokens,
+    then chosen 2 / rejected 3 tokens), share 1 only a tied group (no pair: the padding pass gives its
+    statistics). Returns the step's statistics and this rank's micro-batch losses."""
+    cfg = load_config(None, ["run_dir=x", "model.path=m", "actor.attempts=3", "trainer.samples_per_step=9",
+                             "rl.algorithm=dpo"])
+    ref = [[-0.1, -0.2], [-0.3, -0.4, -0.5], [-0.6]]
+    if share == 0:
+        batches = [_group("a", [0.2, 0.9, 0.1], [[0, 0], [0, 0, 0], [0]], reference=ref),
+                   _group("b", [1.0, 0.0, 0.5], [[0, 0], [0, 0, 0], [0]], reference=ref)]
+    else:
+        batches = [_group("c", [1.0, 1.0, 1.0], [[0, 0], [0, 0, 0], [0]], reference=ref)]
+    trainer = ShiftedScores()
+    samples = rows_to_samples(batches, version=0, first_index=0, cfg=cfg)
+    stats = train_step(trainer, samples, cfg, DistInfo(rank, world, rank, "gloo"), LoopState(), [])
+    return {"stats": stats, "losses": trainer.losses}
+
+
+MARGINS = [ShiftedScores.SHIFT * (3 + 1), ShiftedScores.SHIFT * (2 + 3)]  # share 0's two pairs
+PAIR_LOSSES = [math.log1p(math.exp(-0.1 * m)) for m in MARGINS]  # -log sigmoid(beta m), beta 0.1
+
+
+def test_dpo_step_loss_is_the_mean_over_its_pairs_and_a_step_without_pairs_is_zero():
+    """Seed 004 on one rank: the step's DPO loss is the mean pair loss (not pairs / sequences); a step
+    with no pair at all trains nothing, pads, and logs 0 instead of dividing by zero."""
+    out = _dpo_step(share=0)
+    stats = out["stats"]
+    assert stats["dpo_pairs"] == 2 and stats["sequences"] == 6
+    assert stats["dpo_loss"] == pytest.approx(sum(PAIR_LOSSES) / 2, rel=1e-12)
+    assert sum(out["losses"]) == pytest.approx(sum(PAIR_LOSSES) / 2, rel=1e-12)
+    assert stats["dpo_accuracy"] == 1.0 and stats["dpo_margin"] == pytest.approx(sum(MARGINS) / 2)
+    out = _dpo_step(share=1)
+    assert out["losses"] == [] and out["stats"]["dpo_pairs"] == 0 and out["stats"]["dpo_loss"] == 0.0
+
+
+def _dpo_step_worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.save(_dpo_step(rank, rank, world), out_dir / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned gloo processes (no model): about 20 s on a loaded 2-core machine
+def test_dpo_step_loss_is_the_mean_over_the_pairs_of_every_rank(tmp_path):
+    """Two real ranks: the pair count is all-reduced, so both log the mean over rank 0's two pairs; rank
+    1, with none, still joins the step (padding pass) and adds 0."""
+    mp.spawn(_dpo_step_worker, args=(2, free_port(18790), tmp_path), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for out in ranks:
+        stats = out["stats"]
+        assert stats["dpo_pairs"] == 2 and stats["sequences"] == 9
+        assert stats["dpo_loss"] == pytest.approx(sum(PAIR_LOSSES) / 2, rel=1e-12)
+        assert stats["dpo_accuracy"] == 1.0 and stats["dpo_margin"] == pytest.approx(sum(MARGINS) / 2)
+    assert sum(ranks[0]["losses"]) == pytest.approx(sum(PAIR_LOSSES) / 2, rel=1e-12) and ranks[1]["losses"] == []

@@ -1,9 +1,13 @@
 """The RL objective of one packed micro-batch: `compute_loss`, the trainer's single entry point.
 
-Every term is a *sum* over this micro-batch's tokens (or DPO pairs) divided by ``num_sequences``, the
-number of sequences in the whole optimizer step (all micro-batches, all ranks). So summing the
-micro-batch losses of a step gives the same value and gradient whatever the packing (seed 000: loss
-normalised by the number of sequences, every token weighs the same).
+Each term is a *sum* over this micro-batch divided by a count of the whole optimizer step (all
+micro-batches, all ranks), so summing the micro-batch losses of a step gives the same value and
+gradient whatever the packing. The normalisation is mixed:
+
+- policy gradient, KL to the reference, value loss: per-token sums over ``num_sequences``, the step's
+  sequences (seed 000: loss normalised by the number of sequences, every token weighs the same);
+- online DPO: the sum over pairs over ``num_pairs``, the step's (chosen, rejected) pairs, i.e. the mean
+  pair loss (seed 004). With a KL term a DPO step mixes both: mean pair loss + kl_coef * KL per sequence.
 """
 
 from __future__ import annotations
@@ -12,7 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from pipelinerl.config import RLConfig
-from pipelinerl.rl.stats import token_stats
+from pipelinerl.rl.stats import k3_kl, token_stats
+
+# |log(ref / new)| bound inside the k3 KL term. A token the current policy has moved far from the
+# reference (a rare token, or a -inf/underflowed log-prob) would otherwise overflow exp(): float32 and
+# bfloat16 overflow at exp(89), float16 at exp(11.1). With 10 one token's k3 is at most e^10 - 11 ~ 2.2e4,
+# finite in every dtype the trainer uses, and tokens inside the bound (ratios 4.5e-5 .. 2.2e4) are
+# untouched. Outside it the term is constant: such tokens get no KL gradient.
+KL_LOG_RATIO_BOUND = 10.0
 
 
 def kept_tokens(mask_T: torch.Tensor, lag_T: torch.Tensor, max_token_lag: int | None) -> torch.Tensor:
@@ -77,11 +88,20 @@ def _dpo(new_T, reference_T, roles_T, keep_T, seq_index_T, group_index_T, beta: 
     return -F.logsigmoid(beta * margin_P).sum(), counts
 
 
+def _kl_to_reference(new_T, ref_T, keep_T, num_sequences: int, kl_coef: float):
+    """kl_coef * the k3 estimate of KL(pi || ref) summed over kept tokens / num_sequences (Schulman 2020),
+    the log-ratio clamped to +-KL_LOG_RATIO_BOUND; and its statistics (kl_ref_sum: the same k3, no coef)."""
+    kl_sum = (k3_kl(ref_T - new_T, KL_LOG_RATIO_BOUND) * keep_T).sum()
+    kl_loss = kl_coef * kl_sum / num_sequences
+    return kl_loss, {"kl_loss": kl_loss.detach().double(), "kl_ref_sum": kl_sum.detach().double()}
+
+
 def compute_loss(new_logprobs_T: torch.Tensor, behaviour_logprobs_T: torch.Tensor, advantages_T: torch.Tensor,
                  mask_T: torch.Tensor, lag_T: torch.Tensor, seq_index_T: torch.Tensor, num_sequences: int,
                  cfg: RLConfig, ref_logprobs_T: torch.Tensor | None = None,
                  values_T: torch.Tensor | None = None, returns_T: torch.Tensor | None = None,
-                 group_index_T: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 group_index_T: torch.Tensor | None = None,
+                 num_pairs: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss (scalar, to minimise) of one packed micro-batch and its statistics (see rl/stats.py).
 
     T = packed tokens of several sequences. new_logprobs_T: log pi_current(token) (carries the gradient);
@@ -90,7 +110,8 @@ def compute_loss(new_logprobs_T: torch.Tensor, behaviour_logprobs_T: torch.Tenso
     (value_function), or the DPO role +1 chosen / -1 rejected / 0 unpaired (dpo, see `dpo_roles`);
     mask_T: bool, completion tokens that may get loss; lag_T: trainer version - version that produced
     the token; seq_index_T / group_index_T: any integer id of each token's sequence / prompt group
-    (group ids needed by dpo only); num_sequences: sequences in the whole optimizer step, all ranks.
+    (group ids needed by dpo only); num_sequences: sequences in the whole optimizer step, all ranks;
+    num_pairs: DPO pairs in the whole optimizer step, all ranks (dpo only; 0 is allowed: no pair term).
     ref_logprobs_T: reference-model log-probs, needed when cfg.needs_reference_logprobs.
     values_T (with gradient) and returns_T: critic values and GAE returns, needed when cfg.value_function.
     """
@@ -106,22 +127,20 @@ def compute_loss(new_logprobs_T: torch.Tensor, behaviour_logprobs_T: torch.Tenso
         assert ref_logprobs_T is not None, "this RL config needs ref_logprobs_T (kl_coef > 0 or dpo reference)"
         ref_logprobs_T = ref_logprobs_T.detach().to(new_logprobs_T.dtype)
     if cfg.algorithm == "dpo":
+        assert num_pairs is not None, "algorithm=dpo needs num_pairs (the step's pairs, all ranks)"
         reference_T = ref_logprobs_T if cfg.dpo_reference == "reference" else behaviour_T
         main, counts = _dpo(new_logprobs_T, reference_T, advantages_T, keep_T, seq_index_T, group_index_T,
                             cfg.dpo_beta)
+        assert int(counts["dpo_pairs"]) <= num_pairs, "num_pairs must count the whole step's pairs"
+        loss = main / max(num_pairs, 1)  # no pair anywhere: main is an empty sum, 0
     else:
         main, counts = _policy_gradient(new_logprobs_T, behaviour_T, advantages_T, keep_T, cfg)
-    loss = main / num_sequences
+        loss = main / num_sequences
     stats.update(counts)
     stats[f"{cfg.algorithm}_loss"] = loss.detach().double()
     if cfg.kl_coef > 0:
-        # k3 estimator of KL(pi || ref) per token: exp(ref - new) - (ref - new) - 1 (Schulman 2020).
-        log_ref_ratio_T = ref_logprobs_T - new_logprobs_T
-        k3_T = log_ref_ratio_T.exp() - log_ref_ratio_T - 1
-        kl_sum = (k3_T * keep_T).sum()
-        kl_loss = cfg.kl_coef * kl_sum / num_sequences
-        stats["kl_loss"] = kl_loss.detach().double()
-        stats["kl_ref_sum"] = kl_sum.detach().double()
+        kl_loss, kl_stats = _kl_to_reference(new_logprobs_T, ref_logprobs_T, keep_T, num_sequences, cfg.kl_coef)
+        stats.update(kl_stats)
         loss = loss + kl_loss
     if cfg.value_function:
         assert values_T is not None and returns_T is not None, "value_function needs values_T and returns_T"

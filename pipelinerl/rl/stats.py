@@ -18,6 +18,15 @@ import torch
 LAG_HIST_BINS = 128
 
 
+def k3_kl(log_ratio_T: torch.Tensor, bound: float | None = None) -> torch.Tensor:
+    """Per-token k3 estimate of KL(p || q) on samples of p (Schulman 2020): r - 1 - log r, r = q / p,
+    from log_ratio_T = log q - log p; unbiased and >= 0. ``bound``: log r is clamped to [-bound, bound]
+    first (null: not clamped), so the value stays <= exp(bound) and its gradient is zero outside."""
+    if bound is not None:
+        log_ratio_T = log_ratio_T.clamp(-bound, bound)
+    return log_ratio_T.exp() - 1 - log_ratio_T
+
+
 def token_stats(new_logprobs_T: torch.Tensor, behaviour_logprobs_T: torch.Tensor, lag_T: torch.Tensor,
                 mask_T: torch.Tensor, keep_T: torch.Tensor) -> dict[str, torch.Tensor]:
     """Sums over one micro-batch. mask_T: completion tokens; keep_T: those that get loss (lag filter).
@@ -27,6 +36,10 @@ def token_stats(new_logprobs_T: torch.Tensor, behaviour_logprobs_T: torch.Tensor
     from the behaviour policy mu, so with log r = log pi - log mu:
     KL(mu || pi) ~ k1 = -log r (unbiased, noisy) and k3 = r - 1 - log r (unbiased, >= 0, low variance);
     entropy of mu ~ -log mu (the sampled tokens' log-probs).
+
+    These diagnostics are not clamped (unlike the loss's KL term): they are float64, where exp overflows
+    only past 709, and a token the server sampled has log mu > -104 (its probability is a positive float32,
+    >= 1.4e-45), so log r < 104; ``ess`` and ``kl_k3`` should show the real weights.
     """
     new_T, behaviour_T = new_logprobs_T.detach().double(), behaviour_logprobs_T.detach().double()
     log_ratio_T = (new_T - behaviour_T)[keep_T]
@@ -40,7 +53,7 @@ def token_stats(new_logprobs_T: torch.Tensor, behaviour_logprobs_T: torch.Tensor
         "ratio_sum": ratio_T.sum(),
         "ratio_sq_sum": (ratio_T ** 2).sum(),
         "kl_k1_sum": (-log_ratio_T).sum(),
-        "kl_k3_sum": (ratio_T - 1 - log_ratio_T).sum(),
+        "kl_k3_sum": k3_kl(log_ratio_T).sum(),
         "neg_logprob_sum": -behaviour_T[keep_T].sum(),
         "lag_sum": zero + lag_M.sum(),
         "max_lag": zero + (lag_M.max() if lag_M.numel() else 0),
@@ -80,7 +93,7 @@ def summarize_stats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
     for key in ("ppo_clipped_tokens", "tis_capped_tokens"):
         if key in stats:
             out[key.replace("_tokens", "_frac")] = _ratio(stats[key], kept)
-    if "kl_ref_sum" in stats:  # k3 estimate of KL(current || reference) per kept token
+    if "kl_ref_sum" in stats:  # k3 estimate of KL(current || reference) per kept token, clamped as in the loss
         out["kl_ref"] = _ratio(stats["kl_ref_sum"], kept)
     if "dpo_pairs" in stats:
         out["dpo_accuracy"] = _ratio(stats["dpo_correct_pairs"], stats["dpo_pairs"])

@@ -106,7 +106,8 @@ def step_samples(batches, cfg: Config, dist: DistInfo, version: int) -> tuple[li
     return rows_to_samples(batches, version, first, cfg), rewards
 
 
-def _loss_fn(cfg: Config, num_sequences: int, device: torch.device, token_log: list):
+def _loss_fn(cfg: Config, num_sequences: int, num_pairs: int, device: torch.device, token_log: list):
+    """The loss of one micro-batch, normalised by the step's sequence (and DPO pair) counts over all ranks."""
     from pipelinerl.rl import compute_loss, gae_advantages, terminal_rewards
 
     def loss_fn(mb: MicroBatch, new_N: torch.Tensor, values_N: torch.Tensor | None):
@@ -122,7 +123,7 @@ def _loss_fn(cfg: Config, num_sequences: int, device: torch.device, token_log: l
             advantages_N, returns_N = gae_advantages(rewards_N, values_N, seq_N, cfg.rl.gamma, cfg.rl.gae_lambda)
         loss, stats = compute_loss(new_N, f["behaviour"], advantages_N, mask_N, lag_N, seq_N, num_sequences, cfg.rl,
                                    ref_logprobs_T=f.get("reference"), values_T=values_N, returns_T=returns_N,
-                                   group_index_T=f["group"].long())
+                                   group_index_T=f["group"].long(), num_pairs=num_pairs)
         if not mb.is_padding:
             token_log.append((lag_N.cpu(), f["behaviour"].cpu(), new_N.detach().cpu()))
         return loss, {k: v.detach().cpu() for k, v in stats.items()}
@@ -159,10 +160,14 @@ def _trained(samples: list[Sample], cfg: Config) -> tuple[list[Sample], list | N
 def train_step(trainer: DeepSpeedTrainer, samples: list[Sample], cfg: Config, dist: DistInfo,
                state: LoopState, token_log: list) -> dict[str, float]:
     """Forward/backward over this rank's packed samples, then one optimizer step."""
-    (num_sequences, tokens) = all_reduce_sum([len(samples), sum(len(s.completion_ids) for s in samples)])
     trained, together = _trained(samples, cfg)
+    # DPO pairs trained here: one per trained chosen sample, whose rejected partner shares its micro-batch
+    # (`compute_loss` asserts it). The DPO loss is the mean over the step's pairs, all ranks.
+    pairs = sum(s.token_fields["advantage"][0] == 1 for s in trained) if cfg.rl.algorithm == "dpo" else 0
+    num_sequences, tokens, num_pairs = all_reduce_sum(
+        [len(samples), sum(len(s.completion_ids) for s in samples), pairs])
     micro_batches = pack(trained, cfg.trainer.micro_batch_tokens, together)
-    loss_fn = _loss_fn(cfg, int(num_sequences), trainer.device, token_log)
+    loss_fn = _loss_fn(cfg, int(num_sequences), int(num_pairs), trainer.device, token_log)
     mb_stats = trainer.accumulate(micro_batches, loss_fn)
     if not mb_stats:  # nothing to train on this rank (e.g. only tied DPO groups): zero statistics, same keys
         pad = padding_micro_batch(_field_names(cfg))
