@@ -110,10 +110,11 @@ class InferenceConfig:
     #                                   (created with mode 0600 by the first server that needs it)
     startup_timeout_s: float = 600.0  # launcher waits this long for a server's /health
     reference_servers: int = 1  # servers of the frozen reference model (`serve --reference`), started only
-    #                             when rl.kl_coef > 0 or rl.dpo_reference=reference; locally on base_port +
-    #                             num_servers + i, on Slurm in the first server slots of the first inference
-    #                             node. They run with max_model_len + 1 (so it must be set): scoring a
-    #                             sequence that fills max_model_len takes one more token of room
+    #                             when rl.kl_coef > 0 or rl.algorithm=dpo (with dpo_reference=reference,
+    #                             the default); locally on base_port + num_servers + i, on Slurm in the
+    #                             first server slots of the first inference node. They run with
+    #                             max_model_len + 1 (so it must be set): scoring a sequence that fills
+    #                             max_model_len takes one more token of room
     engine_args: dict = field(default_factory=dict)  # extra vLLM engine arguments, passed through as-is
 
     def __post_init__(self) -> None:

