@@ -1,6 +1,7 @@
-"""Slurm launch: the sbatch scripts' rendered srun lines and headers (fast), then real jobs on a
-throw-away Slurm cluster on this machine (tests/slurm/start_cluster.sh, slow): the tiny pipeline as a
-heterogeneous job, a requeue mid-run that must neither lose nor repeat a sample, and a submitit sweep.
+"""Slurm launch: the sbatch scripts' rendered srun lines, GPU placement and headers (fast), then real jobs
+on a throw-away Slurm cluster on this machine (tests/slurm/start_cluster.sh, slow): the flagship shape
+(2 servers, 2 trainer ranks on 2 nodes, the actor) as a heterogeneous job in pipeline mode with a requeue
+mid-run that must neither lose nor repeat a sample, the same in conventional mode, and a submitit sweep.
 
 The cluster runs as root with state under /tmp; its daemons are stopped when the session ends.
 """
@@ -21,14 +22,16 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pipelinerl.config import StreamsConfig, load_config
-from pipelinerl.launch.slurm import check_config, dry_run_allocation, plan_roles
-from pipelinerl.launch.slurm_node import _node_gpus, node_server_roles
+from pipelinerl.launch import slurm
+from pipelinerl.launch.slurm import check_config, dry_run_allocation, plan_roles, render
+from pipelinerl.launch.slurm_node import node_placement, node_server_roles
 from pipelinerl.metrics import read_token_stats
 from pipelinerl.streams import StreamReader
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = {"run_7b.sh": "configs/qwen7b_orz.yaml", "run_32b.sh": "configs/qwen32b_orz.yaml",
-           "run_tiny.sh": "configs/tiny_cpu.yaml"}
+           "run_tiny.sh": "configs/tiny_cpu.yaml", "run_tiny_flagship.sh": "configs/tiny_cpu.yaml",
+           "run_7b_one_node.sh": "configs/qwen7b_orz.yaml"}
 CLUSTER_STATE = "/tmp/pipelinerl-slurm-tests"
 SAMPLES_PER_STEP = 32
 
@@ -39,10 +42,18 @@ def _tiny_overrides(run_dir: Path, model_dir: Path, max_steps: int, port: int = 
             f"trainer.max_steps={max_steps}", f"trainer.samples_per_step={SAMPLES_PER_STEP}",
             "actor.sampling.max_new_tokens=8", "actor.eval_every_steps=0", "actor.max_groups_in_flight=8",
             "inference.max_model_len=64", "streams.segment_max_seconds=0.5", "checkpoints.every_steps=null",
+            "inference.startup_timeout_s=900",  # two vLLM servers starting on a loaded 2-core machine: minutes
             f"inference.base_port={port}", f"trainer.broadcast_port={port + 10}", f"launch.slurm.master_port={port + 20}"]
 
 
 # -- rendered commands and script headers (no cluster) -----------------------------------------------------
+
+def _script_config(script: str, *overrides: str):
+    """The config a script runs: its default config file with the script's own --shape overrides."""
+    text = (REPO / "slurm" / script).read_text().replace("\\\n", "")
+    shape = re.search(r'--shape "([^"]*)"', text)
+    return load_config(REPO / SCRIPTS[script], [*(shape.group(1).split() if shape else []), *overrides])
+
 
 def _dry_run(script: str) -> dict[str, tuple[dict[str, str], list[str]]]:
     """role -> (environment, srun argv) as `bash slurm/<script> --dry-run` prints them."""
@@ -96,15 +107,11 @@ def test_32b_script_renders_two_inference_and_two_training_nodes():
     assert roles["actor"][1][1:4] == ["--het-group=1", "--nodes=1", "--nodelist=training0"]
     # Each inference node splits its 8 GPUs into two tensor-parallel groups of 4, one server each.
     cfg = load_config(REPO / "configs/qwen32b_orz.yaml")
-    os.environ["CUDA_VISIBLE_DEVICES"] = "0,1,2,3,4,5,6,7"
-    try:
-        assert _node_gpus(cfg) == [["0", "1", "2", "3"], ["4", "5", "6", "7"]]
-    finally:
-        del os.environ["CUDA_VISIBLE_DEVICES"]
+    assert node_placement(cfg).server_gpus == [["0", "1", "2", "3"], ["4", "5", "6", "7"]]
 
 
 def _sbatch_components(script: str) -> tuple[dict[str, str], list[dict[str, str]]]:
-    """(job-wide #SBATCH options, per-component options) of a het-job script."""
+    """(job-wide #SBATCH options, per-component options) of a script (one component unless het)."""
     job, components = {}, [{}]
     for line in (REPO / "slurm" / script).read_text().splitlines():
         if not line.startswith("#SBATCH"):
@@ -122,16 +129,104 @@ def _sbatch_components(script: str) -> tuple[dict[str, str], list[dict[str, str]
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_sbatch_lines_match_the_script_config(script):
-    cfg = load_config(REPO / SCRIPTS[script])
+    cfg = _script_config(script)
     check_config(cfg)
     s = cfg.launch.slurm
-    job, (inference, training) = _sbatch_components(script)
+    job, components = _sbatch_components(script)
     assert job["signal"] == f"B:USR1@{s.signal_seconds}" and "requeue" in job and job["time"] == s.time
-    assert int(inference["nodes"]) == s.inference_nodes and int(training["nodes"]) == s.training_nodes
-    for component in (inference, training):
+    if s.inference_nodes == 0:  # colocated: one homogeneous component of nodes that serve and train
+        assert len(components) == 1
+        (training,) = components
+    else:
+        inference, training = components
+        assert int(inference["nodes"]) == s.inference_nodes and inference["ntasks-per-node"] == "1"  # servers agent
+    assert int(training["nodes"]) == s.training_nodes
+    for component in components:
         assert component.get("gpus-per-node") == (None if s.gpus_per_node is None else str(s.gpus_per_node))
-    # One task per node for the servers agent; one per trainer rank (per GPU) on the training nodes.
-    assert inference["ntasks-per-node"] == "1" and training["ntasks-per-node"] == str(s.gpus_per_node or 1)
+    # One task per trainer rank (per GPU it trains on) on the training nodes.
+    assert training["ntasks-per-node"] == str(node_placement(cfg).trainer_ranks)
+    assert cfg.trainer.num_gpus in (None, s.training_nodes * node_placement(cfg).trainer_ranks)
+
+
+def test_flagship_script_renders_two_servers_and_two_training_nodes():
+    roles = _dry_run("run_tiny_flagship.sh")
+    assert roles["servers"][1][1:4] == ["--het-group=0", "--nodes=1", "--nodelist=inference0"]
+    assert roles["trainer"][1][1:6] == ["--het-group=1", "--nodes=2", "--nodelist=training0,training1",
+                                        "--ntasks=2", "--ntasks-per-node=1"]
+    assert [r.name for r in node_server_roles(_script_config("run_tiny_flagship.sh"), "c.yaml", "m", 0, "n1", 0)] == [
+        "server0", "server1"]
+
+
+def _rank_environment(trainer: list[str], visible: str | None, local_rank: int) -> dict[str, str]:
+    """Run the trainer step's per-task shell command with `env` in place of the trainer: what a rank gets."""
+    command = re.sub(r"exec .*$", "exec env", trainer[-1])
+    env = {"PATH": os.environ["PATH"], "SLURM_PROCID": str(local_rank), "SLURM_NTASKS": "4",
+           "SLURM_LOCALID": str(local_rank), **({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible})}
+    out = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, check=True, timeout=30)
+    return dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+
+
+@pytest.mark.parametrize("visible", [None, "0,1,2,3,4,5,6,7", "8,9,10,11,12,13,14,15"])
+def test_one_node_script_gives_servers_and_ranks_disjoint_gpus(visible, monkeypatch):
+    """run_7b_one_node.sh: 4 servers on GPUs 0-3 and 4 trainer ranks on 4-7 of one node, whatever ids
+    Slurm gives the step (positions in its CUDA_VISIBLE_DEVICES)."""
+    roles = _dry_run("run_7b_one_node.sh")
+    cfg = _script_config("run_7b_one_node.sh")
+    servers, (trainer_env, trainer), actor = roles["servers"][1], roles["trainer"], roles["actor"][1]
+    assert "--het-group=0" not in servers and servers[1:3] == ["--nodes=1", "--nodelist=node0"]
+    assert "--gpus-per-node=8" in servers and "--gpus-per-node=8" in trainer and "--overlap" in trainer
+    assert trainer[1:5] == ["--nodes=1", "--nodelist=node0", "--ntasks=4", "--ntasks-per-node=4"]
+    assert actor[1:3] == ["--nodes=1", "--nodelist=node0"] and "--overlap" in actor
+    assert trainer_env["MASTER_ADDR"] == "node0"
+    ids = (visible or "0,1,2,3,4,5,6,7").split(",")
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    server_gpus = [r.env["CUDA_VISIBLE_DEVICES"] for r in node_server_roles(cfg, "c.yaml", "m", 0, "node0", 0)]
+    assert server_gpus == ids[:4]
+    for rank in range(4):
+        env = _rank_environment(trainer, visible, rank)
+        assert env["CUDA_VISIBLE_DEVICES"] == ",".join(ids[4:]) and env["LOCAL_RANK"] == str(rank)
+        assert (env["RANK"], env["WORLD_SIZE"]) == (str(rank), "4")
+    assert not set(server_gpus) & set(ids[4:])  # disjoint
+    out = render(cfg, dry_run_allocation(cfg))
+    assert "#   server3: GPUs 3\n#   trainer: 4 rank(s) on GPUs 4,5,6,7" in out
+
+
+def test_colocated_nodes_each_split_the_same_way():
+    cfg = _script_config("run_7b_one_node.sh", "launch.slurm.training_nodes=2", "trainer.num_gpus=8",
+                         "inference.num_servers=2", "inference.tensor_parallel_size=2")
+    check_config(cfg)
+    assert node_placement(cfg).server_gpus == [["0", "1"], ["2", "3"]]
+    roles = plan_roles(cfg, dry_run_allocation(cfg), Path("c.yaml"))
+    assert roles["servers"].argv[1:5] == ["--nodes=2", "--nodelist=node0,node1", "--ntasks=2", "--ntasks-per-node=1"]
+    assert roles["trainer"].argv[1:5] == ["--nodes=2", "--nodelist=node0,node1", "--ntasks=8", "--ntasks-per-node=4"]
+    assert roles["actor"].argv[1:3] == ["--nodes=1", "--nodelist=node0"]
+
+
+def test_colocated_job_serves_on_every_node(monkeypatch):
+    """allocation_from_env of a plain (not het) job with inference_nodes = 0: every host serves and trains."""
+    monkeypatch.setattr(slurm, "hostnames", lambda nodelist: ["gpu7", "gpu8"])
+    monkeypatch.setattr(slurm, "node_address", lambda node: f"10.0.0.{node[-1]}")
+    cfg = _script_config("run_7b_one_node.sh", "launch.slurm.training_nodes=2", "trainer.num_gpus=8")
+    alloc = slurm.allocation_from_env(cfg, {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu[7-8]"})
+    assert (alloc.inference, alloc.training, alloc.master_addr, alloc.het) == (["gpu7", "gpu8"], ["gpu7", "gpu8"],
+                                                                               "10.0.0.7", False)
+    with pytest.raises(ValueError, match="the job has 2 training node.s. but launch.slurm.training_nodes=1"):
+        slurm.allocation_from_env(_script_config("run_7b_one_node.sh"), {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "x"})
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["launch.inference_gpus=0-4"], "share GPU.s. 4; servers and trainer ranks need disjoint GPUs"),
+    (["launch.training_gpus=4-8"], "launch.training_gpus = 4,5,6,7,8 but this node has GPUs 0-7"),
+    (["inference.num_servers=5"], "inference.num_servers=5 x tensor_parallel_size=1 needs 5 GPUs"),
+    (["trainer.num_gpus=8"], "trainer.num_gpus=8 but launch.slurm.training_nodes x launch.training_gpus gives 4"),
+    (["launch.slurm.inference_nodes=1"], "with launch.slurm.inference_nodes=1 they have nodes of their own"),
+])
+def test_bad_one_node_splits_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        check_config(_script_config("run_7b_one_node.sh", *overrides))
 
 
 def _shellcheck() -> str:
@@ -210,9 +305,11 @@ def _slurm(env: dict, *argv: str) -> str:
     return subprocess.run(argv, env=env, capture_output=True, text=True, check=True, timeout=60).stdout
 
 
-def _sbatch(env: dict, tmp_path: Path, overrides: list[str]) -> str:
-    """Submit slurm/run_tiny.sh from the repository root (as users do); returns the job id."""
-    out = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", "slurm/run_tiny.sh",
+def _sbatch(env: dict, tmp_path: Path, script: str, overrides: list[str], config: str | None = None) -> str:
+    """Submit slurm/<script> from the repository root (as users do), optionally with another config file
+    (PIPELINERL_CONFIG); returns the job id."""
+    env = env if config is None else dict(env, PIPELINERL_CONFIG=config)
+    out = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", f"slurm/{script}",
                           *overrides], env=env, cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
     return out.stdout.strip()
 
@@ -230,7 +327,7 @@ def _job_finished(env: dict, job_id: str) -> bool:
     return not _slurm(env, "squeue", "-h", "-j", job_id, "-o", "%i").strip()
 
 
-def _sacct(env: dict, job_id: str) -> list[dict]:
+def _sacct(env: dict, job_id: str, components: int = 2) -> list[dict]:
     """Accounting rows of a job (every restart: -D), once slurmdbd has the finished components."""
     fields = ["JobID", "JobName", "NodeList", "State"]
 
@@ -239,38 +336,13 @@ def _sacct(env: dict, job_id: str) -> list[dict]:
         return [dict(zip(fields, line.split("|"))) for line in out.splitlines()]
 
     _wait_until(f"sacct records of job {job_id}", lambda: sum(r["State"] == "COMPLETED" and "." not in r["JobID"]
-                                                                for r in rows()) >= 2, timeout_s=60)
+                                                                for r in rows()) >= components, timeout_s=60)
     return rows()
 
 
 def _meta(run_dir: Path) -> dict:
     latest = max((run_dir / "checkpoints").glob("step_*[0-9]"))
     return json.loads((latest / "meta.json").read_text())
-
-
-@pytest.mark.slow
-def test_tiny_het_job_completes_with_checkpoint_and_tensorboard(slurm_env, tiny_model_dir, tmp_path):
-    run_dir = tmp_path / "run"
-    started = time.monotonic()
-    job = _sbatch(slurm_env, tmp_path, _tiny_overrides(run_dir, tiny_model_dir, max_steps=6))
-    _wait_until(f"the end of job {job}", lambda: _job_finished(slurm_env, job), timeout_s=420,
-                log=tmp_path / f"slurm-{job}.out")
-    print(f"tiny het job: {time.monotonic() - started:.0f} s from sbatch to its end")
-    rows = _sacct(slurm_env, job)
-    components = {r["JobID"]: r for r in rows if "." not in r["JobID"]}
-    assert {c["State"] for c in components.values()} == {"COMPLETED"}, rows
-    inference_node, training_node = components[f"{job}+0"]["NodeList"], components[f"{job}+1"]["NodeList"]
-    assert inference_node != training_node
-    # srun steps ran inside each component: the servers in 0, the trainer and the actor in 1.
-    steps = [r for r in rows if "." in r["JobID"] and not r["JobID"].endswith(".batch")]
-    assert sum(r["JobID"].startswith(f"{job}+0.") for r in steps) == 1, rows
-    assert sum(r["JobID"].startswith(f"{job}+1.") for r in steps) == 2, rows
-    assert (run_dir / "logs" / f"{inference_node}_server0.log").is_file()  # named by the node it ran on
-    meta = _meta(run_dir)
-    assert meta["step"] == 6 and meta["samples_seen"] == 6 * SAMPLES_PER_STEP
-    acc = EventAccumulator(str(run_dir / "tb" / "trainer"), size_guidance={"scalars": 0})
-    acc.Reload()
-    assert [e.step for e in acc.Scalars("grpo_loss")][-1] == 6
 
 
 def _consumed_samples(run_dir: Path, samples: int) -> list[dict]:
@@ -284,34 +356,124 @@ def _consumed_samples(run_dir: Path, samples: int) -> list[dict]:
     return rows
 
 
+# The flagship shape (run_7b.sh's het job) with the tiny model: slurm/run_tiny_flagship.sh, 2 servers on the
+# inference node, one CPU trainer rank on each of 2 training nodes, the actor on the first.
+RANKS, SERVERS = 2, 2
+JOB_TIMEOUT_S = 900  # a bound, not an estimate: on a loaded 2-core machine the two servers alone took 3-4 min
+SERVER_START = "vLLM server version"  # the first line every server start writes to its (appended) log
+UPDATED = '"POST /request_weight_update HTTP/1.1" 200'  # uvicorn's access line of an acknowledged update
+
+
+def _trained_exactly_once(run_dir: Path, max_steps: int) -> dict[int, dict]:
+    """Every rank's per-token zarr arrays together hold step k's samples of the stream (samples k*S ..
+    (k+1)*S - 1 in reading order), for every step, once: the same multiset of behaviour log-probs (a lost,
+    repeated, foreign or misplaced sample changes it). Returns each rank's arrays."""
+    rows = _consumed_samples(run_dir, max_steps * SAMPLES_PER_STEP)
+    assert len({r["sample_id"] for r in rows}) == len(rows)
+    stats = {rank: read_token_stats(run_dir, f"rank{rank}") for rank in range(RANKS)}
+    for step in range(max_steps):
+        stream = [np.asarray(r["behaviour_logprobs"], dtype=np.float32)
+                  for r in rows[step * SAMPLES_PER_STEP:(step + 1) * SAMPLES_PER_STEP]]
+        trained = [s["behaviour_logprobs"][s["step"] == step] for s in stats.values()]
+        assert all(len(t) for t in trained), f"step {step}: a rank trained nothing"
+        np.testing.assert_array_equal(np.sort(np.concatenate(trained)), np.sort(np.concatenate(stream)),
+                                      err_msg=f"step {step}")
+    return stats
+
+
+def _updates_per_server_start(run_dir: Path, node: str) -> dict[str, list[int]]:
+    """server -> acknowledged weight updates of each of its starts, in order (server logs are appended)."""
+    counts = {}
+    for i in range(SERVERS):
+        starts = (run_dir / "logs" / f"{node}_server{i}.log").read_text().split(SERVER_START)[1:]
+        counts[f"server{i}"] = [part.count(UPDATED) for part in starts]
+    return counts
+
+
+def _straddling(run_dir: Path, max_steps: int) -> int:
+    """Consumed completions generated by two or more policy versions (in-flight updates)."""
+    return sum(len(set(r["versions"])) > 1 for r in _consumed_samples(run_dir, max_steps * SAMPLES_PER_STEP))
+
+
 @pytest.mark.slow
-def test_requeue_mid_run_resumes_without_losing_or_repeating_samples(slurm_env, tiny_model_dir, tmp_path):
-    run_dir, max_steps = tmp_path / "run", 60
-    job = _sbatch(slurm_env, tmp_path, _tiny_overrides(run_dir, tiny_model_dir, max_steps=max_steps, port=18430))
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S + 300)  # two starts of the job; about 6 min on a quiet machine
+def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, tiny_model_dir, tmp_path):
+    """Pipeline mode, max_lag 2, USR1 (Slurm's warning before the time limit) after step 3: the job
+    checkpoints, requeues itself and resumes; the two ranks together train the stream's samples once."""
+    run_dir, max_steps, max_lag = tmp_path / "run", 20, 2
+    overrides = _tiny_overrides(run_dir, tiny_model_dir, max_steps=max_steps, port=18430) + [f"actor.max_lag={max_lag}"]
+    started = time.monotonic()
+    job = _sbatch(slurm_env, tmp_path, "run_tiny_flagship.sh", overrides)
     trainer_log, slurm_log = run_dir / "logs" / "trainer.log", tmp_path / f"slurm-{job}.out"
-    _wait_until("trainer step 3", lambda: trainer_log.is_file() and "step 3:" in trainer_log.read_text(),
-                timeout_s=420, poll_s=0.3, log=slurm_log)
+    def trained_3_steps() -> bool:
+        if trainer_log.is_file() and "step 3:" in trainer_log.read_text():
+            return True
+        assert not _job_finished(slurm_env, job), f"job {job} ended before step 3:\n{slurm_log.read_text()[-3000:]}"
+        return False
+
+    _wait_until("trainer step 3", trained_3_steps, timeout_s=JOB_TIMEOUT_S, poll_s=0.3, log=slurm_log)
     # What Slurm sends signal_seconds before the time limit: USR1 to the batch shell only.
     _slurm(slurm_env, "scancel", "--batch", "--signal=USR1", job)
     signalled = time.monotonic()
-    _wait_until(f"the end of requeued job {job}", lambda: _job_finished(slurm_env, job), timeout_s=540,
+    _wait_until(f"the end of requeued job {job}", lambda: _job_finished(slurm_env, job), timeout_s=JOB_TIMEOUT_S,
                 log=slurm_log)
-    print(f"requeue: {time.monotonic() - signalled:.0f} s from the signal to the end of the resumed run")
-    states = [r["State"] for r in _sacct(slurm_env, job) if r["JobID"] == f"{job}+0"]
-    assert states == ["REQUEUED", "COMPLETED"], states
+    print(f"flagship pipeline + requeue: {time.monotonic() - started:.0f} s from sbatch to the end "
+          f"({time.monotonic() - signalled:.0f} s after the signal)")
+    rows = _sacct(slurm_env, job)
+    for component in (0, 1):
+        assert [r["State"] for r in rows if r["JobID"] == f"{job}+{component}"] == ["REQUEUED", "COMPLETED"], rows
     text = trainer_log.read_text()
     stopped = int(re.search(r"stop signal 10: checkpointed at step (\d+)", text).group(1))
     assert 3 <= stopped < max_steps and f"resumed from {run_dir}/checkpoints/step_{stopped:08d}" in text
     meta = _meta(run_dir)
     assert meta["step"] == max_steps and meta["samples_seen"] == max_steps * SAMPLES_PER_STEP
-    rows = _consumed_samples(run_dir, max_steps * SAMPLES_PER_STEP)
-    assert len({r["sample_id"] for r in rows}) == len(rows)
-    # One per-token entry for every trained token: the same multiset of behaviour log-probs as the consumed
-    # samples (a lost or repeated step would change it), and every one of the max_steps steps present.
-    stats = read_token_stats(run_dir)
-    stream_logprobs = np.concatenate([np.asarray(r["behaviour_logprobs"], dtype=np.float32) for r in rows])
-    np.testing.assert_array_equal(np.sort(stats["behaviour_logprobs"]), np.sort(stream_logprobs))
-    assert len(np.unique(stats["step"])) == max_steps
+    stats = _trained_exactly_once(run_dir, max_steps)
+    lag_max = {rank: int(s["lag"].max()) for rank, s in stats.items()}
+    assert all(int(s["lag"].min()) >= 0 for s in stats.values()) and max(lag_max.values()) <= max_lag, lag_max
+    # Every server acknowledged every version: 1..stopped before the requeue; after it, `stopped` again
+    # (the resumed trainer re-sends its weights) and stopped+1..max_steps. The trainer fails a step whose
+    # update some server did not acknowledge with that step's version (WeightBroadcaster.broadcast).
+    inference_node = next(r["NodeList"] for r in rows if r["JobID"] == f"{job}+0")
+    updates = _updates_per_server_start(run_dir, inference_node)
+    assert updates == {f"server{i}": [stopped, max_steps - stopped + 1] for i in range(SERVERS)}, updates
+    print(f"stopped at step {stopped}; lag max per rank {lag_max}; updates per server start {updates}; "
+          f"{_straddling(run_dir, max_steps)} completions straddled an update")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TIMEOUT_S + 300)
+def test_flagship_shape_in_conventional_mode(slurm_env, tiny_model_dir, tmp_path):
+    """configs/tiny_cpu_conventional.yaml (G = 4 steps per generated batch, one sync per batch) on the same
+    shape: each component on its own nodes, every sample trained once, lag <= G - 1 on every rank."""
+    run_dir, max_steps, G = tmp_path / "run", 8, 4
+    overrides = _tiny_overrides(run_dir, tiny_model_dir, max_steps=max_steps, port=18440) + [
+        f"conventional.steps_per_batch={G}", f"actor.max_groups_in_flight={G * SAMPLES_PER_STEP // 8}"]
+    started = time.monotonic()
+    job = _sbatch(slurm_env, tmp_path, "run_tiny_flagship.sh", overrides, config="configs/tiny_cpu_conventional.yaml")
+    _wait_until(f"the end of job {job}", lambda: _job_finished(slurm_env, job), timeout_s=JOB_TIMEOUT_S,
+                log=tmp_path / f"slurm-{job}.out")
+    print(f"flagship conventional: {time.monotonic() - started:.0f} s from sbatch to its end")
+    rows = _sacct(slurm_env, job)
+    components = {r["JobID"]: r for r in rows if "." not in r["JobID"]}
+    assert {c["State"] for c in components.values()} == {"COMPLETED"}, rows
+    inference_node, training_nodes = components[f"{job}+0"]["NodeList"], components[f"{job}+1"]["NodeList"]
+    assert len(_slurm(slurm_env, "scontrol", "show", "hostnames", training_nodes).split()) == RANKS
+    assert inference_node not in training_nodes
+    # srun steps ran inside each component: the servers in 0, the trainer and the actor in 1.
+    steps = [r for r in rows if "." in r["JobID"] and not r["JobID"].endswith(".batch")]
+    assert sum(r["JobID"].startswith(f"{job}+0.") for r in steps) == 1, rows
+    assert sum(r["JobID"].startswith(f"{job}+1.") for r in steps) == 2, rows
+    meta = _meta(run_dir)
+    assert meta["step"] == max_steps and meta["samples_seen"] == max_steps * SAMPLES_PER_STEP
+    stats = _trained_exactly_once(run_dir, max_steps)
+    lag_max = {rank: int(s["lag"].max()) for rank, s in stats.items()}
+    assert max(lag_max.values()) <= G - 1 and all(int(s["lag"].min()) >= 0 for s in stats.values()), lag_max
+    updates = _updates_per_server_start(run_dir, inference_node)  # one sync per batch: versions 4 and 8
+    assert updates == {f"server{i}": [max_steps // G] for i in range(SERVERS)}, updates
+    acc = EventAccumulator(str(run_dir / "tb" / "trainer"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("grpo_loss")][-1] == max_steps
+    print(f"lag max per rank {lag_max}; updates per server {updates}")
 
 
 @pytest.mark.slow

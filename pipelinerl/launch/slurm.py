@@ -2,13 +2,17 @@
 
 Placement (DESIGN.md): inference nodes run the vLLM servers (`pipelinerl serve`, one per GPU or per
 tensor-parallel group, started by one `servers` agent per node); training nodes run the DeepSpeed
-trainer (one srun task per rank, one rank per GPU) and, on the first of them, the actor. Two shapes:
+trainer (one srun task per rank, one rank per GPU) and, on the first of them, the actor. Three shapes:
 
-  het    `sbatch slurm/run_*.sh`: a heterogeneous job, component 0 = inference nodes, component 1 =
-         training nodes; every srun names its `--het-group` (and, as in split, its `--nodelist`).
-  split  submitit, which cannot submit het jobs, and job arrays, which Slurm cannot make of het jobs:
-         one homogeneous allocation of inference_nodes + training_nodes; the first inference_nodes
-         hosts serve, the others train; every srun names its `--nodelist`.
+  het        `sbatch slurm/run_*.sh`: a heterogeneous job, component 0 = inference nodes, component 1 =
+             training nodes; every srun names its `--het-group` (and, as in split, its `--nodelist`).
+  split      submitit, which cannot submit het jobs, and job arrays, which Slurm cannot make of het jobs:
+             one homogeneous allocation of inference_nodes + training_nodes; the first inference_nodes
+             hosts serve, the others train; every srun names its `--nodelist`.
+  colocated  launch.slurm.inference_nodes = 0 (`slurm/run_7b_one_node.sh`): one homogeneous allocation of
+             training_nodes, each node split between its servers (launch.inference_gpus) and its trainer
+             ranks (launch.training_gpus); all three steps ask for every GPU of the node and `--overlap`,
+             and each server / rank selects its own through CUDA_VISIBLE_DEVICES (slurm_node.node_placement).
 
 Reference servers (only when the RL objective needs reference log-probs: rl.kl_coef > 0 or
 rl.dpo_reference=reference) take the first inference.reference_servers server slots of the first
@@ -49,7 +53,7 @@ from pipelinerl.launch.local import (
     wait_for_servers,
 )
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
-from pipelinerl.launch.slurm_node import run_node_servers
+from pipelinerl.launch.slurm_node import colocated, node_placement, run_node_servers
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +110,8 @@ def allocation_from_env(cfg: Config, env=os.environ) -> Allocation:
         if len(hosts) != want:
             raise ValueError(f"the job has {len(hosts)} {role} node(s) but launch.slurm.{role}_nodes={want}: "
                              "make the #SBATCH --nodes lines (or sbatch options) and the config agree")
+    if colocated(cfg):
+        inference = training  # every node serves and trains
     job_id = env["SLURM_JOB_ID"]
     if "SLURM_ARRAY_TASK_ID" in env:
         job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
@@ -116,11 +122,12 @@ def check_config(cfg: Config) -> None:
     """Config choices only the Slurm launcher can check: trainer ranks vs training GPUs, reference server
     placement."""
     s, inf = cfg.launch.slurm, cfg.inference
-    ranks = s.training_nodes * (s.gpus_per_node or 1)
+    ranks = s.training_nodes * node_placement(cfg).trainer_ranks
     if cfg.trainer.num_gpus is not None and cfg.trainer.num_gpus != ranks:
-        raise ValueError(f"trainer.num_gpus={cfg.trainer.num_gpus} but launch.slurm.training_nodes x gpus_per_node "
+        per_node = "launch.training_gpus" if colocated(cfg) else "gpus_per_node"
+        raise ValueError(f"trainer.num_gpus={cfg.trainer.num_gpus} but launch.slurm.training_nodes x {per_node} "
                          f"gives {ranks} trainer ranks; set trainer.num_gpus={ranks} (or null)")
-    references, slots = reference_server_count(cfg), inf.num_servers * s.inference_nodes
+    references, slots = reference_server_count(cfg), inf.num_servers * server_nodes(cfg)
     if references > inf.num_servers:
         raise ValueError(f"inference.reference_servers={references} but reference servers take server slots of the "
                          f"first inference node, which has inference.num_servers={inf.num_servers}; lower "
@@ -131,9 +138,18 @@ def check_config(cfg: Config) -> None:
                          "raise inference.num_servers or add an inference node")
 
 
+def server_nodes(cfg: Config) -> int:
+    """Nodes that run servers: the inference nodes, or every node when colocated."""
+    s = cfg.launch.slurm
+    return s.training_nodes if colocated(cfg) else s.inference_nodes
+
+
 def dry_run_allocation(cfg: Config) -> Allocation:
     """Placeholder hosts for --dry-run, shaped like the config asks."""
     s = cfg.launch.slurm
+    if colocated(cfg):
+        nodes = [f"node{i}" for i in range(s.training_nodes)]
+        return Allocation(nodes, nodes, nodes[0], False, "JOBID", 0)
     training = [f"training{i}" for i in range(s.training_nodes)]
     return Allocation([f"inference{i}" for i in range(s.inference_nodes)], training, training[0], True, "JOBID", 0)
 
@@ -173,7 +189,7 @@ def plan_roles(cfg: Config, alloc: Allocation, config_path: Path, python: str = 
     every rank itself. torchrun 2.13 dies of SIGUSR1 at once (seen: exit 138 with
     TORCHELASTIC_SIGNALS_TO_HANDLE set; it catches only SIGTERM), and the step would end with it,
     killing ranks in the middle of their checkpoint."""
-    s, logs = cfg.launch.slurm, Path(cfg.run_dir) / "logs"
+    logs = Path(cfg.run_dir) / "logs"
     cli = [python, "-m", "pipelinerl.cli"]
     threads = {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
     model, version = serving_weights(cfg)
@@ -181,11 +197,9 @@ def plan_roles(cfg: Config, alloc: Allocation, config_path: Path, python: str = 
         "slurm", "servers", str(config_path), "--model", model, "--version", str(version)]
     if reference_server_count(cfg):
         servers += ["--reference-node", alloc.inference[0]]
-    # Rank, world size and local rank differ per task: each task reads them from its Slurm variables.
-    train = shlex.join([*cli, "train", str(config_path)])
-    ranks = 'RANK="$SLURM_PROCID" WORLD_SIZE="$SLURM_NTASKS" LOCAL_RANK="$SLURM_LOCALID"'
-    trainer = _srun(alloc, 1, alloc.training, cfg, gpus=True, tasks_per_node=s.gpus_per_node or 1) + [
-        "--overlap", "bash", "-c", f"{ranks} exec {train}"]
+    placement = node_placement(cfg)
+    trainer = _srun(alloc, 1, alloc.training, cfg, gpus=True, tasks_per_node=placement.trainer_ranks) + [
+        "--overlap", "bash", "-c", rank_command(cfg, placement.trainer_gpus, [*cli, "train", str(config_path)])]
     trainer_env = {**threads, "MASTER_ADDR": alloc.master_addr, "MASTER_PORT": str(master_port(cfg, alloc))}
     actor = _srun(alloc, 1, alloc.training[:1], cfg, gpus=False) + ["--overlap"] + cli + ["actor", str(config_path)]
     return {"servers": Role("servers", servers, logs / "servers.log", threads),
@@ -193,10 +207,26 @@ def plan_roles(cfg: Config, alloc: Allocation, config_path: Path, python: str = 
             "actor": Role("actor", actor, logs / "actor.log", threads)}
 
 
+def rank_command(cfg: Config, trainer_gpus: list[str] | None, train: list[str]) -> str:
+    """The shell command of one trainer task. Rank, world size and local rank differ per task: each reads
+    them from its Slurm variables. On a colocated node the ranks also select their GPUs (positions in
+    the step's CUDA_VISIBLE_DEVICES, like slurm_node.visible_gpus); elsewhere they take the step's all."""
+    ranks = 'RANK="$SLURM_PROCID" WORLD_SIZE="$SLURM_NTASKS" LOCAL_RANK="$SLURM_LOCALID"'
+    if trainer_gpus is None or not colocated(cfg):
+        return f"{ranks} exec {shlex.join(train)}"
+    every = ",".join(str(i) for i in range(cfg.launch.slurm.gpus_per_node))
+    picked = ",".join(f"${{gpus[{i}]}}" for i in trainer_gpus)
+    return (f'IFS=, read -r -a gpus <<<"${{CUDA_VISIBLE_DEVICES:-{every}}}"; '
+            f'CUDA_VISIBLE_DEVICES="{picked}" {ranks} exec {shlex.join(train)}')
+
+
 def render(cfg: Config, alloc: Allocation) -> str:
-    """The srun lines `launch` would run, one per role, as shell (what --dry-run prints)."""
+    """The srun lines `launch` would run, one per role, as shell (what --dry-run prints), after where each
+    node's servers and trainer ranks run."""
     roles = plan_roles(cfg, alloc, Path(cfg.run_dir) / "config.yaml")
-    lines = [f"# inference nodes: {' '.join(alloc.inference)}; training nodes: {' '.join(alloc.training)}"]
+    lines = [f"# inference nodes: {' '.join(alloc.inference)}; training nodes: {' '.join(alloc.training)}",
+             "# on each node of its role (GPU positions in the step's CUDA_VISIBLE_DEVICES):",
+             *(f"#   {line}" for line in node_placement(cfg).describe(cfg.inference.num_servers))]
     for role in roles.values():
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in role.env.items())
         lines.append(f"# {role.name} (log {role.log_path})\n{env + ' ' if env else ''}{shlex.join(role.argv)}")
@@ -271,7 +301,7 @@ def launch(cfg: Config, alloc: Allocation) -> None:
     try:
         sup.start(roles["servers"])
         references = reference_server_count(cfg)
-        urls = wait_for_servers(cfg, sup, cfg.inference.num_servers * len(alloc.inference) - references)
+        urls = wait_for_servers(cfg, sup, cfg.inference.num_servers * server_nodes(cfg) - references)
         log.info("servers healthy: %s", ", ".join(urls))
         if references:
             log.info("reference servers healthy: %s",

@@ -1,6 +1,13 @@
 """The `servers` role of a Slurm job on one inference node (`pipelinerl slurm servers`): one
 `pipelinerl serve` per server slot, each on its own GPUs, supervised until SIGTERM or the first failure.
-The job-level launcher that starts this role on every inference node is `launch/slurm.py`."""
+The job-level launcher that starts this role on every inference node is `launch/slurm.py`.
+
+`node_placement` is where a node's GPUs go, for both sides: on separate inference and training nodes
+each side takes every GPU of its own nodes; with launch.slurm.inference_nodes = 0 every node of the job
+is split (placement.split_node) between the servers (launch.inference_gpus) and the trainer ranks
+(launch.training_gpus). GPU ids there are positions in the GPUs Slurm gives the step
+(CUDA_VISIBLE_DEVICES): the node's own ids 0..gpus_per_node-1 on whole (--exclusive) nodes.
+"""
 
 from __future__ import annotations
 
@@ -13,20 +20,41 @@ from pathlib import Path
 
 from pipelinerl.config import Config
 from pipelinerl.launch.local import reference_server_count
+from pipelinerl.launch.placement import Placement, server_gpu_groups, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
 
 
-def _node_gpus(cfg: Config) -> list[list[str]] | None:
-    """GPU ids per server on this node (tensor_parallel_size each), or None on CPU."""
-    if cfg.launch.slurm.gpus_per_node is None:
-        return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = visible.split(",") if visible else [str(i) for i in range(cfg.launch.slurm.gpus_per_node)]
-    tp, n = cfg.inference.tensor_parallel_size, cfg.inference.num_servers
-    if n * tp > len(gpus):
-        raise ValueError(f"inference.num_servers={n} x tensor_parallel_size={tp} needs {n * tp} GPUs per node; "
-                         f"this node has {len(gpus)}")
-    return [gpus[i * tp:(i + 1) * tp] for i in range(n)]
+def colocated(cfg: Config) -> bool:
+    """Servers and trainer ranks share every node of the job (launch.slurm.inference_nodes = 0)."""
+    return cfg.launch.slurm.inference_nodes == 0
+
+
+def node_placement(cfg: Config) -> Placement:
+    """GPU positions of one node's servers and trainer ranks (the same on every node of their side)."""
+    s, launch, inf = cfg.launch.slurm, cfg.launch, cfg.inference
+    gpus = s.gpus_per_node or 0
+    if colocated(cfg):
+        return split_node(gpus, launch.inference_gpus, launch.training_gpus, inf.num_servers,
+                          inf.tensor_parallel_size, None)
+    if launch.inference_gpus or launch.training_gpus:
+        raise ValueError("launch.inference_gpus / launch.training_gpus split one node between servers and trainer; "
+                         f"with launch.slurm.inference_nodes={s.inference_nodes} they have nodes of their own and use "
+                         "every GPU there: unset both, or set launch.slurm.inference_nodes=0 to share the nodes")
+    if gpus == 0:
+        return Placement(None, None, 1)
+    every = [str(i) for i in range(gpus)]
+    return Placement(server_gpu_groups(every, inf.num_servers, inf.tensor_parallel_size), every, gpus)
+
+
+def visible_gpus(placed: list[str], gpus_per_node: int, environ=os.environ) -> str:
+    """CUDA_VISIBLE_DEVICES for GPU positions `placed`: the step's own ids at those positions."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(gpus_per_node)]
+    if max(int(i) for i in placed) >= len(ids):
+        raise ValueError(f"GPUs {','.join(placed)} are placed but this step sees {len(ids)} GPU(s) "
+                         f"(CUDA_VISIBLE_DEVICES={visible}); ask for launch.slurm.gpus_per_node={gpus_per_node} "
+                         "on whole nodes")
+    return ",".join(ids[int(i)] for i in placed)
 
 
 def node_server_roles(cfg: Config, config_path: str, model: str, version: int, node: str,
@@ -34,12 +62,14 @@ def node_server_roles(cfg: Config, config_path: str, model: str, version: int, n
     """One `pipelinerl serve` per server slot i of an inference node, each on its own GPUs: the first
     `references` slots serve the reference model (port base_port + num_servers + i), the others the
     policy from `model` at `version` (port base_port + i)."""
-    inf, gpus = cfg.inference, _node_gpus(cfg)
+    inf, gpus = cfg.inference, node_placement(cfg).server_gpus
     threads = {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
     serve = [sys.executable, "-m", "pipelinerl.cli", "serve", "--config", config_path]
     roles = []
     for i in range(inf.num_servers):
-        env = dict(threads) if gpus is None else {**threads, "CUDA_VISIBLE_DEVICES": ",".join(gpus[i])}
+        env = dict(threads)
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible_gpus(gpus[i], cfg.launch.slurm.gpus_per_node)
         if i < references:
             name, argv = f"reference{i}", serve + ["--reference", "--port", str(inf.base_port + inf.num_servers + i)]
         else:
