@@ -65,6 +65,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(cfg, args.port if args.port is not None else cfg.inference.base_port, args.version, args.reference)
 
 
+MASTER_PORT_BASE = 29400  # `train --nproc` takes the first free port from here for rank 0
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.overrides)
     if args.nproc is None:
@@ -78,7 +81,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     argv = [sys.executable, "-m", "pipelinerl.cli", "train", args.config, *args.overrides]
     gpus = parse_gpu_ids(args.gpus) if args.gpus else None
-    code = run_ranks(argv, args.nproc, args.master_port or free_port(), gpus)
+    # Outside the kernel's ephemeral range (32768-60999), which busy HTTP clients churn through.
+    code = run_ranks(argv, args.nproc, args.master_port or free_port(MASTER_PORT_BASE), gpus)
     if code:
         raise SystemExit(code)
 
@@ -142,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=None,
                    help="start this many ranks on this machine (gloo on CPU, one GPU each with --gpus) and wait")
     p.add_argument("--gpus", default=None, help="with --nproc: the ranks' GPU ids, e.g. 4-7 (rank r uses the r-th)")
-    p.add_argument("--master-port", type=int, default=None, help="with --nproc: rank 0's port (default: a free one)")
+    p.add_argument("--master-port", type=int, default=None, help=f"with --nproc: rank 0's port (default: the first free one from {MASTER_PORT_BASE})")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("actor", help="run one actor: prompts -> servers -> rewards -> rollout stream")

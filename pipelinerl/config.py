@@ -475,6 +475,10 @@ class Config:
         _check(self.trainer.num_gpus is None or groups % self.trainer.num_gpus == 0, "trainer.num_gpus",
                f"{groups} groups per step (trainer.samples_per_step / actor.attempts) do not split evenly over "
                f"{self.trainer.num_gpus} trainer ranks: make samples_per_step a multiple of attempts x ranks")
+        _check(self.actor.sampling.temperature == 1.0 or not self.rl.needs_reference_logprobs,
+               "actor.sampling.temperature", f"got {self.actor.sampling.temperature}; the reference servers' "
+               "log-probs (rl.kl_coef > 0, DPO against the reference) are of the untempered model, while the "
+               "trainer scores the tempered one: sample at 1.0, or drop the reference term")
         _check_choice(self.mode, ("pipeline", "conventional"), "mode")
         if self.mode == "conventional":
             self._check_conventional()

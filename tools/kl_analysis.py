@@ -58,8 +58,9 @@ def target_weights(run_dir: Path, step: int, base_model: str) -> Path | None:
 
 
 @torch.inference_mode()
-def completion_logprobs(model, rows: list[dict], batch_size: int = 64) -> list[np.ndarray]:
-    """log pi(completion token | prefix) of each row under `model`, right-padded batches."""
+def completion_logprobs(model, rows: list[dict], temperature: float = 1.0, batch_size: int = 64) -> list[np.ndarray]:
+    """log pi(completion token | prefix) of each row under `model` at the sampling temperature (the
+    distribution the servers' behaviour log-probs describe), right-padded batches."""
     out = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
@@ -69,7 +70,8 @@ def completion_logprobs(model, rows: list[dict], batch_size: int = 64) -> list[n
         mask_BL = torch.zeros(len(seqs), width, dtype=torch.long)
         for i, seq in enumerate(seqs):
             ids_BL[i, :len(seq)], mask_BL[i, :len(seq)] = torch.tensor(seq), 1
-        logp_BLV = torch.log_softmax(model(input_ids=ids_BL, attention_mask=mask_BL).logits.float(), dim=-1)
+        logits_BLV = model(input_ids=ids_BL, attention_mask=mask_BL).logits.float() / temperature
+        logp_BLV = torch.log_softmax(logits_BLV, dim=-1)
         for i, row in enumerate(chunk):
             p, n = len(row["prompt_token_ids"]), len(row["completion_token_ids"])
             # Logits at position j predict token j + 1: completion tokens p..p+n-1 come from p-1..p+n-2.
@@ -90,7 +92,7 @@ def token_kl(run_dir: Path, max_samples_per_step: int | None = None) -> dict[str
         if weights is None or not rows:
             continue
         model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).eval()
-        for row, target in zip(rows, completion_logprobs(model, rows)):
+        for row, target in zip(rows, completion_logprobs(model, rows, cfg.actor.sampling.temperature)):
             log_r = target - np.asarray(row["behaviour_logprobs"], dtype=np.float64)
             steps.append(np.full(len(log_r), step))
             lags.append(step - np.asarray(row["versions"]))

@@ -28,7 +28,7 @@ from pathlib import Path
 from pipelinerl.config import Config, ConfigError, save_config
 from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, list_servers
 from pipelinerl.launch.placement import Placement, split_node
-from pipelinerl.launch.procs import Role, RoleFailed, Supervisor, free_port
+from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def _roles(cfg: Config, config_path: Path, where: Placement) -> tuple[list[Role]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(where.server_gpus[slot])
         server_roles.append(Role(name, cli + ["serve", "--config", str(config_path), *args],
                                  run_dir / "logs" / f"{name}.log", env))
-    ranks = ["--nproc", str(where.trainer_ranks), "--master-port", str(free_port())]
+    ranks = ["--nproc", str(where.trainer_ranks)]  # its port is picked when the ranks start, not minutes before
     if where.trainer_gpus is not None:
         ranks += ["--gpus", ",".join(where.trainer_gpus)]
     trainer = Role("trainer", cli + ["train", str(config_path), *ranks], run_dir / "logs" / "trainer.log", threads)
