@@ -400,7 +400,8 @@ class SlurmConfig:
     partition: str | None = None  # --partition
     qos: str | None = None  # --qos
     time: str = "3-00:00:00"  # --time, D-HH:MM:SS
-    inference_nodes: int = 1  # --nodes of het component 0 (vLLM servers)
+    inference_nodes: int = 1  # --nodes of het component 0 (vLLM servers); 0 = colocated: every training
+    #                            node also serves, on launch.inference_gpus (slurm/run_7b_one_node.sh)
     training_nodes: int = 1  # --nodes of het component 1 (DeepSpeed trainer + actor)
     gpus_per_node: int | None = 8  # --gpus-per-node; null on CPU-only clusters
     cpus_per_task: int | None = None  # --cpus-per-task

