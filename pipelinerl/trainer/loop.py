@@ -331,7 +331,9 @@ def _run(trainer, data: StepData, cfg: Config, dist: DistInfo, state: LoopState,
         if batches is None:  # a stop signal came while rank 0 waited for data
             if state.last_saved != state.step and state.step > 0:
                 checkpoint(trainer, cfg, dist, state)
-            log.info("stop signal while waiting for data: checkpointed at step %d, exiting", state.step)
+            # The same words as after a step: the signal's moment decides which path runs, not the caller.
+            log.info("stop signal %s: checkpointed at step %d, exiting (it came while rank 0 waited for data)",
+                     signals.received, state.step)
             return
         state.cursor = data.cursor()
         samples, rewards = step_samples(batches, cfg, dist, state.step)
