@@ -43,6 +43,7 @@ def _tiny_overrides(run_dir: Path, model_dir: Path, max_steps: int, port: int = 
             "actor.sampling.max_new_tokens=8", "actor.eval_every_steps=0", "actor.max_groups_in_flight=8",
             "inference.max_model_len=64", "streams.segment_max_seconds=0.5", "checkpoints.every_steps=null",
             "inference.startup_timeout_s=900",  # two vLLM servers starting on a loaded 2-core machine: minutes
+            "inference.engine_args.enforce_eager=true",  # no torch.compile warm-up: 30-60 s less per server start
             f"inference.base_port={port}", f"trainer.broadcast_port={port + 10}", f"launch.slurm.master_port={port + 20}"]
 
 
