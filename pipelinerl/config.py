@@ -428,11 +428,13 @@ class LaunchConfig:
     backend: str = "local"  # local (child processes of `pipelinerl run`) | slurm
     torch_threads: int | None = None  # torch threads per CPU process; null = torch's default
     inference_gpus: str | None = None  # GPU ids of a node the servers use, e.g. "0-3" (tensor_parallel_size
-    #                                     contiguous ids per server); null = locally the first half of the
-    #                                     machine's GPUs, on Slurm every GPU of an inference node
+    #                                     contiguous ids per server); null = the first half of the node's
+    #                                     GPUs. Locally, and on Slurm only with slurm.inference_nodes=0 (ids
+    #                                     are positions in the step's CUDA_VISIBLE_DEVICES); separate
+    #                                     inference nodes use all their GPUs and setting this is an error
     training_gpus: str | None = None  # GPU ids of a node the trainer ranks use, one per rank, e.g. "4-7";
-    #                                    null = locally the second half of the machine's GPUs, on Slurm
-    #                                    every GPU of a training node. Disjoint from inference_gpus
+    #                                    null = the second half of the node's GPUs; same scope as
+    #                                    inference_gpus, and disjoint from it
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def __post_init__(self) -> None:

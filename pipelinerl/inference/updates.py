@@ -10,6 +10,7 @@ clears the KV cache, which preempts them).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict
 
@@ -17,6 +18,8 @@ from prometheus_client import Counter, Gauge
 from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
 from pipelinerl.weights import UpdateRequest, parse_init_request, parse_update_request, update_body
+
+log = logging.getLogger(__name__)
 
 
 class UpdateError(Exception):
@@ -150,6 +153,7 @@ class WeightUpdater:
         self.metrics.updates.inc()
         self.metrics.pause_total.inc(paused_s)
         self.metrics.last_pause.set(paused_s)
+        log.info("weight update: serving version %d (paused %.3f s)", version, paused_s)
 
 
 def _parsed(parse, body: object):
