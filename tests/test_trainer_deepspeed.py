@@ -207,7 +207,9 @@ def test_packing_and_rank_split_do_not_change_the_update(runs, reference):
     two_ranks_small_rows = runs(2, stage=3, micro_batch_tokens=24, steps=STEPS)
     for a, b in zip(one_rank_big_rows["log"], two_ranks_small_rows["log"], strict=True):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-8)
+        # float32 sums in another order (packing, rank split, BLAS threads), carried through the optimizer
+        # steps before: 1.15e-6 was seen on a clean clone; a packing or sharding bug moves it by far more.
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-8)
     assert_matches_reference(one_rank_big_rows, reference)
 
 
