@@ -37,16 +37,22 @@ def run_ranks(argv: list[str], nproc: int, master_port: int, gpus: list[str] | N
     """Run `argv` as ranks 0..nproc-1; the exit code: 0, or the first failed rank's."""
     if gpus is not None and len(gpus) < nproc:
         raise ValueError(f"{nproc} trainer ranks need {nproc} GPUs; got {','.join(gpus)}")
-    procs = [subprocess.Popen(argv, env={**os.environ, **rank_env(r, nproc, master_port, gpus)},
-                              stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)  # noqa: PLW1509
-             for r in range(nproc)]
+    procs: list[subprocess.Popen] = []
+    received: list[int] = []
 
     def forward(signum, frame) -> None:
+        received.append(signum)
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
+    # Handlers first: a stop that comes while the ranks are being started must not kill this parent alone.
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    for r in range(nproc):
+        procs.append(subprocess.Popen(argv, env={**os.environ, **rank_env(r, nproc, master_port, gpus)},
+                                      stdin=subprocess.DEVNULL, preexec_fn=die_with_parent))  # noqa: PLW1509
+        for signum in received:  # a stop that came before this rank existed
+            procs[-1].send_signal(signum)
     try:
         while True:
             codes = [proc.poll() for proc in procs]
