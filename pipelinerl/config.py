@@ -17,6 +17,8 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from pipelinerl.atomic import write_file
+
 
 class ConfigError(ValueError):
     """A bad config file, key, value or override: the message names the key and how to fix it."""
@@ -557,7 +559,4 @@ def to_yaml(cfg: Config) -> str:
 
 def save_config(cfg: Config, path: str | Path) -> None:
     """Write the resolved config atomically (temporary file + rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(to_yaml(cfg))
-    tmp.replace(path)
+    write_file(path, to_yaml(cfg))

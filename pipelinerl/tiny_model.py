@@ -7,9 +7,9 @@ Qwen2-architecture causal LM with untied embeddings. Everything is a pure functi
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
+from pipelinerl.atomic import staged_dir
 from pipelinerl.config import TinyModelConfig
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
@@ -76,12 +76,6 @@ def build_tiny_model(out_dir: str | Path, shape: TinyModelConfig):
 
 def save_model(model, tokenizer, out_dir: str | Path) -> None:
     """Save an HF-format folder atomically: written under a temporary name, then renamed into place."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    with staged_dir(out_dir) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)

@@ -11,10 +11,11 @@ Files are published whole by rename/link (parallel filesystems give no locks; DE
 
 from __future__ import annotations
 
-import os
 import secrets
 import stat
 from pathlib import Path
+
+from pipelinerl.atomic import create_file, write_file
 
 TOKEN_FILE = "auth_token"
 SERVERS_DIR = "servers"
@@ -42,17 +43,7 @@ def run_token(run_dir: str | Path | None, configured: str | None = None) -> str:
 def _create_token(path: Path) -> None:
     """Write to a private temporary file, then link: the token appears complete or not at all, and a
     concurrent creator loses the link race and reads the winner's token."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32))
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink()
+    create_file(path, secrets.token_urlsafe(32), mode=0o600)
 
 
 def server_file(run_dir: str | Path, host: str, port: int, folder: str = SERVERS_DIR) -> Path:
@@ -62,10 +53,7 @@ def server_file(run_dir: str | Path, host: str, port: int, folder: str = SERVERS
 def publish_server(run_dir: str | Path, host: str, port: int, folder: str = SERVERS_DIR) -> Path:
     """Announce a healthy server: write its URL, then rename into RUN_DIR/<folder>/."""
     path = server_file(run_dir, host, port, folder)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(f"http://{host}:{port}\n")
-    tmp.replace(path)
+    write_file(path, f"http://{host}:{port}\n")
     return path
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from pipelinerl import atomic
 from pipelinerl.streams.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION, schema_version_of
 
 log = logging.getLogger(__name__)
@@ -92,14 +93,6 @@ def segment_path(wdir: Path, seq: int, crc: int) -> Path:
     return wdir / f"{seq:08d}.{crc:08x}.arrow"
 
 
-def _fsync_path(path: Path, flags: int) -> None:
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _file_crc(path: Path) -> int:
     with pa.memory_map(str(path)) as mapped:  # hashes the page cache in place: no copy
         return zlib.crc32(mapped.read_buffer())
@@ -113,15 +106,11 @@ def publish(wdir: Path, seq: int, batches: Sequence[pa.RecordBatch], fsync: bool
     with pa.output_stream(str(tmp), buffer_size=2**20) as sink, pa.ipc.new_file(sink, ROLLOUT_SCHEMA) as writer:
         for batch in batches:
             writer.write_batch(batch)
-    if fsync:
-        _fsync_path(tmp, os.O_WRONLY)
     final = segment_path(wdir, seq, _file_crc(tmp))
     # rename() silently replaces; an existing name means a second live writer uses this writer_id.
     if final.exists():
         raise RuntimeError(f"segment {final} already exists: two writers share writer_id {wdir.name!r}")
-    os.rename(tmp, final)
-    if fsync:
-        _fsync_path(wdir, os.O_RDONLY)  # makes the rename itself durable across a machine crash
+    atomic.publish(tmp, final, fsync)
     return final
 
 

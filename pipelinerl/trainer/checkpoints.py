@@ -14,13 +14,13 @@ folder: a crash leaves at most a `.tmp` folder, which no reader trusts and the n
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 from pathlib import Path
 from typing import Any
 
+from pipelinerl.atomic import write_file
 from pipelinerl.trainer.dist import DistInfo, all_reduce_max, barrier
 
 _NAME = re.compile(r"^step_(\d{8})$")
@@ -44,15 +44,6 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
 def save_checkpoint(trainer, root: Path, step: int, meta: dict[str, Any], keep_last: int, dist: DistInfo) -> Path:
     """Collective: every rank writes its DeepSpeed shard, rank 0 the HF weights, meta.json and the rename."""
     final = checkpoint_path(root, step)
@@ -65,7 +56,7 @@ def save_checkpoint(trainer, root: Path, step: int, meta: dict[str, Any], keep_l
     trainer.save_hf(tmp / "hf")
     barrier()  # every shard is on disk before the checkpoint is declared complete
     if dist.is_main:
-        _write_json(tmp / "meta.json", {"step": step, **meta})
+        write_file(tmp / "meta.json", json.dumps({"step": step, **meta}, indent=1))
         shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step after a resume
         tmp.rename(final)
         for old in complete_checkpoints(root)[:-keep_last]:
