@@ -4,11 +4,11 @@ that `pipelinerl --help` and `show-config` answer instantly."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
 from pipelinerl.config import ConfigError, TinyModelConfig, load_config, to_yaml
+from pipelinerl.logs import setup_logging
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -129,15 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_streams_inspect)
 
     p = sub.add_parser("serve", help="run one vLLM inference server with in-flight weight updates")
+    _add_config_args(p)
     p.add_argument("--model", default=None, help="HF-format model folder to serve (default: the config's model.path)")
     p.add_argument("--port", type=int, default=None, help="TCP port (default: inference.base_port)")
     p.add_argument("--run-dir", default=None, help="run directory: auth token + discovery (or run_dir=)")
-    p.add_argument("--config", default=None, help="YAML config file (optional)")
     p.add_argument("--version", type=int, default=0, help="policy version of the weights loaded (default 0)")
     p.add_argument("--reference", action="store_true",
                    help="a frozen reference server for reference log-probs: announced in RUN_DIR/reference_servers/, "
                         "refuses weight updates")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. inference.host=0.0.0.0")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("train", help="run one trainer rank (RANK, WORLD_SIZE, ... from torchrun or srun), or "
@@ -166,12 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    role = args.command
-    if args.command == "train" and args.nproc is None and "RANK" in os.environ:
-        role = f"train[rank {os.environ['RANK']}]"  # ranks may share one log
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the role logs
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse fills `overrides` with the key=value items before the first option only; take the rest too.
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    rank = os.environ.get("RANK") if args.command == "train" and args.nproc is None else None
+    setup_logging(args.command, rank)  # ranks may share one log: each line names its rank
     try:
         args.func(args)
     except ConfigError as err:  # user errors: a message that says how to fix it, not a traceback

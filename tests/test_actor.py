@@ -48,7 +48,7 @@ def servers(tmp_path_factory, tiny_model_dir):
     sup = Supervisor()
     try:
         for i, port in enumerate(PORTS):
-            sup.start(Role(f"server{i}", [sys.executable, "-m", "pipelinerl.cli", "serve", "--config",
+            sup.start(Role(f"server{i}", [sys.executable, "-m", "pipelinerl.cli", "serve",
                                           str(run_dir.parent / "servers.yaml"), "--model", str(tiny_model_dir),
                                           "--port", str(port)], run_dir / "logs" / f"server{i}.log"))
         urls = wait_for_servers(cfg, sup)

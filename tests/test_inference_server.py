@@ -19,6 +19,8 @@ import torch
 from conftest import GROUP_TIMEOUT_S, connect_broadcaster
 from helpers import hf_greedy
 
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
+
 from pipelinerl.inference.rundir import list_servers, run_token
 from pipelinerl.weights import TensorMeta, WeightBroadcaster, WeightTransferError, dtype_name
 
@@ -35,7 +37,7 @@ def server(tiny_model_dir, tmp_path_factory):
 
 def serve(model_dir: Path, run_dir: Path, port: int, *overrides: str):
     """Run one `pipelinerl serve` until the generator is closed (a fixture body)."""
-    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", "--model", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", str(TINY_CONFIG), "--model", str(model_dir), "--port", str(port),
            "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3", "inference.max_model_len=256",
            *overrides]
     with open(run_dir / "server.log", "w") as log:  # the server keeps its own copy of the descriptor

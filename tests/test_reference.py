@@ -85,8 +85,8 @@ def test_the_launcher_starts_reference_servers_only_when_needed_and_always_on_th
 
 
 def test_a_reference_server_needs_max_model_len():
-    out = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "serve", "--reference", "--config",
-                          str(REPO / "configs" / "tiny_cpu.yaml"), "inference.max_model_len=null"],
+    out = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "serve",
+                          str(REPO / "configs" / "tiny_cpu.yaml"), "--reference", "inference.max_model_len=null"],
                          check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "config `inference.max_model_len`: a reference server needs it set" in out.stderr

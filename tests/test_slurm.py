@@ -264,7 +264,7 @@ def test_reference_servers_take_the_first_slots_of_the_first_inference_node(monk
     base, n = cfg.inference.base_port, cfg.inference.num_servers
     reference, policy = node_server_roles(cfg, str(path), "/ckpt/hf", 7, "inference0", references=1)
     assert (reference.name, reference.env["CUDA_VISIBLE_DEVICES"]) == ("reference0", "0,1,2,3")
-    assert reference.argv[reference.argv.index("serve") + 1:] == ["--config", str(path), "--reference", "--port",
+    assert reference.argv[reference.argv.index("serve") + 1:] == [str(path), "--reference", "--port",
                                                                   str(base + n)]
     assert (policy.name, policy.env["CUDA_VISIBLE_DEVICES"]) == ("server1", "4,5,6,7")
     assert policy.argv[policy.argv.index("--model"):][:6] == ["--model", "/ckpt/hf", "--port", str(base + 1),

@@ -52,7 +52,7 @@ def serving(model_dir: Path, run_dir: Path, version: int = 0):
     from pipelinerl.inference.rundir import list_servers
 
     port = free_port(19400)
-    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", "--model", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", str(REPO / "configs" / "tiny_cpu.yaml"), "--model", str(model_dir), "--port", str(port),
            "--run-dir", str(run_dir), "--version", str(version), "inference.gpu_memory_utilization=0.3",
            "inference.max_model_len=256"]
     log_path = run_dir / f"server_{port}.log"

@@ -24,6 +24,8 @@ import torch.multiprocessing as mp
 from pipelinerl.config import TinyModelConfig, TrainerConfig
 from pipelinerl.launch.procs import free_port
 
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
+
 SHAPES = {
     "tiny": TinyModelConfig(),
     "20m": TinyModelConfig(hidden_size=512, num_layers=7, num_attention_heads=8, num_key_value_heads=2,
@@ -36,7 +38,7 @@ SHAPES = {
 def start_server(model_dir: Path, run_dir: Path) -> subprocess.Popen:
     from pipelinerl.inference.rundir import list_servers
 
-    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", "--model", str(model_dir), "--port",
+    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", str(TINY_CONFIG), "--model", str(model_dir), "--port",
            str(free_port(19600)), "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3",
            "inference.max_model_len=256"]
     with open(run_dir / "server.log", "w") as log:

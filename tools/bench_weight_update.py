@@ -31,6 +31,8 @@ import torch
 from pipelinerl.config import TinyModelConfig
 from pipelinerl.inference.rundir import list_servers, run_token
 from pipelinerl.weights import (
+
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
     InitRequest,
     TensorMeta,
     WeightBroadcaster,
@@ -79,7 +81,7 @@ def raw_gloo_gbps(metas: list[TensorMeta], port: int, rounds: int) -> float:
 
 
 def start_server(model_dir: Path, run_dir: Path, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", "--model", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", str(TINY_CONFIG), "--model", str(model_dir), "--port", str(port),
            "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3", "inference.max_model_len=512"]
     with open(run_dir / "server.log", "w") as log:  # the server keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -124,7 +124,7 @@ def _roles(cfg: Config, config_path: Path, where: Placement) -> tuple[list[Role]
         env = dict(threads)
         if where.server_gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(where.server_gpus[slot])
-        server_roles.append(Role(name, cli + ["serve", "--config", str(config_path), *args],
+        server_roles.append(Role(name, cli + ["serve", str(config_path), *args],
                                  run_dir / "logs" / f"{name}.log", env))
     ranks = ["--nproc", str(where.trainer_ranks)]  # its port is picked when the ranks start, not minutes before
     if where.trainer_gpus is not None:

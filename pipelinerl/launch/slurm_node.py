@@ -64,7 +64,7 @@ def node_server_roles(cfg: Config, config_path: str, model: str, version: int, n
     policy from `model` at `version` (port base_port + i)."""
     inf, gpus = cfg.inference, node_placement(cfg).server_gpus
     threads = {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
-    serve = [sys.executable, "-m", "pipelinerl.cli", "serve", "--config", config_path]
+    serve = [sys.executable, "-m", "pipelinerl.cli", "serve", config_path]
     roles = []
     for i in range(inf.num_servers):
         env = dict(threads)

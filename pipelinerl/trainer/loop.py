@@ -296,7 +296,6 @@ def _checkpoint_due(cfg: Config, step: int) -> bool:
 
 def train(cfg: Config) -> None:
     """The trainer role: runs until trainer.max_steps, or until SIGTERM/SIGUSR1 (then checkpoints)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     dist = read_dist_env()
     check_supported(cfg, dist)
     init_process_group(dist, cfg.trainer.dist_timeout_s)
