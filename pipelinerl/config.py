@@ -18,6 +18,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from pipelinerl.atomic import write_file
+from pipelinerl.dtypes import MODEL_DTYPES
 
 
 class ConfigError(ValueError):
@@ -87,7 +88,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "model.path", "set it to an HF-format model folder")
-        _check_choice(self.dtype, ("float32", "bfloat16", "float16"), "model.dtype")
+        _check_choice(self.dtype, MODEL_DTYPES, "model.dtype")
 
 
 @dataclass
@@ -223,6 +224,7 @@ class TaskConfig:
 class TrainerConfig:
     """The DeepSpeed trainer (`pipelinerl train`)."""
 
+    backend: str = "deepspeed"  # which trainer backend builds the model and optimizer: deepspeed
     zero_stage: int = 3  # DeepSpeed ZeRO stage: 0 (plain DDP), 1, 2 or 3 (sharded params, for 7B/32B)
     num_gpus: int | None = None  # trainer ranks (one per GPU; gloo processes on CPU); null = every GPU of
     #                               the training nodes / of launch.training_gpus (1 process on CPU)
@@ -252,6 +254,7 @@ class TrainerConfig:
     #                                  in a collective meanwhile)
 
     def __post_init__(self) -> None:
+        _check_choice(self.backend, ("deepspeed",), "trainer.backend")
         _check_choice(self.zero_stage, (0, 1, 2, 3), "trainer.zero_stage")
         _check_positive(self.num_gpus, "trainer.num_gpus", allow_null=True)
         _check_positive(self.micro_batch_tokens, "trainer.micro_batch_tokens")
