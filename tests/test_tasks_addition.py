@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from pipelinerl.config import ConfigError, TaskConfig
-from pipelinerl.tasks import get_task
+from pipelinerl.tasks import get_task, task_class
 from pipelinerl.tiny_model import ALPHABET
 
 
@@ -38,6 +38,15 @@ def test_reward_only_for_exact_answer_then_eos(text, finished, reward):
     task = get_task(TaskConfig())
     item = next(i for i in task.train_items + task.eval_items if i.id == "37+48")
     assert task.reward(item, text, finished) == reward
+
+
+def test_task_class_gives_capabilities_without_building_the_task():
+    task = get_task(TaskConfig())
+    assert task_class("addition") is type(task) and task_class("addition").reports_greedy_success
+    assert not task_class("math").reports_greedy_success  # its class only: no data set, no worker
+    assert task.is_success(1.0) and not task.is_success(0.99)
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
+        task_class("nope")
 
 
 def test_training_order_covers_each_epoch_once_and_resumes():

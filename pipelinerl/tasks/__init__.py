@@ -6,18 +6,24 @@ from pipelinerl.config import TaskConfig
 from pipelinerl.tasks.base import PromptItem, Task
 
 
-def get_task(cfg: TaskConfig) -> Task:
-    """The task named by cfg.name, its splits built deterministically from cfg.seed."""
+def task_class(name: str) -> type[Task]:
+    """The Task subclass named `name` (`task.name` in the config), for its class attributes without
+    building its data set."""
     # Imported here so that building the addition task never imports math-verify (and vice versa).
-    if cfg.name == "addition":
+    if name == "addition":
         from pipelinerl.tasks.addition import AdditionTask
 
-        return AdditionTask(cfg)
-    if cfg.name == "math":
+        return AdditionTask
+    if name == "math":
         from pipelinerl.tasks.math_task import MathTask
 
-        return MathTask(cfg)
-    raise ValueError(f"unknown task {cfg.name!r}; choose addition or math")
+        return MathTask
+    raise ValueError(f"unknown task {name!r}; choose addition or math")
 
 
-__all__ = ["PromptItem", "Task", "get_task"]
+def get_task(cfg: TaskConfig) -> Task:
+    """The task named by cfg.name, its splits built deterministically from cfg.seed."""
+    return task_class(cfg.name)(cfg)
+
+
+__all__ = ["PromptItem", "Task", "get_task", "task_class"]

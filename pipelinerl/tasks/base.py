@@ -26,6 +26,9 @@ class Task(abc.ABC):
     """A data set split into train and held-out items, and a reward. Subclasses fill both lists."""
 
     name: str = ""
+    # Held-out greedy success with transformers is cheap enough for the launcher to report it before and
+    # after RL (`pipelinerl run` prints both at the end); False for tasks whose model or data set is large.
+    reports_greedy_success: bool = False
 
     def __init__(self, train_items: list[PromptItem], eval_items: list[PromptItem], seed: int):
         if not train_items or not eval_items:
@@ -53,7 +56,12 @@ class Task(abc.ABC):
         """Reward of one completion. completion_text excludes the EOS token; finished is True when the
         model ended it (EOS), False when it was cut at the length limit."""
 
-    def close(self) -> None:
+    def is_success(self, reward: float) -> bool:
+        """Whether a completion with this reward solved its prompt: what the actor's `actor/success` and
+        `eval/success` count. Every shipped task gives 1.0 for a solved prompt and less otherwise."""
+        return reward >= 1.0
+
+    def close(self) -> None:  # noqa: B027 - a hook: only tasks holding workers override it
         """Release what the task holds (worker processes); the task stays usable and reopens them."""
 
 

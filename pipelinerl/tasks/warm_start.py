@@ -74,9 +74,9 @@ def greedy_completions(model, tokenizer, items: list[PromptItem], batch_size: in
 
 
 def greedy_success(model, tokenizer, task: Task, items: list[PromptItem]) -> float:
-    """Share of items whose greedy completion earns reward 1."""
+    """Share of items whose greedy completion is a success (`Task.is_success`)."""
     completions = greedy_completions(model, tokenizer, items)
-    return sum(task.reward(item, *done) for item, done in zip(items, completions)) / len(items)
+    return sum(task.is_success(task.reward(item, *done)) for item, done in zip(items, completions)) / len(items)
 
 
 def _load(model_dir: str | Path):
