@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
-import requests
 import torch
 from helpers import hf_greedy
 
@@ -52,8 +52,9 @@ def serving(model_dir: Path, run_dir: Path, version: int = 0):
     from pipelinerl.inference.rundir import list_servers
 
     port = free_port(19400)
-    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", str(REPO / "configs" / "tiny_cpu.yaml"), "--model", str(model_dir), "--port", str(port),
-           "--run-dir", str(run_dir), "--version", str(version), "inference.gpu_memory_utilization=0.3",
+    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", str(REPO / "configs" / "tiny_cpu.yaml"),
+           "--model", str(model_dir), "--port", str(port), "--run-dir", str(run_dir), "--version", str(version),
+           "inference.gpu_memory_utilization=0.3",
            "inference.max_model_len=256"]
     log_path = run_dir / f"server_{port}.log"
     with open(log_path, "w") as log:
@@ -122,7 +123,7 @@ def run_train(server, model_dir: Path, max_steps: int, *extra: str) -> str:
 def server_greedy(server, ids: list[int], n: int) -> list[int]:
     body = {"model": server["model"], "prompt": ids, "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True}
-    resp = requests.post(server["url"] + "/v1/completions", json=body, timeout=120)
+    resp = httpx.post(server["url"] + "/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]["token_ids"]
 
@@ -130,7 +131,7 @@ def server_greedy(server, ids: list[int], n: int) -> list[int]:
 def assert_server_serves(server, tokenizer, checkpoint: Path, version: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    assert requests.get(server["url"] + "/status", timeout=30).json()["version"] == version
+    assert httpx.get(server["url"] + "/status", timeout=30).json()["version"] == version
     model = AutoModelForCausalLM.from_pretrained(checkpoint / "hf", dtype=torch.float32).eval()
     outputs = []
     for text in PROMPTS:

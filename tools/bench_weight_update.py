@@ -25,14 +25,12 @@ import threading
 import time
 from pathlib import Path
 
-import requests
+import httpx
 import torch
 
 from pipelinerl.config import TinyModelConfig
 from pipelinerl.inference.rundir import list_servers, run_token
 from pipelinerl.weights import (
-
-TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
     InitRequest,
     TensorMeta,
     WeightBroadcaster,
@@ -43,6 +41,7 @@ TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yam
     wait_work,
 )
 
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
 SHAPE = TinyModelConfig(hidden_size=512, num_layers=4, num_attention_heads=8, num_key_value_heads=2,
                         intermediate_size=1536, max_position_embeddings=512)
 BUCKET_BYTES = 32 << 20
@@ -81,8 +80,9 @@ def raw_gloo_gbps(metas: list[TensorMeta], port: int, rounds: int) -> float:
 
 
 def start_server(model_dir: Path, run_dir: Path, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", str(TINY_CONFIG), "--model", str(model_dir), "--port", str(port),
-           "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3", "inference.max_model_len=512"]
+    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", str(TINY_CONFIG), "--model", str(model_dir),
+           "--port", str(port), "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3",
+           "inference.max_model_len=512"]
     with open(run_dir / "server.log", "w") as log:  # the server keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
@@ -96,8 +96,8 @@ def start_server(model_dir: Path, run_dir: Path, port: int) -> subprocess.Popen:
 def server_tokens_per_s(url: str, model_dir: Path) -> float:
     body = {"model": str(model_dir), "prompt": [1, 4, 5, 13, 6, 7, 16], "max_tokens": NEW_TOKENS,
             "temperature": 1.0, "ignore_eos": True}
-    threads = [threading.Thread(target=requests.post, args=(url + "/v1/completions",), kwargs={"json": body})
-               for _ in range(BATCH)]
+    threads = [threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
+                                kwargs={"json": body, "timeout": None}) for _ in range(BATCH)]
     t0 = time.monotonic()
     for t in threads:
         t.start()
@@ -183,7 +183,7 @@ def main() -> None:
 
 
 def summarize(rounds: list[dict]) -> dict:
-    med = lambda xs: statistics.median(xs)
+    med = statistics.median
     servers = [next(iter(r["servers"].values())) for r in rounds]
     return {"broadcast_gbps": med([r["gbps"] for r in rounds]),
             "broadcast_s": med([r["broadcast_s"] for r in rounds]),

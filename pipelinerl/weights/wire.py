@@ -1,0 +1,156 @@
+"""The weight-update wire format: request bodies, their validation, bucket layout and checksums.
+
+Defined once here, imported by the trainer (sender.py) and by the server's worker engine (receiver.py):
+
+1. ``POST /init_process_group`` with an :class:`InitRequest` body; the trainer opens the group as rank 0
+   (TCPStore master) while every server joins as ranks ``rank_offset .. rank_offset + num_ranks - 1``
+   (one rank per vLLM worker, so tensor parallelism needs no special case).
+2. ``POST /request_weight_update`` with an :class:`UpdateRequest` body, then rank 0 broadcasts the
+   tensors in ``tensors`` order packed into buckets (:func:`plan_buckets`: greedy, in order, each tensor
+   at a 64-byte-aligned offset, a bucket never exceeds ``bucket_bytes`` unless one tensor alone does).
+   With ``checksums`` one more int64 tensor follows: the CRC32 of every tensor's bytes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pipelinerl.dtypes import WIRE_DTYPES, torch_dtype
+
+ALIGN_BYTES = 64  # tensor offsets inside a bucket: any dtype view of the slice is aligned
+HTTP_MARGIN_S = 30.0  # an HTTP reply may take this long beyond the collective's own timeout
+
+
+class WeightTransferError(RuntimeError):
+    """A weight-update round failed; the message names the peer (server URL or trainer address)."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor of an update: HF parameter name, torch dtype name (e.g. "bfloat16"), full shape."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * torch.empty((), dtype=torch_dtype(self.dtype)).element_size()
+
+
+@dataclass(frozen=True)
+class InitRequest:
+    """Body of POST /init_process_group."""
+
+    master_addr: str  # host of the trainer's TCPStore (rank 0)
+    master_port: int  # its port
+    rank_offset: int  # rank of this server's first worker in the group (>= 1)
+    world_size: int  # 1 trainer rank + every worker of every server
+    backend: str  # "nccl" (GPU) | "gloo" (CPU)
+    timeout_s: float  # every collective of the group fails after this many seconds
+
+
+@dataclass(frozen=True)
+class UpdateRequest:
+    """Body of POST /request_weight_update."""
+
+    version: int  # the policy version the new weights are (the trainer's optimizer step)
+    bucket_bytes: int  # bucket size the trainer packs with (both sides run plan_buckets)
+    tensors: list[TensorMeta]  # every tensor about to be broadcast, in broadcast order
+    checksums: bool = False  # a CRC32 tensor follows the buckets; the server checks before loading
+
+
+@dataclass(frozen=True)
+class Bucket:
+    indexes: list[int]  # positions in the tensor list
+    offsets: list[int]  # byte offset of each tensor inside the bucket
+    nbytes: int
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def parse_init_request(body: object) -> InitRequest:
+    """Validate a JSON body; ValueError says what is wrong."""
+    _require(isinstance(body, dict), "body must be a JSON object")
+    fields = set(InitRequest.__dataclass_fields__)
+    _require(set(body) == fields, f"body keys must be exactly {sorted(fields)}; got {sorted(body)}")
+    req = InitRequest(**body)
+    _require(isinstance(req.master_addr, str) and bool(req.master_addr), "master_addr must be a host name")
+    _require(_is_int(req.master_port) and 0 < req.master_port < 65536, "master_port must be in 1..65535")
+    _require(_is_int(req.world_size) and req.world_size >= 2, "world_size must be an integer >= 2")
+    _require(_is_int(req.rank_offset) and 1 <= req.rank_offset < req.world_size,
+             "rank_offset must be in 1..world_size-1 (rank 0 is the trainer)")
+    _require(req.backend in ("nccl", "gloo"), f"backend must be 'nccl' or 'gloo', got {req.backend!r}")
+    _require(isinstance(req.timeout_s, (int, float)) and req.timeout_s > 0, "timeout_s must be > 0")
+    return req
+
+
+def parse_update_request(body: object) -> UpdateRequest:
+    """Validate a JSON body's form (names against the model are checked by the server)."""
+    _require(isinstance(body, dict), "body must be a JSON object")
+    unknown = set(body) - set(UpdateRequest.__dataclass_fields__)
+    _require(not unknown, f"unknown body keys {sorted(unknown)}")
+    _require(_is_int(body.get("version")), "version must be an integer")
+    _require(_is_int(body.get("bucket_bytes")) and body["bucket_bytes"] > 0, "bucket_bytes must be > 0")
+    _require(isinstance(body.get("checksums", False), bool), "checksums must be true or false")
+    raw = body.get("tensors")
+    _require(isinstance(raw, list) and len(raw) > 0, "tensors must be a non-empty list")
+    metas = [_parse_meta(i, t) for i, t in enumerate(raw)]
+    names = [m.name for m in metas]
+    _require(len(set(names)) == len(names), "tensor names must be unique")
+    return UpdateRequest(body["version"], body["bucket_bytes"], metas, body.get("checksums", False))
+
+
+def _parse_meta(i: int, t: object) -> TensorMeta:
+    _require(isinstance(t, dict) and set(t) == {"name", "dtype", "shape"},
+             f"tensors[{i}] must be an object with keys name, dtype, shape")
+    _require(isinstance(t["name"], str), f"tensors[{i}].name must be a string")
+    _require(t["dtype"] in WIRE_DTYPES, f"tensors[{i}].dtype {t['dtype']!r} is not one of {WIRE_DTYPES}")
+    _require(isinstance(t["shape"], list) and all(_is_int(d) and d >= 0 for d in t["shape"]),
+             f"tensors[{i}].shape must be a list of non-negative integers")
+    return TensorMeta(t["name"], t["dtype"], list(t["shape"]))
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def update_body(req: UpdateRequest) -> dict:
+    return {**asdict(req), "tensors": [asdict(m) for m in req.tensors]}
+
+
+def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
+    """Greedy in-order packing; both sides call this, so they cut the stream at the same places."""
+    buckets, indexes, offsets, used = [], [], [], 0
+    for i, meta in enumerate(metas):
+        start = -(-used // ALIGN_BYTES) * ALIGN_BYTES
+        if indexes and start + meta.nbytes > bucket_bytes:
+            buckets.append(Bucket(indexes, offsets, used))
+            indexes, offsets, start = [], [], 0
+        indexes.append(i)
+        offsets.append(start)
+        used = start + meta.nbytes
+    if indexes:
+        buckets.append(Bucket(indexes, offsets, used))
+    return buckets
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """CRC32 of the tensor's bytes (debug option: catches corruption and ordering bugs)."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    return zlib.crc32(memoryview(data))
+
+
