@@ -26,12 +26,11 @@ Parallel filesystems (Lustre, GPFS, NFS) give no reliable locks, inotify or appe
   written. The newest file of each writer stays, so a restarted writer continues its numbering.
 """
 
-ROLLOUT_TOPIC = "rollouts"  # the actors' training samples, read by the trainer (RUN_DIR/streams/rollouts)
-
 from pipelinerl.streams.reader import StreamReader, StreamTimeout, release
 from pipelinerl.streams.report import format_inspect, inspect
 from pipelinerl.streams.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION, Rollout
+from pipelinerl.streams.segments import EVAL_TOPIC, ROLLOUT_TOPIC
 from pipelinerl.streams.writer import StreamWriter
 
-__all__ = ["ROLLOUT_SCHEMA", "ROLLOUT_TOPIC", "SCHEMA_VERSION", "Rollout", "StreamReader", "StreamTimeout", "StreamWriter",
-           "format_inspect", "inspect", "release"]
+__all__ = ["EVAL_TOPIC", "ROLLOUT_SCHEMA", "ROLLOUT_TOPIC", "SCHEMA_VERSION", "Rollout", "StreamReader",
+           "StreamTimeout", "StreamWriter", "format_inspect", "inspect", "release"]

@@ -31,6 +31,9 @@ _ANY_SEQ_RE = re.compile(r"^\.?(\d{8,})\.")  # published, quarantined and tempor
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 CORRUPT_SUFFIX = ".corrupt"
 
+ROLLOUT_TOPIC = "rollouts"  # the actors' training samples, read by the trainer (RUN_DIR/streams/rollouts)
+EVAL_TOPIC = "eval"  # the actors' held-out evaluation completions, for analysis (RUN_DIR/streams/eval)
+
 
 class CorruptSegment(Exception):
     """A published segment whose bytes do not match its checksum or do not decode."""

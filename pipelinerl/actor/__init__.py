@@ -1,0 +1,20 @@
+"""`pipelinerl actor`: prompts in, G attempts each, rewards, whole groups out to the rollout stream.
+
+Two parts: `client` (the completions client: server pool, HTTP, retries, parsing) and `scheduler` (the
+`Actor`: lag throttle, write ordering, evaluation).
+
+Token in, token out: the actor tokenizes each prompt once with the model's chat template and sends the
+ids to `/v1/completions`; the servers return completion token ids, their log-probs and the policy
+version of every token (`policy_versions`), which go to the stream unchanged: no re-tokenisation
+between generation and training.
+
+Reference log-probs. When the RL objective needs them (`rl.needs_reference_logprobs`), each group's
+G prompt + completion sequences go, as one request, to a reference server (RUN_DIR/reference_servers/,
+the frozen initial model): vLLM's `prompt_logprobs` give every token's log-prob given what precedes it,
+and the completion positions become the stream's `reference_logprobs`.
+"""
+
+from pipelinerl.actor.client import Completion, CompletionsClient, ServerPool
+from pipelinerl.actor.scheduler import Actor, run_actor
+
+__all__ = ["Actor", "Completion", "CompletionsClient", "ServerPool", "run_actor"]
