@@ -27,6 +27,7 @@ from pathlib import Path
 
 from pipelinerl.config import Config, ConfigError, save_config
 from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, list_servers
+from pipelinerl.launch.commands import cli, policy_server, reference_server, reference_server_count, threads_env
 from pipelinerl.launch.placement import Placement, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
 
@@ -54,10 +55,10 @@ def ensure_model(cfg: Config) -> None:
                          "(or set model.build_tiny_if_missing=true for the tiny CPU model)")
     from pipelinerl.tasks.warm_start import build_warm_tiny_model
 
-    print(f"building the tiny model in {model_dir} and warm-starting it on `{cfg.task.name}`...", flush=True)
+    log.info("building the tiny model in %s and warm-starting it on `%s`...", model_dir, cfg.task.name)
     result = build_warm_tiny_model(model_dir, cfg.model.tiny, cfg.task)
-    print(f"warm start: {result['steps']} steps in {result['seconds']:.0f} s, held-out greedy success "
-          f"{result['heldout_greedy']:.3f}", flush=True)
+    log.info("warm start: %d steps in %.0f s, held-out greedy success %.3f", result["steps"], result["seconds"],
+             result["heldout_greedy"])
 
 
 def serving_weights(cfg: Config) -> tuple[str, int]:
@@ -73,12 +74,6 @@ def serving_weights(cfg: Config) -> tuple[str, int]:
     return str(latest / "hf"), int(meta["version"])
 
 
-def reference_server_count(cfg: Config) -> int:
-    """How many reference servers the run starts: inference.reference_servers when the RL objective needs
-    reference log-probs, else none."""
-    return cfg.inference.reference_servers if cfg.rl.needs_reference_logprobs else 0
-
-
 def machine_gpus() -> list[str]:
     """The GPU ids this launcher may hand out: CUDA_VISIBLE_DEVICES if set, else every GPU nvidia-smi
     lists; [] on a CPU machine. (No torch import: the launcher stays light.)"""
@@ -90,7 +85,9 @@ def machine_gpus() -> list[str]:
     if shutil.which("nvidia-smi") is None:
         return []
     out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False, timeout=60)
-    return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")] if out.returncode == 0 else []
+    if out.returncode != 0:
+        return []
+    return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
 
 
 def placement(cfg: Config, gpus: list[str]) -> Placement:
@@ -110,27 +107,21 @@ def placement(cfg: Config, gpus: list[str]) -> Placement:
 
 def _roles(cfg: Config, config_path: Path, where: Placement) -> tuple[list[Role], Role, Role]:
     """(servers: the policy servers, then any reference servers; trainer; actor)."""
-    run_dir = Path(cfg.run_dir)
-    cli = [sys.executable, "-m", "pipelinerl.cli"]
-    threads = {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
+    logs, threads = Path(cfg.run_dir) / "logs", threads_env(cfg)
     model, version = serving_weights(cfg)
-    inf = cfg.inference
-    servers = [(f"server{i}", ["--model", model, "--port", str(inf.base_port + i), "--version", str(version)])
-               for i in range(inf.num_servers)]
-    servers += [(f"reference{i}", ["--reference", "--port", str(inf.base_port + inf.num_servers + i)])
-                for i in range(reference_server_count(cfg))]
+    servers = [policy_server(cfg, str(config_path), i, model, version) for i in range(cfg.inference.num_servers)]
+    servers += [reference_server(cfg, str(config_path), i) for i in range(reference_server_count(cfg))]
     server_roles = []
-    for slot, (name, args) in enumerate(servers):
+    for slot, (name, argv) in enumerate(servers):
         env = dict(threads)
         if where.server_gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(where.server_gpus[slot])
-        server_roles.append(Role(name, cli + ["serve", str(config_path), *args],
-                                 run_dir / "logs" / f"{name}.log", env))
+        server_roles.append(Role(name, argv, logs / f"{name}.log", env))
     ranks = ["--nproc", str(where.trainer_ranks)]  # its port is picked when the ranks start, not minutes before
     if where.trainer_gpus is not None:
         ranks += ["--gpus", ",".join(where.trainer_gpus)]
-    trainer = Role("trainer", cli + ["train", str(config_path), *ranks], run_dir / "logs" / "trainer.log", threads)
-    actor = Role("actor", cli + ["actor", str(config_path)], run_dir / "logs" / "actor.log", threads)
+    trainer = Role("trainer", [*cli(), "train", str(config_path), *ranks], logs / "trainer.log", threads)
+    actor = Role("actor", [*cli(), "actor", str(config_path)], logs / "actor.log", threads)
     return server_roles, trainer, actor
 
 
@@ -212,8 +203,8 @@ def run_local(cfg: Config, dry_run: bool = False) -> None:
     config_path = prepare_run_dir(cfg)
     ensure_model(cfg)
     if cfg.trainer.max_steps is not None and serving_weights(cfg)[1] >= cfg.trainer.max_steps:
-        print(f"{cfg.run_dir} already holds a checkpoint at trainer.max_steps={cfg.trainer.max_steps}: nothing to "
-              "train (raise trainer.max_steps to continue, or pick another run_dir)", flush=True)
+        log.warning("%s already holds a checkpoint at trainer.max_steps=%s: nothing to train (raise "
+                    "trainer.max_steps to continue, or pick another run_dir)", cfg.run_dir, cfg.trainer.max_steps)
     else:
         _run_roles(cfg, config_path)
     if cfg.task.name == "addition":
@@ -228,18 +219,18 @@ def _run_roles(cfg: Config, config_path: Path) -> None:
         for role in servers:
             sup.start(role)
         urls = wait_for_servers(cfg, sup)
-        print(f"servers healthy: {', '.join(urls)}", flush=True)
+        log.info("servers healthy: %s", ", ".join(urls))
         if reference_server_count(cfg):
             references = wait_for_servers(cfg, sup, reference_server_count(cfg), REFERENCE_SERVERS_DIR)
-            print(f"reference servers healthy: {', '.join(references)}", flush=True)
+            log.info("reference servers healthy: %s", ", ".join(references))
         sup.start(trainer)
         sup.start(actor)
         follow_trainer(cfg, sup, urls)
     except RoleFailed as err:
-        print(f"pipelinerl run: {err}", file=sys.stderr)
+        log.error("%s", err)
         raise SystemExit(1) from None
     except KeyboardInterrupt:
-        print("pipelinerl run: interrupted; stopping every role", file=sys.stderr)
+        log.warning("interrupted; stopping every role")
         raise SystemExit(130) from None
     finally:
         sup.stop_all()

@@ -45,18 +45,15 @@ from pathlib import Path
 
 from pipelinerl.config import Config
 from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR
-from pipelinerl.launch.local import (
-    ensure_model,
-    prepare_run_dir,
-    reference_server_count,
-    serving_weights,
-    wait_for_servers,
-)
+from pipelinerl.launch.commands import cli, reference_server_count, threads_env
+from pipelinerl.launch.local import ensure_model, prepare_run_dir, serving_weights, wait_for_servers
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
 from pipelinerl.launch.slurm_node import colocated, node_placement, run_node_servers
+from pipelinerl.launch.summary import summarize, summary_line
 
 log = logging.getLogger(__name__)
 
+TRAINER_RANK_LOG = "trainer_rank%t.log"  # srun --output pattern, in RUN_DIR/logs: trainer_rank0.log, ...
 REQUEUE_WAIT_S = 120.0  # after `scontrol requeue`, Slurm ends this job; longer means the requeue failed
 
 
@@ -73,14 +70,14 @@ class Allocation:
     unique_id: int  # SLURM_JOB_ID: distinct for every job and array task (derives default ports)
 
 
-def _slurm(*argv: str) -> subprocess.CompletedProcess:
+def slurm_command(*argv: str) -> subprocess.CompletedProcess:
     """A Slurm client command; the caller judges its exit code."""
     return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60)
 
 
 def hostnames(nodelist: str) -> list[str]:
     """Expand a Slurm node list (`n[1-3]`) the way Slurm does."""
-    out = _slurm("scontrol", "show", "hostnames", nodelist)
+    out = slurm_command("scontrol", "show", "hostnames", nodelist)
     if out.returncode != 0:
         raise RuntimeError(f"`scontrol show hostnames {nodelist}` failed: {out.stderr.strip()}")
     return out.stdout.split()
@@ -88,7 +85,7 @@ def hostnames(nodelist: str) -> list[str]:
 
 def node_address(node: str) -> str:
     """The address Slurm itself reaches a node at (NodeAddr; the node name where they agree)."""
-    out = _slurm("scontrol", "show", "node", node, "-o")
+    out = slurm_command("scontrol", "show", "node", node, "-o")
     found = re.search(r"\bNodeAddr=(\S+)", out.stdout)
     if out.returncode != 0 or not found:
         raise RuntimeError(f"`scontrol show node {node}` gave no NodeAddr: {out.stderr.strip()}")
@@ -189,19 +186,20 @@ def plan_roles(cfg: Config, alloc: Allocation, config_path: Path, python: str = 
     every rank itself. torchrun 2.13 dies of SIGUSR1 at once (seen: exit 138 with
     TORCHELASTIC_SIGNALS_TO_HANDLE set; it catches only SIGTERM), and the step would end with it,
     killing ranks in the middle of their checkpoint."""
-    logs = Path(cfg.run_dir) / "logs"
-    cli = [python, "-m", "pipelinerl.cli"]
-    threads = {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
+    logs, pipelinerl, threads = Path(cfg.run_dir) / "logs", cli(python), threads_env(cfg)
     model, version = serving_weights(cfg)
-    servers = _srun(alloc, 0, alloc.inference, cfg, gpus=True) + cli + [
+    servers = _srun(alloc, 0, alloc.inference, cfg, gpus=True) + pipelinerl + [
         "slurm", "servers", str(config_path), "--model", model, "--version", str(version)]
     if reference_server_count(cfg):
         servers += ["--reference-node", alloc.inference[0]]
     placement = node_placement(cfg)
+    # One log per rank (%t: the task's rank), appended across requeues; trainer.log keeps srun's own lines.
     trainer = _srun(alloc, 1, alloc.training, cfg, gpus=True, tasks_per_node=placement.trainer_ranks) + [
-        "--overlap", "bash", "-c", rank_command(cfg, placement.trainer_gpus, [*cli, "train", str(config_path)])]
+        f"--output={logs / TRAINER_RANK_LOG}", "--open-mode=append", "--overlap", "bash", "-c",
+        rank_command(cfg, placement.trainer_gpus, [*pipelinerl, "train", str(config_path)])]
     trainer_env = {**threads, "MASTER_ADDR": alloc.master_addr, "MASTER_PORT": str(master_port(cfg, alloc))}
-    actor = _srun(alloc, 1, alloc.training[:1], cfg, gpus=False) + ["--overlap"] + cli + ["actor", str(config_path)]
+    actor = _srun(alloc, 1, alloc.training[:1], cfg, gpus=False) + ["--overlap"] + pipelinerl + [
+        "actor", str(config_path)]
     return {"servers": Role("servers", servers, logs / "servers.log", threads),
             "trainer": Role("trainer", trainer, logs / "trainer.log", trainer_env),
             "actor": Role("actor", actor, logs / "actor.log", threads)}
@@ -269,7 +267,7 @@ def _follow_trainer(cfg: Config, sup: Supervisor, signals: _Signals) -> bool:
 
 def requeue(job_id: str) -> None:
     """Put this job back in the queue; Slurm then ends the running instance (this process included)."""
-    out = _slurm("scontrol", "requeue", job_id)
+    out = slurm_command("scontrol", "requeue", job_id)
     if out.returncode != 0:
         raise RuntimeError(f"`scontrol requeue {job_id}` failed: {out.stderr.strip()} (submitted with --no-requeue?)")
     time.sleep(REQUEUE_WAIT_S)
@@ -282,7 +280,7 @@ def stop_steps(job_id: str, sup: Supervisor, grace_s: float = 30.0) -> None:
     itself would not do: srun answers it with SIGKILL to its tasks, and a vLLM server killed that way
     leaves its shared memory behind."""
     if any(not sup.finished(name) for name in sup.running):
-        _slurm("scancel", "--signal=TERM", job_id)
+        slurm_command("scancel", "--signal=TERM", job_id)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(not sup.finished(name) for name in sup.running):
             time.sleep(0.5)
@@ -297,7 +295,7 @@ def launch(cfg: Config, alloc: Allocation) -> None:
     config_path = prepare_run_dir(cfg)
     ensure_model(cfg)
     roles = plan_roles(cfg, alloc, config_path)
-    signals, sup = _Signals(), Supervisor()
+    signals, sup, requeue_now = _Signals(), Supervisor(), False
     try:
         sup.start(roles["servers"])
         references = reference_server_count(cfg)
@@ -310,132 +308,23 @@ def launch(cfg: Config, alloc: Allocation) -> None:
         sup.start(roles["actor"])
         requeue_now = _follow_trainer(cfg, sup, signals)
     except RoleFailed as err:
-        print(f"pipelinerl slurm launch: {err}", file=sys.stderr, flush=True)
+        log.error("%s", err)
         raise SystemExit(1) from None
     finally:
         stop_steps(alloc.job_id, sup)
+        if requeue_now:
+            log.info("checkpointed; requeueing job %s", alloc.job_id)
+        _print_summary(cfg)
     if requeue_now:
-        log.info("checkpointed; requeueing job %s", alloc.job_id)
         requeue(alloc.job_id)
 
 
-# -- submitit: the same launch from Python, in the split shape (see the module docstring) ----------------
-
-def run_pipeline(config: str, overrides: list[str]) -> dict:
-    """What a submitit job runs, in its batch step: the pipeline on this allocation, then its summary."""
-    from pipelinerl.config import load_config
-
-    cfg = load_config(config, overrides)
-    launch(cfg, allocation_from_env(cfg))
-    return summarize(cfg.run_dir)
-
-
-def summarize(run_dir: str) -> dict:
-    """Steps and samples of the last complete checkpoint, and the trainer's last logged mean reward."""
-    import json
-
-    from pipelinerl.trainer.checkpoints import latest_checkpoint
-
-    latest = latest_checkpoint(Path(run_dir) / "checkpoints")
-    meta = json.loads((latest / "meta.json").read_text()) if latest else {}
-    return {"run_dir": str(run_dir), "steps": meta.get("step", 0), "samples_seen": meta.get("samples_seen", 0),
-            "reward_mean": _last_scalar(Path(run_dir) / "tb" / "trainer", "reward_mean")}
-
-
-def _last_scalar(folder: Path, tag: str) -> float | None:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    if not folder.is_dir():
-        return None
-    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
-    acc.Reload()
-    return acc.Scalars(tag)[-1].value if tag in acc.Tags()["scalars"] else None
-
-
-def executor(cfg: Config, folder: str | Path):
-    """A submitit executor for one split allocation of the config's node counts and #SBATCH fields."""
-    import submitit
-
-    s = cfg.launch.slurm
-    # `exec`: the batch shell becomes this Python, so --signal=B:USR1 reaches `launch` (a bash running a
-    # foreground child would die of it); use_srun=False: `launch` runs in the batch step, as from sbatch.
-    ex = submitit.SlurmExecutor(folder, python=f"exec {shlex.quote(sys.executable)}")
-    # --nodes goes in additional_parameters: submitit would expect a result from every node's task, but
-    # only the batch step runs the function (use_srun=False), so results() would wait for the others.
-    nodes = s.inference_nodes + s.training_nodes
-    params = {"ntasks_per_node": 1, "use_srun": False, "stderr_to_stdout": True, "job_name": "pipelinerl",
-              "additional_parameters": {"nodes": nodes, "time": s.time, "signal": f"B:USR1@{s.signal_seconds}",
-                                        "requeue": True}}
-    for key in ("partition", "account", "qos", "gpus_per_node", "cpus_per_task", "mem"):
-        if getattr(s, key) is not None:
-            params[key] = getattr(s, key)
-    ex.update_parameters(**params)
-    return ex
-
-
-def _in_queue(job_id: str) -> bool:
-    out = _slurm("squeue", "-h", "-j", job_id, "-o", "%i")
-    return out.returncode == 0 and bool(out.stdout.strip())
-
-
-def _outcome(job) -> tuple[str, object]:
-    from submitit.core.utils import FailedJobError, UncompletedJobError
-
+def _print_summary(cfg: Config) -> None:
+    """The batch log's last line, however the run ended (a requeued job's log gets one per start)."""
     try:
-        return "COMPLETED", job.result()
-    except (FailedJobError, UncompletedJobError) as err:  # the job's state and the error's first line
-        return job.state, str(err).strip().splitlines()[0]
-
-
-def wait_jobs(jobs: list, timeout_s: float, poll_s: float = 5.0, vanish_grace_s: float = 60.0) -> list:
-    """(state, summary or error) per submitit job, in order.
-
-    submitit learns that a job ended only from sacct: without accounting, a job that crashed before
-    writing its result stays "UNKNOWN" and job.result() waits forever. So squeue is asked too: a job
-    that left the queue and has no result `vanish_grace_s` later is reported as CRASHED.
-    """
-    deadline, gone_since, outcomes = time.monotonic() + timeout_s, {}, {}
-    while len(outcomes) < len(jobs):
-        for job in jobs:
-            if job.job_id in outcomes:
-                continue
-            if job.done(force_check=True):
-                outcomes[job.job_id] = _outcome(job)
-            elif _in_queue(job.job_id):
-                gone_since.pop(job.job_id, None)
-            elif time.monotonic() - gone_since.setdefault(job.job_id, time.monotonic()) > vanish_grace_s:
-                outcomes[job.job_id] = ("CRASHED", f"left the queue without a result; log: {job.paths.stdout}")
-        if len(outcomes) < len(jobs):
-            if time.monotonic() > deadline:
-                pending = [j.job_id for j in jobs if j.job_id not in outcomes]
-                raise TimeoutError(f"Slurm job(s) {', '.join(pending)} not finished after {timeout_s:.0f} s")
-            time.sleep(poll_s)
-    return [outcomes[j.job_id] for j in jobs]
-
-
-def format_table(rows: list[dict]) -> str:
-    """A fixed-width text table of dicts (columns from the first row)."""
-    cols = list(rows[0])
-    cells = [[_cell(r.get(c)) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines)
-
-
-def _cell(value) -> str:
-    return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def outcome_rows(jobs: list, outcomes: list, labels: list[str]) -> list[dict]:
-    """Table rows: label, job, state, then the summary fields (or the error)."""
-    rows = []
-    for label, job, (state, result) in zip(labels, jobs, outcomes):
-        summary = result if isinstance(result, dict) else {"run_dir": None, "error": result}
-        rows.append({"point": label, "job": job.job_id, "state": state, "steps": summary.get("steps"),
-                     "samples_seen": summary.get("samples_seen"), "reward_mean": summary.get("reward_mean"),
-                     "run_dir": summary.get("run_dir") or summary.get("error")})
-    return rows
+        print(summary_line(summarize(cfg.run_dir)), flush=True)
+    except Exception as err:  # noqa: BLE001 - a summary must not hide why the job ended
+        log.warning("no run summary: %s", err)
 
 
 # -- `pipelinerl slurm ...` ---------------------------------------------------------------------------------
@@ -455,6 +344,13 @@ def _parser():
     p.add_argument("--version", type=int, required=True, help="policy version of those weights")
     p.add_argument("--reference-node", default=None,
                    help="the node whose first server slots serve the reference model (see the module docstring)")
+    p = sub.add_parser("script", help="print the sbatch script of CONFIG: #SBATCH lines from its launch.slurm "
+                                      "(save it: `pipelinerl slurm script CONFIG > job.sh`)")
+    p.add_argument("--job-name", default="pipelinerl", help="the job's name (#SBATCH --job-name)")
+    p.add_argument("--path", default="job.sh", help="where the script will be saved, as its usage comment names it")
+    p.add_argument("config", help="YAML config file; the script runs it")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="overrides the script applies to CONFIG (its shape: node counts, servers, ...)")
     p = sub.add_parser("submit", help="submit the pipeline with submitit, wait, print its summary")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="key=value")
@@ -476,9 +372,20 @@ def main(argv: list[str]) -> None:
             print(render(cfg, dry_run_allocation(cfg)))
         elif args.what == "launch":
             launch(cfg, allocation_from_env(cfg))
+        elif args.what == "script":
+            from pipelinerl.launch.script import render_script
+
+            print(render_script(cfg, args.config, args.overrides, args.job_name, args.path), end="")
         else:
-            job = executor(cfg, args.folder).submit(run_pipeline, str(Path(args.config).resolve()), args.overrides)
-            print(f"submitted Slurm job {job.job_id}; waiting (log: {job.paths.stdout})", flush=True)
-            print(format_table(outcome_rows([job], wait_jobs([job], args.timeout_s), ["-"])))
+            _submit(cfg, args)
     except ValueError as err:  # user errors (allocation vs config, GPUs per server): a message, no traceback
         raise SystemExit(f"pipelinerl slurm {args.what}: error: {err}") from None
+
+
+def _submit(cfg: Config, args) -> None:
+    """`pipelinerl slurm submit`: one submitit job, waited for, its summary as a table."""
+    from pipelinerl.launch.submit import executor, format_table, outcome_rows, run_pipeline, wait_jobs
+
+    job = executor(cfg, args.folder).submit(run_pipeline, str(Path(args.config).resolve()), args.overrides)
+    print(f"submitted Slurm job {job.job_id}; waiting (log: {job.paths.stdout})", flush=True)
+    print(format_table(outcome_rows([job], wait_jobs([job], args.timeout_s), ["-"])))

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from pipelinerl.config import Config
-from pipelinerl.launch.local import reference_server_count
+from pipelinerl.launch.commands import policy_server, reference_server, reference_server_count, threads_env
 from pipelinerl.launch.placement import Placement, server_gpu_groups, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
 
@@ -60,22 +60,16 @@ def visible_gpus(placed: list[str], gpus_per_node: int, environ=os.environ) -> s
 def node_server_roles(cfg: Config, config_path: str, model: str, version: int, node: str,
                       references: int) -> list[Role]:
     """One `pipelinerl serve` per server slot i of an inference node, each on its own GPUs: the first
-    `references` slots serve the reference model (port base_port + num_servers + i), the others the
-    policy from `model` at `version` (port base_port + i)."""
-    inf, gpus = cfg.inference, node_placement(cfg).server_gpus
-    threads = {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
-    serve = [sys.executable, "-m", "pipelinerl.cli", "serve", config_path]
+    `references` slots serve the reference model, the others the policy from `model` at `version`
+    (ports: commands.py)."""
+    gpus = node_placement(cfg).server_gpus
     roles = []
-    for i in range(inf.num_servers):
-        env = dict(threads)
+    for i in range(cfg.inference.num_servers):
+        env = threads_env(cfg)
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible_gpus(gpus[i], cfg.launch.slurm.gpus_per_node)
-        if i < references:
-            name, argv = f"reference{i}", serve + ["--reference", "--port", str(inf.base_port + inf.num_servers + i)]
-        else:
-            # Served under the base model's name, which the actor asks for, also when `model` is a checkpoint.
-            name, argv = f"server{i}", serve + ["--model", model, "--port", str(inf.base_port + i), "--version",
-                                                str(version), f"inference.engine_args.served_model_name={cfg.model.path}"]
+        name, argv = (reference_server(cfg, config_path, i) if i < references
+                      else policy_server(cfg, config_path, i, model, version))
         roles.append(Role(name, argv, Path(cfg.run_dir) / "logs" / f"{node}_{name}.log", env))
     return roles
 

@@ -1,5 +1,8 @@
 """Worker side of the weight updates: a vLLM weight-transfer engine that stages, then loads.
 
+Runs inside vLLM's worker processes: the plugin (`register` in __init__.py) puts the engine in vLLM's
+registry there; `--worker-extension-cls` mixes `WorkerExtension` into the worker.
+
 vLLM's own `nccl` engine loads each tensor as it arrives, inside a layerwise reload that first moves the
 layers to the meta device: a trainer that dies mid-broadcast leaves a model on meta and the next step
 kills the engine (FACTS.md). This engine keeps vLLM's lifecycle (`start_weight_update` ->
@@ -29,9 +32,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from pipelinerl.inference.vllm_glue import ENGINE_NAME
 from pipelinerl.weights import InitRequest, open_group, parse_update_request, receive_staged
-
-ENGINE_NAME = "pipelinerl"  # the `--weight-transfer-config` backend name
 
 
 @dataclass
@@ -122,8 +124,9 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
         self.group = None
 
 
-def register() -> None:
-    """Make the engine known to vLLM in this process (each worker process imports this module)."""
+def register_engine() -> None:
+    """Make the engine known to vLLM in this process; a second call does nothing (vLLM's
+    `register_engine` raises on a duplicate name, and the plugin may load more than once)."""
     if ENGINE_NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(ENGINE_NAME, StagedWeightEngine)
 
@@ -136,7 +139,3 @@ class WorkerExtension:
 
     def pipelinerl_has_group(self) -> bool:
         return self.weight_transfer_engine.group is not None
-
-
-# Registration must happen inside vLLM's worker process: importing the worker extension does it.
-register()

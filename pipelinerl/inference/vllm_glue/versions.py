@@ -8,6 +8,7 @@ one documented extra field to every non-streaming choice:
                                             `token_ids`): the policy version that produced it
 
 Versions are integers because the server always sets them from the trainer's integer versions.
+`serving.open_server` applies `add_versions` on policy servers.
 """
 
 from __future__ import annotations

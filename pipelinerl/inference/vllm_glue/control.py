@@ -1,0 +1,51 @@
+"""API-server side of the weight updates: the steps `WeightUpdater` drives, on vLLM's `AsyncLLM`.
+
+`VllmEngine` implements `pipelinerl.inference.updates.UpdatableEngine`. Each step is one `AsyncLLM` call
+of vLLM's weight-transfer lifecycle; the engine it drives in the workers is `transfer.StagedWeightEngine`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+from pipelinerl.weights import InitRequest, UpdateRequest, update_body
+
+
+class VllmEngine:
+    def __init__(self, client) -> None:
+        self.client = client  # vLLM's AsyncLLM (the API server's engine client)
+
+    @property
+    def num_ranks(self) -> int:
+        """Workers that each join the weight-update group (one per tensor-parallel rank)."""
+        return self.client.vllm_config.parallel_config.world_size
+
+    async def set_version(self, version: int) -> None:
+        # vLLM versions are strings; the per-token spans carry them back (serving.per_token_versions).
+        await self.client.update_weight_version(str(version))
+
+    async def join_group(self, req: InitRequest) -> None:
+        await self.client.init_weight_transfer_engine(WeightTransferInitRequest(init_info=asdict(req)))
+
+    async def pause(self, recompute: bool) -> None:
+        # "keep" freezes running requests in place; clearing the cache preempts them (re-prefill later).
+        await self.client.pause_generation(mode="keep", clear_cache=recompute)
+
+    async def receive(self, req: UpdateRequest) -> None:
+        await self.client.start_weight_update()
+        await self.client.update_weights(WeightTransferUpdateRequest(update_info=update_body(req)))
+
+    async def load(self, version: int) -> None:
+        await self.client.finish_weight_update(str(version))
+
+    async def resume(self) -> None:
+        await self.client.resume_generation()
+
+    async def worker_timings(self) -> list[dict[str, float]]:
+        return await self.client.collective_rpc("pipelinerl_update_timings")
+
+    async def in_group(self) -> bool:
+        """Whether every worker still holds its group (a worker drops one whose collective failed)."""
+        return all(await self.client.collective_rpc("pipelinerl_has_group"))

@@ -1,0 +1,115 @@
+"""API-server side: vLLM's command line and its launcher internals.
+
+`open_server` does what `vllm serve` does (bind, engine client, app, OpenAI serving state), except that
+the caller adds its routes before serving and a policy server's responses carry `policy_versions`
+(versions.py). Importing this module does not import vLLM: the launchers and tests read `vllm_argv`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from pipelinerl.config import Config, ConfigError
+from pipelinerl.inference.vllm_glue import ENGINE_NAME, WORKER_EXTENSION
+
+# Engine arguments the servers set themselves (server.py's docstring says why); engine_args may not
+# override them. Reference servers skip logprobs_mode: vLLM never processes prompt log-probs, the only
+# ones they return.
+OWN_ENGINE_ARGS = {"generation_config": "vllm", "logprobs_mode": "processed_logprobs"}
+
+
+def vllm_argv(cfg: Config, host: str, port: int, reference: bool = False) -> list[str]:
+    """The engine's vLLM command line, from the config (engine_args pass through as --flags).
+
+    A reference server scores prompt + completion as one prompt, and vLLM refuses a prompt that leaves
+    no room for the one token it must generate: a completion that filled max_model_len could not be
+    scored. So it runs with max_model_len + 1, which needs max_model_len set (and within the model's
+    positions; vLLM says so at start-up if not)."""
+    inf = cfg.inference
+    argv = ["--model", cfg.model.path, "--host", host, "--port", str(port), "--dtype", cfg.model.dtype,
+            "--tensor-parallel-size", str(inf.tensor_parallel_size), "--max-num-seqs", str(inf.max_num_seqs),
+            "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
+            "--enable-prefix-caching" if inf.enable_prefix_caching else "--no-enable-prefix-caching"]
+    for key, value in OWN_ENGINE_ARGS.items():
+        if key in inf.engine_args:
+            raise ConfigError(f"config `inference.engine_args.{key}`: the servers set it to {value!r} (behaviour "
+                              "log-probs must be those of the distribution sampled); remove it")
+        if not (reference and key == "logprobs_mode"):
+            argv += ["--" + key.replace("_", "-"), value]
+    if reference:
+        if inf.max_model_len is None:
+            raise ConfigError("config `inference.max_model_len`: a reference server needs it set (it runs with "
+                              "max_model_len + 1 to score completions that fill max_model_len); set it at "
+                              "least one below the model's max_position_embeddings")
+        argv += ["--max-model-len", str(inf.max_model_len + 1)]
+    else:
+        argv += ["--weight-transfer-config", json.dumps({"backend": ENGINE_NAME}),
+                 "--worker-extension-cls", WORKER_EXTENSION]
+        if inf.max_model_len is not None:
+            argv += ["--max-model-len", str(inf.max_model_len)]
+    for key, value in inf.engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return argv
+
+
+def parse_vllm_args(argv: list[str]):
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser(prog="pipelinerl serve")).parse_args(argv)
+    validate_parsed_serve_args(args)
+    return args
+
+
+def setup_process(cpu_kv_cache_gb: float | None) -> None:
+    """vLLM's CLI set-up (spawn for worker processes) and the CPU KV-cache size, before the engine starts."""
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    cli_env_setup()
+    if cpu_kv_cache_gb is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cpu_kv_cache_gb))
+
+
+@dataclass
+class Server:
+    """What `open_server` yields: add routes to `app`, drive updates through `engine`, then `serve()`."""
+
+    app: object  # FastAPI
+    engine: object  # control.VllmEngine
+    serve: Callable[[], Awaitable[None]]  # uvicorn until SIGINT/SIGTERM
+
+
+@asynccontextmanager
+async def open_server(args, policy_versions: bool) -> AsyncIterator[Server]:
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+
+    from pipelinerl.inference.vllm_glue.control import VllmEngine
+    from pipelinerl.inference.vllm_glue.versions import add_versions
+
+    _, sock = setup_server(args, reuse_port=False)
+    try:
+        async with build_async_engine_client(args) as client:
+            tasks = await client.get_supported_tasks()
+            app = build_app(args, tasks, client.model_config)
+            await init_app_state(client, app.state, args, tasks)
+            if policy_versions:
+                add_versions(app.state)
+
+            async def serve() -> None:
+                await serve_http(app, sock=sock, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                 access_log=not args.disable_uvicorn_access_log)
+
+            yield Server(app, VllmEngine(client), serve)
+    finally:
+        sock.close()

@@ -1,0 +1,42 @@
+"""Every role's command line, port and thread environment: one home for both launchers (`pipelinerl run`
+on this machine, the Slurm node agent in slurm_node.py and the job launcher in slurm.py).
+
+Server slots and ports: policy server i listens on inference.base_port + i, reference server i on
+inference.base_port + inference.num_servers + i (after every policy slot, so the two never collide).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from pipelinerl.config import Config
+
+
+def cli(python: str = sys.executable) -> list[str]:
+    """The `pipelinerl` command as this Python runs it (no console script needed on the nodes)."""
+    return [python, "-m", "pipelinerl.cli"]
+
+
+def threads_env(cfg: Config) -> dict[str, str]:
+    """The environment every role gets: OMP_NUM_THREADS from launch.torch_threads (null: torch's default)."""
+    return {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
+
+
+def reference_server_count(cfg: Config) -> int:
+    """How many reference servers the run starts: inference.reference_servers when the RL objective needs
+    reference log-probs, else none."""
+    return cfg.inference.reference_servers if cfg.rl.needs_reference_logprobs else 0
+
+
+def policy_server(cfg: Config, config_path: str, i: int, model: str, version: int) -> tuple[str, list[str]]:
+    """(name, argv) of policy server slot i, serving `model` (the base model or a checkpoint's HF folder)
+    at policy `version`. Served under the base model's name, whichever folder it loads."""
+    argv = [*cli(), "serve", str(config_path), "--model", model, "--port", str(cfg.inference.base_port + i),
+            "--version", str(version), f"inference.engine_args.served_model_name={cfg.model.path}"]
+    return f"server{i}", argv
+
+
+def reference_server(cfg: Config, config_path: str, i: int) -> tuple[str, list[str]]:
+    """(name, argv) of reference server i: the run's initial model, frozen."""
+    port = cfg.inference.base_port + cfg.inference.num_servers + i
+    return f"reference{i}", [*cli(), "serve", str(config_path), "--reference", "--port", str(port)]
