@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# Qwen2.5-7B RL on 2 GPU nodes (8 GPUs each) as one heterogeneous Slurm job.
-#   component 0, 1 inference node: 8 vLLM servers, one per GPU (srun --het-group=0)
-#   component 1, 1 training node:  DeepSpeed ZeRO-3 over its 8 GPUs (a task per GPU) + the actor (srun --het-group=1)
-# bf16 weights; after every optimizer step the trainer broadcasts them to the servers over NCCL.
+# /models/Qwen2.5-7B (bfloat16) learning `math` by RL on Slurm; rendered by
+#   pipelinerl slurm script --job-name pipelinerl-7b --path slurm/run_7b.sh configs/qwen7b_orz.yaml > slurm/run_7b.sh
+# from the config's launch.slurm section: change the config and render again instead of editing it.
+#
+# component 0 (srun --het-group=0): 1 inference node(s) of 8 GPUs
+#   8 vLLM server(s) per node, tensor-parallel over 1 GPU(s) each
+# component 1 (srun --het-group=1): 1 training node(s) of 8 GPUs
+#   8 trainer rank(s) per node (one GPU each); the actor on the first node
+# Weight updates from trainer rank 0 to the servers over nccl.
 #
 # Submit from the repository root, with the Python environment that has pipelinerl active:
 #   sbatch [-A ACCOUNT] [-p PARTITION] [-t D-HH:MM:SS] slurm/run_7b.sh [key=value ...]
-#   bash slurm/run_7b.sh --dry-run [key=value ...]   # print each role's srun line; submit nothing
-# sbatch's -A/-p/-t (or SBATCH_ACCOUNT / SBATCH_PARTITION / SBATCH_TIMELIMIT) apply to both components.
+#   bash slurm/run_7b.sh --dry-run [key=value ...]   # print each role's GPUs and srun line; submit nothing
+# sbatch's -A/-p/-t (or SBATCH_ACCOUNT / SBATCH_PARTITION / SBATCH_TIMELIMIT) apply to every component.
 #
 # Environment (all optional; sbatch hands your environment to the job):
-#   PIPELINERL_CONFIG     config file (default configs/qwen7b_orz.yaml); its launch.slurm node counts and
-#                         GPUs per node must match the #SBATCH lines below (the launcher checks)
+#   PIPELINERL_CONFIG     config file (default configs/qwen7b_orz.yaml);
+#                         its launch.slurm node counts and GPUs per node must match the #SBATCH
+#                         lines below (the launcher checks)
 #   PIPELINERL_RUN_DIR    run directory on the shared filesystem (default: the config's run_dir);
 #                         reusing one resumes it
 #   PIPELINERL_OVERRIDES  space-separated key=value overrides, applied before the arguments
@@ -19,8 +25,10 @@
 #   PIPELINERL_HOME       folder relative paths start from (default: the submission folder)
 #   NCCL_*, HF_*, ...     reach every role unchanged
 #
-# Time limit: Slurm sends USR1 300 s before it; the trainer checkpoints after its current step, the job
-# requeues itself and resumes from that checkpoint and the stream cursors (no sample lost or repeated).
+# Time limit: Slurm sends USR1 300 s before it; the trainer checkpoints after its
+# current step, the job requeues itself and resumes from that checkpoint and the stream cursors
+# (no sample lost or repeated). The batch log ends with a summary line; trainer rank R logs to
+# RUN_DIR/logs/trainer_rankR.log.
 #
 #SBATCH --job-name=pipelinerl-7b
 #SBATCH --time=3-12:00:00

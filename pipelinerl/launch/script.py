@@ -53,12 +53,11 @@ def _shape(cfg: Config) -> list[str]:
         return [f"{s.training_nodes} node(s){gpus}, each split between the roles (every step asks for all the node's",
                 "GPUs and each server / trainer rank picks its own; the actor runs on the first node):",
                 *(f"  {line}" for line in placed.describe(inf.num_servers))]
-    tp = f", tensor-parallel over {inf.tensor_parallel_size} GPUs each" if inf.tensor_parallel_size > 1 else ""
-    where = "CPU (gloo)" if placed.trainer_gpus is None else "one GPU each"
-    return [f"component 0, {s.inference_nodes} inference node(s){gpus}: {inf.num_servers} vLLM server(s) per node{tp}",
-            "  (srun --het-group=0)",
-            f"component 1, {s.training_nodes} training node(s){gpus}: {placed.trainer_ranks} trainer rank(s) per node "
-            f"on {where},", "  the actor on the first (srun --het-group=1)"]
+    where = "on CPU (gloo)" if placed.trainer_gpus is None else "one GPU each"
+    return [f"component 0 (srun --het-group=0): {s.inference_nodes} inference node(s){gpus}",
+            f"  {inf.num_servers} vLLM server(s) per node, tensor-parallel over {inf.tensor_parallel_size} GPU(s) each",
+            f"component 1 (srun --het-group=1): {s.training_nodes} training node(s){gpus}",
+            f"  {placed.trainer_ranks} trainer rank(s) per node ({where}); the actor on the first node"]
 
 
 def render_script(cfg: Config, config: str, overrides: list[str], job_name: str, path: str) -> str:
@@ -83,9 +82,9 @@ def render_script(cfg: Config, config: str, overrides: list[str], job_name: str,
              "# sbatch's -A/-p/-t (or SBATCH_ACCOUNT / SBATCH_PARTITION / SBATCH_TIMELIMIT) apply to every component.",
              "#",
              "# Environment (all optional; sbatch hands your environment to the job):",
-             f"#   PIPELINERL_CONFIG     config file (default {config}{shaped}); its launch.slurm node",
-             "#                         counts and GPUs per node must match the #SBATCH lines below (the launcher",
-             "#                         checks)",
+             f"#   PIPELINERL_CONFIG     config file (default {config}{shaped});",
+             "#                         its launch.slurm node counts and GPUs per node must match the #SBATCH",
+             "#                         lines below (the launcher checks)",
              "#   PIPELINERL_RUN_DIR    run directory on the shared filesystem (default: the config's run_dir);",
              "#                         reusing one resumes it",
              "#   PIPELINERL_OVERRIDES  space-separated key=value overrides, applied before the arguments",
@@ -94,9 +93,9 @@ def render_script(cfg: Config, config: str, overrides: list[str], job_name: str,
              "#   NCCL_*, HF_*, ...     reach every role unchanged",
              "#",
              f"# Time limit: Slurm sends USR1 {s.signal_seconds} s before it; the trainer checkpoints after its",
-             "# current step, the job requeues itself and resumes from that checkpoint and the stream cursors (no",
-             "# sample lost or repeated). The batch log ends with a summary line; each trainer rank logs to",
-             "# RUN_DIR/logs/trainer_rank<RANK>.log.",
+             "# current step, the job requeues itself and resumes from that checkpoint and the stream cursors",
+             "# (no sample lost or repeated). The batch log ends with a summary line; trainer rank R logs to",
+             "# RUN_DIR/logs/trainer_rankR.log.",
              "#", *sbatch_lines(cfg, job_name), "",
              "# shellcheck source=slurm/lib.sh",
              'source "${PIPELINERL_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}/slurm/lib.sh"']
