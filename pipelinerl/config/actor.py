@@ -1,0 +1,89 @@
+"""The `actor` and `task` sections: what is sampled, how often, and how it is rewarded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipelinerl.config.fields import check, check_choice, check_positive, doc, section
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling parameters of the actor's rollouts (and of evaluation when actor.eval_greedy is false).
+
+    The servers report the log-probs of the distribution actually sampled (vLLM's processed log-probs:
+    logits / temperature), and the trainer scores with the same temperature, so importance ratios, ESS and
+    KL compare like with like. Truncations the trainer cannot reproduce (top_p < 1) are refused.
+    """
+
+    temperature: float = doc(1.0, "softmax temperature of rollouts; the trainer scores with it too. 1.0 samples "
+                                  "the policy itself")
+    top_p: float = doc(1.0, "nucleus mass: only 1.0 (no truncation) is accepted; kept so that a config asking "
+                            "for nucleus sampling gets a clear refusal rather than an unknown key")
+    max_new_tokens: int = doc(8192, "completion length limit; longer ones are marked truncated", unit="tokens")
+    min_new_tokens: int = doc(
+        0, "every sampled completion has at least this many tokens (vLLM's `min_tokens`: EOS and stop tokens "
+           "are masked until then); greedy evaluation ignores it. 0 = no minimum; must be <= max_new_tokens. "
+           "The behaviour log-probs are then those of the masked distribution, which the trainer does not "
+           "reproduce (ratios low by the EOS mass): for tests and benchmarks, not for training", unit="tokens")
+
+    def __post_init__(self) -> None:
+        check(0 < self.temperature <= 2, "actor.sampling.temperature",
+              "must be in (0, 2]: vLLM refuses more, and greedy is not RL sampling")
+        check(self.top_p == 1.0, "actor.sampling.top_p",
+              f"got {self.top_p!r}; only 1.0 is supported: the trainer cannot reproduce nucleus truncation of "
+              "the behaviour distribution, so importance ratios, ESS and KL would be wrong. Use temperature "
+              "to sharpen sampling instead")
+        check_positive(self.max_new_tokens, "actor.sampling.max_new_tokens")
+        check(0 <= self.min_new_tokens <= self.max_new_tokens, "actor.sampling.min_new_tokens",
+              f"got {self.min_new_tokens!r}; must be in [0, max_new_tokens={self.max_new_tokens}]")
+
+
+@dataclass
+class ActorConfig:
+    """The actor: prompts in, G attempts each, rewards, the lag throttle (`pipelinerl actor`)."""
+
+    attempts: int = doc(8, "G: completions sampled per prompt; advantages are computed within each group")
+    max_lag: int | None = doc(None, "bound on (trainer version - oldest version in flight); 0 = on-policy",
+                              unit="versions", null="no bound")
+    max_groups_in_flight: int = doc(32, "prompt groups awaiting completion at once (keeps servers at full batch)")
+    request_timeout_s: float = doc(600.0, "one completion request; on timeout it is retried on another server",
+                                   unit="s")
+    max_retries: int = doc(3, "retries of one request before the actor fails with the server's error")
+    eval_every_steps: int = doc(20, "held-out evaluation every N trainer versions; 0 = never", unit="versions")
+    eval_samples: int = doc(200, "held-out prompts per evaluation (one completion each: pass@1)")
+    eval_greedy: bool = doc(True, "greedy (temperature 0) evaluation; false = sampled like training")
+    sampling: SamplingConfig = section(SamplingConfig)
+
+    def __post_init__(self) -> None:
+        check(self.attempts >= 2, "actor.attempts", "group advantages need at least 2 attempts per prompt")
+        check(self.max_lag is None or self.max_lag >= 0, "actor.max_lag", "must be >= 0, or null for no bound")
+        check_positive(self.max_groups_in_flight, "actor.max_groups_in_flight")
+        check_positive(self.request_timeout_s, "actor.request_timeout_s")
+        check(self.max_retries >= 0, "actor.max_retries", "must be >= 0")
+        check(self.eval_every_steps >= 0, "actor.eval_every_steps", "must be >= 0 (0 disables evaluation)")
+        check(self.eval_samples >= 0, "actor.eval_samples", "must be >= 0")
+
+
+@dataclass
+class TaskConfig:
+    """The data set and its reward."""
+
+    name: str = doc("addition", "addition (2-digit sums, answer written units-first; CPU) | math (math-verify)")
+    dataset_path: str | None = doc(None, "math training rows: .jsonl/.json/.parquet of {question, answer} (or "
+                                         "problem/answer, or Open-Reasoner-Zero pairs)",
+                                   null="none: the addition task reads no file")
+    eval_dataset_path: str | None = doc(None, "math test rows (e.g. MATH-500, AIME 2024), same formats",
+                                        null="hold out eval_fraction of dataset_path instead")
+    eval_fraction: float = doc(0.06, "share of the data held out for evaluation (never trained on)")
+    seed: int = doc(0, "data order and the held-out split")
+    reward_timeout_s: int = doc(5, "math-verify limit per parse and per comparison, whole seconds (signal.alarm); "
+                                   "a pathological answer then scores 0 instead of stalling the actor", unit="s")
+
+    def __post_init__(self) -> None:
+        check_choice(self.name, ("addition", "math"), "task.name")
+        check(self.name != "math" or bool(self.dataset_path), "task.dataset_path",
+              "the math task needs a file of {question, answer} rows (.jsonl, .json or .parquet)")
+        check(0.0 < self.eval_fraction < 1.0, "task.eval_fraction", "must be in (0, 1)")
+        check(isinstance(self.reward_timeout_s, int) and self.reward_timeout_s >= 1, "task.reward_timeout_s",
+              "must be a whole number of seconds >= 1")

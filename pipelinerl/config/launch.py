@@ -1,0 +1,68 @@
+"""The `launch` section: where the roles run, locally or on Slurm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipelinerl.config.fields import check, check_choice, check_positive, doc, section
+
+DEFAULT = "the cluster's default (no such #SBATCH line)"
+
+
+@dataclass
+class SlurmConfig:
+    """Slurm resources; each field names the #SBATCH flag it sets. null = the cluster's default."""
+
+    account: str | None = doc(None, "--account", null=DEFAULT)
+    partition: str | None = doc(None, "--partition", null=DEFAULT)
+    qos: str | None = doc(None, "--qos", null=DEFAULT)
+    time: str = doc("3-00:00:00", "--time, D-HH:MM:SS")
+    inference_nodes: int = doc(1, "--nodes of het component 0 (vLLM servers); 0 = colocated: every training node "
+                                  "also serves, on launch.inference_gpus (slurm/run_7b_one_node.sh)")
+    training_nodes: int = doc(1, "--nodes of het component 1 (DeepSpeed trainer + actor)")
+    gpus_per_node: int | None = doc(8, "--gpus-per-node", null="none: CPU-only clusters")
+    cpus_per_task: int | None = doc(None, "--cpus-per-task", null=DEFAULT)
+    mem: str | None = doc(None, "--mem, e.g. \"0\" for the whole node", null=DEFAULT)
+    signal_seconds: int = doc(300, "--signal=B:USR1@N: checkpoint and requeue N seconds before the time limit; "
+                                   "the trainer gets N - 30 s to checkpoint (submitit sets it; scripts: #SBATCH)",
+                              unit="s")
+    master_port: int | None = doc(None, "trainer's MASTER_PORT on the first training node",
+                                  null="20000 + job id % 10000 (jobs sharing a node then differ)")
+
+    def __post_init__(self) -> None:
+        check(self.inference_nodes >= 0, "launch.slurm.inference_nodes", "must be >= 0 (0 = colocated)")
+        check_positive(self.training_nodes, "launch.slurm.training_nodes")
+        check_positive(self.gpus_per_node, "launch.slurm.gpus_per_node", allow_null=True)
+        check_positive(self.cpus_per_task, "launch.slurm.cpus_per_task", allow_null=True)
+        check(self.signal_seconds >= 0, "launch.slurm.signal_seconds", "must be >= 0")
+        check(self.master_port is None or 1 <= self.master_port <= 65535, "launch.slurm.master_port",
+              "must be a TCP port, or null to derive one from the job id")
+
+
+@dataclass
+class LaunchConfig:
+    """Where the roles run."""
+
+    backend: str = doc("local", "local (child processes of `pipelinerl run`) | slurm")
+    torch_threads: int | None = doc(None, "torch threads per CPU process", null="torch's default")
+    inference_gpus: str | None = doc(
+        None, "GPU ids of a node the servers use, e.g. \"0-3\" (tensor_parallel_size contiguous ids per server). "
+              "Locally, and on Slurm only with slurm.inference_nodes=0 (ids are positions in the step's "
+              "CUDA_VISIBLE_DEVICES); separate inference nodes use all their GPUs and setting this is an error",
+        null="the first half of the node's GPUs")
+    training_gpus: str | None = doc(None, "GPU ids of a node the trainer ranks use, one per rank, e.g. \"4-7\"; "
+                                          "same scope as inference_gpus, and disjoint from it",
+                                    null="the second half of the node's GPUs")
+    slurm: SlurmConfig = section(SlurmConfig)
+
+    def __post_init__(self) -> None:
+        from pipelinerl.launch.placement import parse_gpu_ids
+
+        check_choice(self.backend, ("local", "slurm"), "launch.backend")
+        check_positive(self.torch_threads, "launch.torch_threads", allow_null=True)
+        for name in ("inference_gpus", "training_gpus"):
+            try:
+                if getattr(self, name) is not None:
+                    parse_gpu_ids(getattr(self, name))
+            except ValueError as err:
+                check(False, f"launch.{name}", str(err))

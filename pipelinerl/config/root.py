@@ -1,0 +1,65 @@
+"""`Config`: one run, its sections, and the checks and derived fields that span sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import MISSING
+
+from pipelinerl.config.actor import ActorConfig, TaskConfig
+from pipelinerl.config.fields import check, check_choice, doc, section
+from pipelinerl.config.inference import InferenceConfig
+from pipelinerl.config.launch import LaunchConfig
+from pipelinerl.config.model import ModelConfig
+from pipelinerl.config.run_dir import CheckpointConfig, LoggingConfig, StreamsConfig
+from pipelinerl.config.trainer import ConventionalConfig, RLConfig, TrainerConfig
+
+
+@dataclass
+class Config:
+    """One run. `run_dir` is the bus every role shares (DESIGN.md)."""
+
+    run_dir: str = doc(MISSING, "the run directory on a filesystem all nodes see; re-using one resumes it")
+    seed: int = doc(0, "seeds sampling, data order and initialisation")
+    mode: str = doc("pipeline", "pipeline (in-flight updates after every step, lag bounded by actor.max_lag) | "
+                                "conventional (generate a batch, G steps, one sync: the `conventional` section)")
+    model: ModelConfig = section(ModelConfig)
+    inference: InferenceConfig = section(InferenceConfig)
+    actor: ActorConfig = section(ActorConfig)
+    task: TaskConfig = section(TaskConfig)
+    trainer: TrainerConfig = section(TrainerConfig)
+    rl: RLConfig = section(RLConfig)
+    streams: StreamsConfig = section(StreamsConfig)
+    checkpoints: CheckpointConfig = section(CheckpointConfig)
+    logging: LoggingConfig = section(LoggingConfig)
+    launch: LaunchConfig = section(LaunchConfig)
+    conventional: ConventionalConfig = section(ConventionalConfig)
+
+    def __post_init__(self) -> None:
+        check(bool(self.run_dir), "run_dir", "set it to a folder (it is created if missing)")
+        check(self.trainer.samples_per_step % self.actor.attempts == 0, "trainer.samples_per_step",
+              f"must be a multiple of actor.attempts ({self.actor.attempts}) so whole groups fill a step")
+        groups = self.trainer.samples_per_step // self.actor.attempts
+        check(self.trainer.num_gpus is None or groups % self.trainer.num_gpus == 0, "trainer.num_gpus",
+              f"{groups} groups per step (trainer.samples_per_step / actor.attempts) do not split evenly over "
+              f"{self.trainer.num_gpus} trainer ranks: make samples_per_step a multiple of attempts x ranks")
+        check(self.actor.sampling.temperature == 1.0 or not self.rl.needs_reference_logprobs,
+              "actor.sampling.temperature", f"got {self.actor.sampling.temperature}; the reference servers' "
+              "log-probs (rl.kl_coef > 0, DPO against the reference) are of the untempered model, while the "
+              "trainer scores the tempered one: sample at 1.0, or drop the reference term")
+        check_choice(self.mode, ("pipeline", "conventional"), "mode")
+        if self.mode == "conventional":
+            self._check_conventional()
+
+    def _check_conventional(self) -> None:
+        G, S = self.conventional.steps_per_batch, self.trainer.samples_per_step
+        if self.conventional.batch_size is None:
+            self.conventional.batch_size = G * S  # derived here, the one place it is computed
+        check(self.conventional.batch_size == G * S, "conventional.batch_size",
+              f"got {self.conventional.batch_size}; a batch must fill exactly G = {G} steps of "
+              f"trainer.samples_per_step = {S} samples: set it to {G * S} or null")
+        check(self.trainer.max_steps is None or self.trainer.max_steps % G == 0, "trainer.max_steps",
+              f"got {self.trainer.max_steps}; conventional mode trains whole batches: use a multiple of "
+              f"conventional.steps_per_batch ({G})")
+        check(self.actor.max_lag is None, "actor.max_lag",
+              f"conventional mode bounds the lag by construction (at most G - 1 = {G - 1}); set it to null")

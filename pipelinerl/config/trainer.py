@@ -1,0 +1,141 @@
+"""The `trainer`, `rl` and `conventional` sections: the optimizer, the objective, the baseline schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipelinerl.config.fields import check, check_choice, check_positive, doc
+
+TRAINER_BACKENDS = ("deepspeed",)  # pipelinerl/trainer's factory builds one of these
+
+
+@dataclass
+class TrainerConfig:
+    """The trainer (`pipelinerl train`): its backend, batch shape, optimizer and timeouts."""
+
+    backend: str = doc("deepspeed", f"which trainer backend builds the model and optimizer: "
+                                    f"{' | '.join(TRAINER_BACKENDS)}")
+    zero_stage: int = doc(3, "DeepSpeed ZeRO stage: 0 (plain DDP), 1, 2 or 3 (sharded params, for 7B/32B)")
+    num_gpus: int | None = doc(None, "trainer ranks (one per GPU; gloo processes on CPU)",
+                               null="every GPU of the training nodes / of launch.training_gpus (1 process on CPU)")
+    micro_batch_tokens: int = doc(8192, "token budget of one packed micro-batch (prompt + completion tokens)",
+                                  unit="tokens")
+    samples_per_step: int = doc(64, "samples (completions) per optimizer step, summed over all ranks")
+    max_steps: int | None = doc(None, "stop after this many optimizer steps", unit="steps", null="until stopped")
+    lr: float = doc(1e-6, "peak learning rate (after warm-up)")
+    lr_schedule: str = doc("constant", "constant | linear (decay to 0 at max_steps) | cosine (to 0 at max_steps)")
+    warmup_steps: int = doc(0, "linear warm-up from 0 to lr over this many optimizer steps", unit="steps")
+    weight_decay: float = doc(0.0, "AdamW decoupled weight decay")
+    betas: list = doc([0.9, 0.999], "AdamW (beta1, beta2)")
+    adam_eps: float = doc(1e-8, "AdamW epsilon")
+    grad_clip: float | None = doc(1.0, "max global gradient L2 norm", null="no clipping")
+    gradient_checkpointing: bool = doc(False, "recompute activations in backward (long sequences on GPU)")
+    attn_implementation: str = doc("sdpa", "sdpa (any device; packed sequences get a block-diagonal mask) | "
+                                           "flash_attention_2 (GPU with flash-attn installed; varlen kernels)")
+    deepspeed_config: dict = doc({}, "merged over the generated DeepSpeed config, e.g. {zero_optimization: "
+                                     "{reduce_bucket_size: 5e8}}; {} = none")
+    dist_timeout_s: float = doc(1800.0, "a trainer collective (all-reduce, gather) waiting longer fails", unit="s")
+    broadcast_host: str | None = doc(None, "address the servers reach trainer rank 0 at for weight updates",
+                                     null="this host's address on the route to the first server")
+    broadcast_port: int = doc(29511, "TCP port of the weight-update group's store on trainer rank 0")
+    broadcast_bucket_mb: float = doc(256.0, "weights are broadcast in buckets of at most this size", unit="MiB")
+    broadcast_checksums: bool = doc(False, "debug: servers check a per-tensor checksum after each update")
+    data_timeout_s: float = doc(1500.0, "fail, naming the stream and cursor, if a step's data does not arrive "
+                                        "within this long; must be < dist_timeout_s (the other ranks wait in a "
+                                        "collective meanwhile)", unit="s")
+
+    def __post_init__(self) -> None:
+        check_choice(self.backend, TRAINER_BACKENDS, "trainer.backend")
+        check_choice(self.zero_stage, (0, 1, 2, 3), "trainer.zero_stage")
+        check_positive(self.num_gpus, "trainer.num_gpus", allow_null=True)
+        check_positive(self.micro_batch_tokens, "trainer.micro_batch_tokens")
+        check_positive(self.samples_per_step, "trainer.samples_per_step")
+        check_positive(self.max_steps, "trainer.max_steps", allow_null=True)
+        check_positive(self.lr, "trainer.lr")
+        check_choice(self.lr_schedule, ("constant", "linear", "cosine"), "trainer.lr_schedule")
+        check(self.lr_schedule == "constant" or self.max_steps is not None, "trainer.lr_schedule",
+              f"{self.lr_schedule!r} decays to 0 at trainer.max_steps, so set max_steps")
+        check(self.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0")
+        check(self.weight_decay >= 0, "trainer.weight_decay", "must be >= 0")
+        check(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "trainer.betas",
+              "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+        check_positive(self.adam_eps, "trainer.adam_eps")
+        check_positive(self.grad_clip, "trainer.grad_clip", allow_null=True)
+        check_positive(self.broadcast_bucket_mb, "trainer.broadcast_bucket_mb")
+        check_positive(self.data_timeout_s, "trainer.data_timeout_s")
+        check_choice(self.attn_implementation, ("sdpa", "flash_attention_2"), "trainer.attn_implementation")
+        check_positive(self.dist_timeout_s, "trainer.dist_timeout_s")
+        check(self.data_timeout_s < self.dist_timeout_s, "trainer.data_timeout_s",
+              f"got {self.data_timeout_s}; must be < trainer.dist_timeout_s ({self.dist_timeout_s}), or a starved "
+              "trainer dies of a collective timeout instead of saying what it waited for")
+        check(1 <= self.broadcast_port <= 65535, "trainer.broadcast_port", "must be a free TCP port")
+        check("train_batch_size" not in self.deepspeed_config
+              and "gradient_accumulation_steps" not in self.deepspeed_config, "trainer.deepspeed_config",
+              "batch sizes come from trainer.samples_per_step and micro_batch_tokens; remove them here")
+
+
+@dataclass
+class RLConfig:
+    """The RL objective. Defaults are seed 000's simplified GRPO: importance-weighted policy gradient,
+    no clipping, no KL, no entropy, no value function, loss normalised by the number of sequences.
+    algorithm=dpo defaults to seed 004's online DPO: anchored at the initial model, mean loss per pair."""
+
+    algorithm: str = doc("grpo", "grpo (policy gradient with group baselines) | dpo (online DPO on group pairs)")
+    baseline: str = doc("mean", "group baseline: mean | leave_one_out (mean of the other G-1 rewards)")
+    divide_by_std: bool = doc(False, "divide advantages by the group's reward std (+ 1e-6)")
+    ppo_clip: float | None = doc(None, "PPO ratio clip epsilon, e.g. 0.2", null="no clipping (seed 000)")
+    tis_cap: float | None = doc(None, "truncated importance sampling: cap ratios at this", null="no cap")
+    max_token_lag: int | None = doc(None, "drop tokens whose lag exceeds this (seed 001)", unit="versions",
+                                    null="keep all")
+    kl_coef: float = doc(0.0, "weight of the k3 KL to the reference model (per-token log-ratio clamped to +-10, "
+                              "rl/losses.py); 0 = no KL term")
+    value_function: bool = doc(False, "train a critic head and use GAE advantages (seed 001's baseline)")
+    gamma: float = doc(1.0, "GAE discount (value_function only)")
+    gae_lambda: float = doc(1.0, "GAE lambda (value_function only)")
+    value_coef: float = doc(0.5, "weight of the critic's squared error (value_function only)")
+    dpo_beta: float = doc(0.1, "online DPO temperature (algorithm=dpo only); the DPO loss is the mean over the "
+                               "step's pairs of -log sigmoid(beta * margin) (seed 004)")
+    dpo_reference: str = doc("reference", "DPO's reference log-probs (algorithm=dpo only): reference (the frozen "
+                                          "initial model's, from reference servers: seed 004's online DPO "
+                                          "anchored at the start) | behaviour (the sampling policy's, no "
+                                          "reference server; a moving trust region)")
+
+    def __post_init__(self) -> None:
+        check_choice(self.algorithm, ("grpo", "dpo"), "rl.algorithm")
+        check_choice(self.baseline, ("mean", "leave_one_out"), "rl.baseline")
+        check_positive(self.ppo_clip, "rl.ppo_clip", allow_null=True)
+        check(self.tis_cap is None or self.tis_cap >= 1.0, "rl.tis_cap", "must be >= 1, or null for no cap")
+        check(self.ppo_clip is None or self.tis_cap is None, "rl.tis_cap",
+              "ppo_clip and tis_cap both reshape the importance ratio; set at most one of them")
+        check(self.algorithm == "grpo" or not self.value_function, "rl.value_function",
+              "the critic's GAE advantages apply to algorithm=grpo only; DPO uses no advantages")
+        check(self.max_token_lag is None or self.max_token_lag >= 0, "rl.max_token_lag",
+              "must be >= 0, or null to keep every token")
+        check(self.kl_coef >= 0, "rl.kl_coef", "must be >= 0")
+        check(0.0 <= self.gamma <= 1.0, "rl.gamma", "must be in [0, 1]")
+        check(0.0 <= self.gae_lambda <= 1.0, "rl.gae_lambda", "must be in [0, 1]")
+        check(self.value_coef >= 0, "rl.value_coef", "must be >= 0")
+        check_positive(self.dpo_beta, "rl.dpo_beta")
+        check_choice(self.dpo_reference, ("behaviour", "reference"), "rl.dpo_reference")
+
+    @property
+    def needs_reference_logprobs(self) -> bool:
+        """Whether the trainer must fetch reference-model log-probs for each sample."""
+        return self.kl_coef > 0 or (self.algorithm == "dpo" and self.dpo_reference == "reference")
+
+
+@dataclass
+class ConventionalConfig:
+    """Conventional RL, the seeds' baseline (used only with `mode: conventional`): the servers generate a
+    batch of B samples with frozen weights, the trainer then takes G optimizer steps on it (S =
+    trainer.samples_per_step samples each), and only then are the weights synced, once per batch."""
+
+    steps_per_batch: int = doc(4, "G: optimizer steps per generated batch; 1 = synchronous on-policy RL",
+                               unit="steps")
+    batch_size: int | None = doc(None, "B: samples generated per batch",
+                                 null="G x trainer.samples_per_step (the only valid value: every batch must "
+                                      "fill exactly G steps); derived in Config")
+
+    def __post_init__(self) -> None:
+        check_positive(self.steps_per_batch, "conventional.steps_per_batch")
+        check_positive(self.batch_size, "conventional.batch_size", allow_null=True)
