@@ -6,8 +6,9 @@
 The grid is the product of every --grid; key=value arguments apply to every point. Each point is the
 pipeline `sbatch slurm/run_*.sh` runs, but in one homogeneous allocation per array task: Slurm cannot
 make arrays of heterogeneous jobs and submitit cannot submit them (pipelinerl/launch/slurm.py splits
-the nodes itself). Point i runs in RUN_DIR/<its overrides>; so that array tasks sharing a host do not
-collide, its servers listen on inference.base_port + i * num_servers, its weight-update store on
+the nodes itself); it is a thin user of pipelinerl.launch.submit, the Python API for your own sweep
+scripts. Point i runs in RUN_DIR/<its overrides>; so that array tasks sharing a host do not collide,
+its servers listen on inference.base_port + i * num_servers, its weight-update store on
 trainer.broadcast_port + i and its trainer rendezvous on launch.slurm.master_port + i (when set).
 Exit code 1 when a point did not complete.
 """
@@ -54,13 +55,7 @@ def point_overrides(config: str, common: list[str], point: list[str], index: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipelinerl.launch.slurm import (
-        executor,
-        format_table,
-        outcome_rows,
-        run_pipeline,
-        wait_jobs,
-    )
+    from pipelinerl.launch.submit import executor, format_table, outcome_rows, run_pipeline, wait_jobs
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", help="YAML config file (configs/*.yaml)")
