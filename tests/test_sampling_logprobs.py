@@ -118,7 +118,8 @@ def scored(server, peaked_model_dir, tmp_path_factory):
             os.unlink(path)
     result = {}
     for key, batches in torch.load(out_path, weights_only=False).items():
-        stats = [token_stats(new_N, behaviour_N, torch.zeros_like(new_N), *[torch.ones_like(new_N, dtype=torch.bool)] * 2)
+        stats = [token_stats(new_N, behaviour_N, torch.zeros_like(new_N),
+                             *[torch.ones_like(new_N, dtype=torch.bool)] * 2)
                  for new_N, behaviour_N in batches]
         log_ratio_N = torch.cat([new_N.double() - behaviour_N for new_N, behaviour_N in batches])
         result[key] = {**summarize_stats(merge_stats(stats)), "max_abs_log_ratio": float(log_ratio_N.abs().max()),
@@ -150,7 +151,7 @@ def test_scoring_without_the_temperature_gives_wrong_ratios(scored, temperature)
 
 def test_policy_servers_return_processed_logprobs_and_ignore_the_models_sampling_defaults(tmp_path):
     from pipelinerl.config import ConfigError
-    from pipelinerl.inference.server import vllm_argv
+    from pipelinerl.inference.vllm_glue.serving import vllm_argv
 
     cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={tmp_path}", "inference.max_model_len=64"])
     policy, reference = vllm_argv(cfg, "127.0.0.1", 1), vllm_argv(cfg, "127.0.0.1", 1, reference=True)
@@ -159,7 +160,8 @@ def test_policy_servers_return_processed_logprobs_and_ignore_the_models_sampling
     for argv in (policy, reference):
         assert argv[argv.index("--generation-config") + 1] == "vllm"
     for key, value in (("logprobs_mode", "raw_logprobs"), ("generation_config", "auto")):
-        bad = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={tmp_path}", f"inference.engine_args.{key}={value}"])
+        bad = load_config(REPO / "configs" / "tiny_cpu.yaml",
+                          [f"run_dir={tmp_path}", f"inference.engine_args.{key}={value}"])
         with pytest.raises(ConfigError, match=f"inference.engine_args.{key}"):
             vllm_argv(bad, "127.0.0.1", 1)
 

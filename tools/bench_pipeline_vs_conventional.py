@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = {"pipeline": REPO / "configs" / "tiny_cpu.yaml", "conventional": REPO / "configs" / "tiny_cpu_conventional.yaml"}
+CONFIGS = {"pipeline": REPO / "configs" / "tiny_cpu.yaml",
+           "conventional": REPO / "configs" / "tiny_cpu_conventional.yaml"}
 
 
 def _lag_model():

@@ -32,5 +32,8 @@ fi
     echo "setup: the environment installed but vllm/deepspeed/pipelinerl do not import" >&2
     exit 1
 }
+# The editable install wrote the `vllm.general_plugins` entry point (setup.cfg) that vLLM's processes
+# load; check it is there and that this vLLM is the one the glue was written for.
+"$VENV/bin/python" -c "from pipelinerl.inference import vllm_glue as g; g.check_plugin(); g.check_version()"
 echo "$want" > "$stamp"
 echo "setup: $VENV ready ($extra)"

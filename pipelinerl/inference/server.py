@@ -21,13 +21,15 @@ otherwise apply to every request field the actor leaves unset, silently changing
 (`model.path`), frozen. It announces itself in RUN_DIR/reference_servers/, so the trainer never
 broadcasts to it and the actor asks it only for reference log-probs (`prompt_logprobs`); its
 weight-update routes answer 403, and it has no weight-transfer engine and no `policy_versions`.
+
+Everything that touches vLLM itself (command line, launcher, engine calls) is in `vllm_glue/`; this
+module and `updates.py` only see `vllm_glue.serving.open_server` and the `UpdatableEngine` steps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
 import socket
 from dataclasses import dataclass
@@ -36,11 +38,10 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from pipelinerl.config import Config, ConfigError
+from pipelinerl.config import Config
 from pipelinerl.inference import rundir
 from pipelinerl.inference.updates import UpdateError, WeightUpdater
-
-WORKER_EXTENSION = "pipelinerl.inference.engine.WorkerExtension"
+from pipelinerl.inference.vllm_glue.serving import vllm_argv
 
 
 def check_model(model_dir: str) -> dict[str, list[int]]:
@@ -60,60 +61,6 @@ def check_model(model_dir: str) -> dict[str, list[int]]:
     if not expected:
         raise ValueError(f"{model_dir} has no *.safetensors weights (save with safe_serialization=True)")
     return expected
-
-
-# Engine arguments the servers set themselves (module docstring); engine_args may not override them.
-# Reference servers skip logprobs_mode: vLLM never processes prompt log-probs, the only ones they return.
-OWN_ENGINE_ARGS = {"generation_config": "vllm", "logprobs_mode": "processed_logprobs"}
-
-
-def vllm_argv(cfg: Config, host: str, port: int, reference: bool = False) -> list[str]:
-    """The engine's vLLM command line, from the config (engine_args pass through as --flags).
-
-    A reference server scores prompt + completion as one prompt, and vLLM refuses a prompt that leaves
-    no room for the one token it must generate: a completion that filled max_model_len could not be
-    scored. So it runs with max_model_len + 1, which needs max_model_len set (and within the model's
-    positions; vLLM says so at start-up if not)."""
-    inf = cfg.inference
-    argv = ["--model", cfg.model.path, "--host", host, "--port", str(port), "--dtype", cfg.model.dtype,
-            "--tensor-parallel-size", str(inf.tensor_parallel_size), "--max-num-seqs", str(inf.max_num_seqs),
-            "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
-            "--enable-prefix-caching" if inf.enable_prefix_caching else "--no-enable-prefix-caching"]
-    for key, value in OWN_ENGINE_ARGS.items():
-        if key in inf.engine_args:
-            raise ConfigError(f"config `inference.engine_args.{key}`: the servers set it to {value!r} (behaviour "
-                              "log-probs must be those of the distribution sampled); remove it")
-        if not (reference and key == "logprobs_mode"):
-            argv += ["--" + key.replace("_", "-"), value]
-    if reference:
-        if inf.max_model_len is None:
-            raise ConfigError("config `inference.max_model_len`: a reference server needs it set (it runs with "
-                              "max_model_len + 1 to score completions that fill max_model_len); set it at "
-                              "least one below the model's max_position_embeddings")
-        argv += ["--max-model-len", str(inf.max_model_len + 1)]
-    else:
-        from pipelinerl.inference.engine import ENGINE_NAME
-
-        argv += ["--weight-transfer-config", json.dumps({"backend": ENGINE_NAME}),
-                 "--worker-extension-cls", WORKER_EXTENSION]
-        if inf.max_model_len is not None:
-            argv += ["--max-model-len", str(inf.max_model_len)]
-    for key, value in inf.engine_args.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        else:
-            argv += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
-    return argv
-
-
-def parse_vllm_args(argv: list[str]):
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    args = make_arg_parser(FlexibleArgumentParser(prog="pipelinerl serve")).parse_args(argv)
-    validate_parsed_serve_args(args)
-    return args
 
 
 def bearer_auth(token: str):
@@ -181,16 +128,16 @@ def advertised_host(bind_host: str) -> str:
 
 async def announce_when_healthy(run_dir: str, bind_host: str, port: int, folder: str, published: list[Path]) -> None:
     """Publish RUN_DIR/<folder>/<host>_<port> once our own /health answers 200."""
-    import aiohttp
+    import httpx
 
     local = "127.0.0.1" if bind_host in ("", "0.0.0.0", "::") else bind_host
-    async with aiohttp.ClientSession() as session:
+    # Polls until the engine is up (minutes on CPU); 300 s per request is aiohttp's default, used before.
+    async with httpx.AsyncClient(timeout=300.0) as client:
         while True:
             try:
-                async with session.get(f"http://{local}:{port}/health") as resp:
-                    if resp.status == 200:
-                        break
-            except aiohttp.ClientError:
+                if (await client.get(f"http://{local}:{port}/health")).status_code == 200:
+                    break
+            except httpx.TransportError:
                 pass
             await asyncio.sleep(0.2)
     published.append(rundir.publish_server(run_dir, advertised_host(bind_host), port, folder))
@@ -207,40 +154,26 @@ class Updates:
 
 async def run(cfg: Config, args, updates: Updates | None) -> None:
     """Serve until SIGINT/SIGTERM: a policy server with `updates`, a reference server without."""
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
-    from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from pipelinerl.inference.vllm_glue.serving import open_server
 
-    from pipelinerl.inference.versions import add_versions
-
-    _, sock = setup_server(args, reuse_port=False)
     published: list[Path] = []
     try:
-        async with build_async_engine_client(args) as engine:
-            tasks = await engine.get_supported_tasks()
-            app = build_app(args, tasks, engine.model_config)
+        async with open_server(args, policy_versions=updates is not None) as server:
             if updates is None:
-                app.include_router(reference_router())
+                server.app.include_router(reference_router())
             else:
-                num_ranks = engine.vllm_config.parallel_config.world_size
-                updater = WeightUpdater(engine, updates.expected, cfg.model.dtype, cfg.inference.kv_on_update,
-                                        num_ranks, updates.version)
-                app.include_router(control_router(updater, updates.token))
-            await init_app_state(engine, app.state, args, tasks)
-            if updates is not None:
-                add_versions(app.state)
+                updater = WeightUpdater(server.engine, updates.expected, cfg.model.dtype, cfg.inference.kv_on_update,
+                                        updates.version)
+                server.app.include_router(control_router(updater, updates.token))
                 await updater.start()
             folder = rundir.SERVERS_DIR if updates is not None else rundir.REFERENCE_SERVERS_DIR
             announce = asyncio.create_task(announce_when_healthy(cfg.run_dir, args.host, args.port, folder,
                                                                  published))
-            await serve_http(app, sock=sock, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                             access_log=not args.disable_uvicorn_access_log)
+            await server.serve()
             announce.cancel()
     finally:
         for path in published:
             path.unlink(missing_ok=True)
-        sock.close()
 
 
 def serve(cfg: Config, port: int, version: int, reference: bool = False) -> None:
@@ -253,9 +186,11 @@ def serve(cfg: Config, port: int, version: int, reference: bool = False) -> None
                           version)
 
     import uvloop
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
-    cli_env_setup()  # vLLM's CLI setup: spawn for worker processes
-    if cfg.inference.cpu_kv_cache_gb is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.inference.cpu_kv_cache_gb))
+    from pipelinerl.inference.vllm_glue import check_plugin, check_version
+    from pipelinerl.inference.vllm_glue.serving import parse_vllm_args, setup_process
+
+    check_version()
+    check_plugin()
+    setup_process(cfg.inference.cpu_kv_cache_gb)
     uvloop.run(run(cfg, parse_vllm_args(argv), updates))

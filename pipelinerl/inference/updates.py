@@ -1,25 +1,45 @@
 """Server side of the weight-update contract: the state machine behind the two control routes.
 
 An update is: pause (keeping running requests) -> receive into staging -> load -> set version ->
-resume, driven through vLLM's weight-transfer lifecycle on `AsyncLLM` (engine: `engine.py`).
-`kv_on_update` picks what running sequences do afterwards: `keep` continues on their stale KV cache
-(vLLM pause mode "keep" without clearing caches; the prefix cache must be off, since vLLM cannot reset
-it while those requests hold blocks), `recompute` re-prefills them under the new weights (the pause
-clears the KV cache, which preempts them).
+resume. The engine does each step behind `UpdatableEngine` (vLLM's: `vllm_glue/control.py`); this
+module has no engine imports. `kv_on_update` picks what running sequences do afterwards: `keep`
+continues on their stale KV cache (the prefix cache must be off, since vLLM cannot reset it while
+those requests hold blocks), `recompute` re-prefills them under the new weights.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
+from typing import Protocol
 
-from prometheus_client import Counter, Gauge
-from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from pipelinerl.weights import UpdateRequest, parse_init_request, parse_update_request, update_body
+from pipelinerl.weights import InitRequest, UpdateRequest, parse_init_request, parse_update_request
 
 log = logging.getLogger(__name__)
+
+
+class UpdatableEngine(Protocol):
+    """The update steps an inference engine provides, in the order `WeightUpdater` calls them."""
+
+    num_ranks: int  # ranks the engine adds to the weight-update group
+
+    async def set_version(self, version: int) -> None: ...  # tag tokens generated from now on
+
+    async def join_group(self, req: InitRequest) -> None: ...
+
+    async def pause(self, recompute: bool) -> None: ...  # keep running requests; recompute: drop their KV
+
+    async def receive(self, req: UpdateRequest) -> None: ...  # into staging; the served model is untouched
+
+    async def load(self, version: int) -> None: ...  # staged weights into the model, tagged `version`
+
+    async def resume(self) -> None: ...
+
+    async def worker_timings(self) -> list[dict[str, float]]: ...  # per rank, of the latest update
+
+    async def in_group(self) -> bool: ...  # every rank still holds its group (after a failed update)
 
 
 class UpdateError(Exception):
@@ -31,29 +51,34 @@ class UpdateError(Exception):
 
 
 class _Metrics:
-    def __init__(self) -> None:
-        self.version = Gauge("pipelinerl_weight_version", "Policy version of the served weights.")
-        self.updates = Counter("pipelinerl_weight_updates", "Completed in-flight weight updates.")
-        self.pause_total = Counter("pipelinerl_pause_seconds", "Seconds generation was paused for updates.")
-        self.last_pause = Gauge("pipelinerl_last_pause_seconds", "Pause of the latest update, in seconds.")
+    """On vLLM's /metrics: it serves prometheus_client's default registry, where these go by default."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.version = Gauge("pipelinerl_weight_version", "Policy version of the served weights.", registry=r)
+        self.updates = Counter("pipelinerl_weight_updates", "Completed in-flight weight updates.", registry=r)
+        self.pause_total = Counter("pipelinerl_pause_seconds", "Seconds generation was paused for updates.",
+                                   registry=r)
+        self.last_pause = Gauge("pipelinerl_last_pause_seconds", "Pause of the latest update, in seconds.",
+                                registry=r)
 
 
 class WeightUpdater:
     """One per server. `expected` maps HF tensor names to shapes (read from the checkpoint)."""
 
-    def __init__(self, engine, expected: dict[str, list[int]], dtype: str, kv_on_update: str,
-                 num_ranks: int, version: int):
+    def __init__(self, engine: UpdatableEngine, expected: dict[str, list[int]], dtype: str, kv_on_update: str,
+                 version: int, registry: CollectorRegistry = REGISTRY):
         self.engine, self.expected, self.dtype = engine, expected, dtype
-        self.kv_on_update, self.num_ranks, self.version = kv_on_update, num_ranks, version
+        self.kv_on_update, self.num_ranks, self.version = kv_on_update, engine.num_ranks, version
         self.group_ready = False
         self.busy = False  # one control operation at a time; the routes answer 409 meanwhile
         self.updates = 0
         self.pause_total_s = 0.0
         self.last_pause_s = 0.0
-        self.metrics = _Metrics()
+        self.metrics = _Metrics(registry)
 
     async def start(self) -> None:
-        await self.engine.update_weight_version(str(self.version))
+        await self.engine.set_version(self.version)
         self.metrics.version.set(self.version)
 
     def status(self) -> dict:
@@ -70,7 +95,7 @@ class WeightUpdater:
             raise UpdateError(409, "already in a weight-update group; a new one is accepted after a "
                                    "failed update or a server restart")
         try:
-            await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=asdict(req)))
+            await self.engine.join_group(req)
         except Exception as err:
             raise UpdateError(504, f"joining the weight group of {req.master_addr}:{req.master_port} "
                                    f"failed: {err}") from err
@@ -114,32 +139,30 @@ class WeightUpdater:
 
     async def _run(self, req: UpdateRequest) -> dict:
         t0 = time.monotonic()
-        # "keep" freezes running requests in place; clearing the cache preempts them (re-prefill later).
-        await self.engine.pause_generation(mode="keep", clear_cache=self.kv_on_update == "recompute")
+        await self.engine.pause(recompute=self.kv_on_update == "recompute")
         t_paused = time.monotonic()
         try:
-            await self.engine.start_weight_update()
-            await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_body(req)))
+            await self.engine.receive(req)
         except Exception as err:
             await self._resume_after_failure(t0)
             raise UpdateError(504, f"weight update to version {req.version} failed: {err}. Resumed on the "
                                    f"old weights (version {self.version}); POST /init_process_group "
                                    "again before the next update") from err
         t_received = time.monotonic()
-        await self.engine.finish_weight_update(str(req.version))
+        await self.engine.load(req.version)
         t_loaded = time.monotonic()
-        await self.engine.resume_generation()
+        await self.engine.resume()
         t_resumed = time.monotonic()
         self._account(req.version, t_resumed - t0)
-        workers = await self.engine.collective_rpc("pipelinerl_update_timings")
+        workers = await self.engine.worker_timings()
         return {"version": self.version, "pause_s": t_paused - t0, "receive_s": t_received - t_paused,
                 "load_s": t_loaded - t_received, "resume_s": t_resumed - t_loaded,
                 "paused_s": t_resumed - t0, "workers": workers}
 
     async def _resume_after_failure(self, t0: float) -> None:
         # The worker engine drops a group whose collective failed; ask rather than assume.
-        self.group_ready = all(await self.engine.collective_rpc("pipelinerl_has_group"))
-        await self.engine.resume_generation()
+        self.group_ready = await self.engine.in_group()
+        await self.engine.resume()
         paused_s = time.monotonic() - t0
         self.pause_total_s += paused_s
         self.metrics.pause_total.inc(paused_s)
