@@ -1,5 +1,8 @@
-"""`pipelinerl` entry point: parse, build, run. Heavy libraries are imported inside each command so
-that `pipelinerl --help` and `show-config` answer instantly."""
+"""`pipelinerl` entry point (also `python -m pipelinerl`): parse, build, run. Heavy libraries are imported
+inside each command so that `pipelinerl --help` and `show-config` answer instantly.
+
+Every command that runs a role takes the config the same way: `CONFIG [key=value ...]`, the overrides
+before or after the command's options."""
 
 from __future__ import annotations
 
@@ -7,18 +10,25 @@ import argparse
 import os
 import sys
 
-from pipelinerl.config import ConfigError, TinyModelConfig, load_config, to_yaml
+from pipelinerl.config import ConfigError, TinyModelConfig, load_config, to_doc_yaml, to_yaml
 from pipelinerl.logs import setup_logging
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML config file (configs/*.yaml)")
+    parser.add_argument("config", metavar="CONFIG", help="YAML config file (configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="config overrides, e.g. trainer.lr=1e-5 run_dir=runs/x")
+                        help="config overrides, e.g. trainer.lr=1e-5 run_dir=runs/x (also after the options)")
+
+
+def _version() -> str:
+    import pipelinerl
+
+    return pipelinerl.__version__
 
 
 def cmd_show_config(args: argparse.Namespace) -> None:
-    print(to_yaml(load_config(args.config, args.overrides)), end="")
+    render = to_doc_yaml if args.doc else to_yaml
+    print(render(load_config(args.config, args.overrides)), end="")
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> None:
@@ -108,10 +118,14 @@ def cmd_slurm(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipelinerl", description="Reinforcement learning for LLMs with in-flight weight updates.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"pipelinerl {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="`pipelinerl COMMAND --help` describes each")
 
     p = sub.add_parser("show-config", help="print the resolved config (YAML + overrides) as YAML")
     _add_config_args(p)
+    p.add_argument("--doc", action="store_true",
+                   help="with each field's unit and meaning as a comment (the same YAML data)")
     p.set_defaults(func=cmd_show_config)
 
     p = sub.add_parser("make-tiny-model", help="build the offline tiny Qwen2 model + tokenizer (HF format)")
@@ -122,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("streams", help="rollout stream tools")
-    streams = p.add_subparsers(dest="streams_command", required=True, metavar="STREAMS_COMMAND")
+    streams = p.add_subparsers(dest="streams_command", required=True, metavar="STREAMS_COMMAND",
+                               help="`pipelinerl streams STREAMS_COMMAND --help` describes each")
     p = streams.add_parser("inspect", help="per-writer counts, tokens, reward mean and lag histograms")
     p.add_argument("run_dir", help="the run directory (its streams/ folder is read, never modified)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -145,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=None,
                    help="start this many ranks on this machine (gloo on CPU, one GPU each with --gpus) and wait")
     p.add_argument("--gpus", default=None, help="with --nproc: the ranks' GPU ids, e.g. 4-7 (rank r uses the r-th)")
-    p.add_argument("--master-port", type=int, default=None, help=f"with --nproc: rank 0's port (default: the first free one from {MASTER_PORT_BASE})")
+    p.add_argument("--master-port", type=int, default=None,
+                   help=f"with --nproc: rank 0's port (default: the first free one from {MASTER_PORT_BASE})")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("actor", help="run one actor: prompts -> servers -> rewards -> rollout stream")
@@ -159,19 +175,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("slurm", add_help=False, help="Slurm: launch | servers | submit (`pipelinerl slurm --help`)")
-    p.add_argument("slurm_args", nargs=argparse.REMAINDER)
+    p.add_argument("slurm_args", nargs=argparse.REMAINDER, metavar="...",
+                   help="arguments of `pipelinerl slurm` (see `pipelinerl slurm --help`)")
     p.set_defaults(func=cmd_slurm)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse a command line; `key=value` overrides may come before or after the command's options."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse fills `overrides` with the key=value items before the first option only; take the rest too.
+    # (parse_intermixed_args would, but it refuses subcommands.)
     if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     rank = os.environ.get("RANK") if args.command == "train" and args.nproc is None else None
     setup_logging(args.command, rank)  # ranks may share one log: each line names its rank
     try:

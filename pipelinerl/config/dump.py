@@ -52,7 +52,8 @@ def _doc_lines(schema: type, data: dict[str, Any], indent: int) -> list[str]:
         if len(head) + 4 + len(comment) <= DOC_WIDTH:
             lines.append(f"{head}  # {comment}")
         else:
-            lines.extend(textwrap.wrap(comment, DOC_WIDTH, initial_indent=pad + "# ", subsequent_indent=pad + "# "))
+            lines.extend(textwrap.wrap(comment, DOC_WIDTH, initial_indent=pad + "# ", subsequent_indent=pad + "# ",
+                                       break_on_hyphens=False))
             lines.append(head)
         lines.extend(body)
     return lines

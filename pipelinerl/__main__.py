@@ -1,0 +1,7 @@
+"""`python -m pipelinerl ...` is `pipelinerl ...`."""
+
+import sys
+
+from pipelinerl.cli import main
+
+sys.exit(main())
