@@ -207,7 +207,9 @@ def run_local(cfg: Config, dry_run: bool = False) -> None:
                     "trainer.max_steps to continue, or pick another run_dir)", cfg.run_dir, cfg.trainer.max_steps)
     else:
         _run_roles(cfg, config_path)
-    if cfg.task.name == "addition":
+    from pipelinerl.tasks import task_class
+
+    if task_class(cfg.task.name).reports_greedy_success:
         report_success(cfg)
 
 
