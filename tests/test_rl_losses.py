@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipelinerl.config import ConfigError, RLConfig
-from pipelinerl.rl import compute_loss, merge_stats, summarize_stats
+from pipelinerl.rl import LossInputs, compute_loss, merge_stats, summarize_stats
 
 
 def make_sequences(seed, num_groups=3, group_size=4, max_len=7):
@@ -61,10 +61,12 @@ def reference_loss(seqs, num_sequences, cfg, num_pairs=None):
 
 def pack(seqs, dtype=torch.float64):
     """Concatenate sequences into one micro-batch; 'new' and 'val' are leaves that collect gradients."""
-    cat = lambda key, dt=dtype: torch.cat([torch.tensor(s[key], dtype=dt) for s in seqs])
+    def cat(key, dt=dtype):
+        return torch.cat([torch.tensor(s[key], dtype=dt) for s in seqs])
     new_leaves = [torch.tensor(s["new"], dtype=dtype, requires_grad=True) for s in seqs]
     val_leaves = [torch.tensor(s["val"], dtype=dtype, requires_grad=True) for s in seqs]
-    per_token = lambda key: torch.cat([torch.full((len(s["new"]),), s[key]) for s in seqs])
+    def per_token(key):
+        return torch.cat([torch.full((len(s["new"]),), s[key]) for s in seqs])
     batch = {"new_logprobs_T": torch.cat(new_leaves), "behaviour_logprobs_T": cat("beh"),
              "mask_T": cat("mask", torch.bool), "lag_T": cat("lag", torch.long), "seq_index_T": per_token("id"),
              "ref_logprobs_T": cat("ref"), "values_T": torch.cat(val_leaves), "returns_T": cat("ret"),
@@ -76,8 +78,8 @@ def run_loss(seqs, num_sequences, cfg, num_pairs=None):
     batch, new_leaves, val_leaves = pack(seqs)
     key = "role" if cfg.algorithm == "dpo" else "adv"
     adv_T = torch.cat([torch.full((len(s["new"]),), float(s[key]), dtype=torch.float64) for s in seqs])
-    loss, stats = compute_loss(advantages_T=adv_T, num_sequences=num_sequences, cfg=cfg, num_pairs=num_pairs,
-                               **batch)
+    inputs = LossInputs(advantages_T=adv_T, num_sequences=num_sequences, num_pairs=num_pairs, **batch)
+    loss, stats = compute_loss(inputs, cfg)
     return loss, stats, new_leaves, val_leaves
 
 
@@ -150,13 +152,13 @@ def test_tis_gradient_is_capped_weight_and_ppo_zeroes_clipped_tokens():
     beh = torch.log(torch.tensor([0.25, 0.9, 0.4], dtype=torch.float64))  # ratios 2, 1, 0.5
     adv, mask, lag, seq = torch.tensor([1.0, 1.0, -1.0], dtype=torch.float64), torch.ones(3, dtype=torch.bool), \
         torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)
-    loss, stats = compute_loss(new, beh, adv, mask, lag, seq, 2, RLConfig(tis_cap=1.5))
+    loss, stats = compute_loss(LossInputs(new, beh, adv, mask, lag, seq, 2), RLConfig(tis_cap=1.5))
     loss.backward()
     assert loss.item() == pytest.approx(-(1.5 + 1.0 - 0.5) / 2)
     torch.testing.assert_close(new.grad, torch.tensor([-1.5, -1.0, 0.5], dtype=torch.float64) / 2)
     assert summarize_stats(stats)["tis_capped_frac"] == pytest.approx(1 / 3)
     new.grad = None
-    loss, stats = compute_loss(new, beh, adv, mask, lag, seq, 2, RLConfig(ppo_clip=0.2))
+    loss, stats = compute_loss(LossInputs(new, beh, adv, mask, lag, seq, 2), RLConfig(ppo_clip=0.2))
     loss.backward()
     # ratio 2 with A>0 is clipped at 1.2 (no gradient); ratio 0.5 with A<0 is clipped at 0.8 (no gradient).
     assert loss.item() == pytest.approx(-(1.2 + 1.0 - 0.8) / 2)
@@ -169,7 +171,7 @@ def test_lag_filter_drops_exactly_the_stale_tokens():
     beh = torch.full((6,), -1.0, dtype=torch.float64)
     mask = torch.tensor([0, 1, 1, 1, 1, 1], dtype=torch.bool)
     lag = torch.tensor([9, 0, 3, 4, 5, 1])
-    loss, stats = compute_loss(new, beh, torch.ones(6, dtype=torch.float64), mask, lag, torch.zeros(6), 1,
+    loss, stats = compute_loss(LossInputs(new, beh, torch.ones(6, dtype=torch.float64), mask, lag, torch.zeros(6), 1),
                                RLConfig(max_token_lag=3))
     loss.backward()
     assert loss.item() == pytest.approx(-3.0)
@@ -188,7 +190,7 @@ def test_dpo_loss_hand_computed():
     mask, lag = torch.ones(6, dtype=torch.bool), torch.zeros(6, dtype=torch.long)
     # The step has 5 sequences and 2 pairs (the other on another rank): the loss is a mean over pairs.
     cfg = RLConfig(algorithm="dpo", dpo_beta=2.0, dpo_reference="behaviour")
-    loss, stats = compute_loss(new, beh, roles, mask, lag, seq, 5, cfg, group_index_T=group, num_pairs=2)
+    loss, stats = compute_loss(LossInputs(new, beh, roles, mask, lag, seq, 5, group_index_T=group, num_pairs=2), cfg)
     margin = (0.5 + 0.0) - (-0.5)  # chosen's log-ratio sum minus rejected's
     assert loss.item() == pytest.approx(-math.log(1 / (1 + math.exp(-2.0 * margin))) / 2)
     summary = summarize_stats(stats)
@@ -201,9 +203,9 @@ def test_dpo_loss_hand_computed():
 def test_dpo_rejects_a_pair_split_across_micro_batches():
     new = torch.zeros(2, dtype=torch.float64)
     with pytest.raises(AssertionError, match="whole inside one micro-batch"):
-        compute_loss(new, new, torch.tensor([1.0, 0.0]), torch.ones(2, dtype=torch.bool), torch.zeros(2),
-                     torch.tensor([0, 1]), 4, RLConfig(algorithm="dpo", dpo_reference="behaviour"),
-                     group_index_T=torch.tensor([3, 3]), num_pairs=1)
+        compute_loss(LossInputs(new, new, torch.tensor([1.0, 0.0]), torch.ones(2, dtype=torch.bool), torch.zeros(2),
+                                torch.tensor([0, 1]), 4, group_index_T=torch.tensor([3, 3]), num_pairs=1),
+                     RLConfig(algorithm="dpo", dpo_reference="behaviour"))
 
 
 def test_dpo_anchors_at_the_reference_by_default_and_a_step_without_pairs_is_zero():
@@ -213,25 +215,26 @@ def test_dpo_anchors_at_the_reference_by_default_and_a_step_without_pairs_is_zer
     roles, seq, group = torch.tensor([1.0, -1.0, 0.0]), torch.tensor([0, 1, 2]), torch.tensor([0, 0, 1])
     mask, lag = torch.ones(3, dtype=torch.bool), torch.zeros(3, dtype=torch.long)
     assert RLConfig(algorithm="dpo").dpo_reference == "reference"
-    loss, _ = compute_loss(new, new.detach(), roles, mask, lag, seq, 3, RLConfig(algorithm="dpo"),
-                           ref_logprobs_T=ref, group_index_T=group, num_pairs=1)
+    loss, _ = compute_loss(LossInputs(new, new.detach(), roles, mask, lag, seq, 3, ref_logprobs_T=ref,
+                                      group_index_T=group, num_pairs=1), RLConfig(algorithm="dpo"))
     assert loss.item() == pytest.approx(math.log1p(math.exp(-0.1 * (0.5 - (-0.5)))))  # beta 0.1, margin 1
     cfg = RLConfig(algorithm="dpo", kl_coef=0.5)
-    loss, stats = compute_loss(new[2:], new[2:].detach(), roles[2:], mask[2:], lag[2:], seq[2:], 3, cfg,
-                               ref_logprobs_T=ref[2:], group_index_T=group[2:], num_pairs=0)
+    loss, stats = compute_loss(LossInputs(new[2:], new[2:].detach(), roles[2:], mask[2:], lag[2:], seq[2:], 3,
+                                          ref_logprobs_T=ref[2:], group_index_T=group[2:], num_pairs=0), cfg)
     loss.backward()
     assert loss.item() == 0.0 and stats["dpo_loss"].item() == 0.0 and stats["dpo_pairs"].item() == 0
     assert new.grad.tolist() == [0.0, 0.0, 0.0]
     with pytest.raises(AssertionError, match="whole step's pairs"):
-        compute_loss(new, new.detach(), roles, mask, lag, seq, 3, RLConfig(algorithm="dpo"),
-                     ref_logprobs_T=ref, group_index_T=group, num_pairs=0)
+        compute_loss(LossInputs(new, new.detach(), roles, mask, lag, seq, 3, ref_logprobs_T=ref, group_index_T=group,
+                                num_pairs=0), RLConfig(algorithm="dpo"))
 
 
 def test_kl_term_hand_computed():
     new = torch.tensor([math.log(0.5)], dtype=torch.float64)
     ref = torch.tensor([math.log(0.25)], dtype=torch.float64)
-    loss, stats = compute_loss(new, new, torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.bool),
-                               torch.zeros(1), torch.zeros(1), 1, RLConfig(kl_coef=2.0), ref_logprobs_T=ref)
+    inputs = LossInputs(new, new, torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.bool),
+                        torch.zeros(1), torch.zeros(1), 1, ref_logprobs_T=ref)
+    loss, stats = compute_loss(inputs, RLConfig(kl_coef=2.0))
     assert loss.item() == pytest.approx(2.0 * (0.5 - math.log(0.5) - 1))
     assert stats["kl_loss"].item() == pytest.approx(loss.item())
     assert summarize_stats(stats)["kl_ref"] == pytest.approx(0.5 - math.log(0.5) - 1)  # per kept token, no coef
@@ -245,11 +248,12 @@ def test_kl_log_ratio_is_clamped_so_a_rare_token_cannot_overflow(dtype):
     new = torch.tensor([-210.0, -1.0, -10.0, -0.5, -2.0], dtype=dtype, requires_grad=True)
     ref = new.detach().double() + torch.tensor(x, dtype=torch.float64)
     zeros = torch.zeros(5, dtype=torch.float64)
-    loss, stats = compute_loss(new, new.detach(), zeros, torch.ones(5, dtype=torch.bool), torch.zeros(5),
-                               torch.arange(5), 1, RLConfig(kl_coef=1.0), ref_logprobs_T=ref.to(dtype))
+    loss, stats = compute_loss(LossInputs(new, new.detach(), zeros, torch.ones(5, dtype=torch.bool), torch.zeros(5),
+                                          torch.arange(5), 1, ref_logprobs_T=ref.to(dtype)), RLConfig(kl_coef=1.0))
     loss.backward()
     assert torch.isfinite(loss) and bool(torch.isfinite(new.grad).all())
-    k3 = lambda v: math.exp(v) - v - 1
+    def k3(v):
+        return math.exp(v) - v - 1
     expected = [k3(10.0), k3(-10.0), k3(9.5), k3(-9.5), k3(0.3)]  # the bound of 10 for +-200
     exact = ref.to(dtype).double() - new.detach().double()  # the log-ratios as stored in this dtype
     expected[2:] = [k3(v) for v in exact[2:].tolist()]

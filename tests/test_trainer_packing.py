@@ -25,7 +25,8 @@ def make_samples(n, seed=0, vocab=17):
     for i in range(n):
         p = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 6))]
         c = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 9))]
-        out.append(Sample(p, c, index=i, token_fields={"adv": [float(i)] * len(c)}))
+        out.append(Sample(p, c, index=i, token_fields={"t": [float(k) for k in range(len(c))]},
+                          seq_fields={"adv": float(i)}))
     return out
 
 
@@ -44,7 +45,9 @@ def test_pack_fills_rows_within_budget_and_keeps_every_token():
             s = samples[int(r.seq_index_N[k])]
             assert pos[t] >= len(s.prompt_ids)  # targets are completion tokens of their own sequence
             assert ids[t] == s.completion_ids[pos[t] - len(s.prompt_ids)]
-            assert r.fields_N["adv"][k] == float(s.index)
+            assert r.fields_N["t"][k] == pos[t] - len(s.prompt_ids)  # per-token fields follow their tokens
+            assert r.seq_fields_S["adv"][r.row_seq_N[k]] == float(s.index)  # per-sequence ones, once per sequence
+        assert r.seq_fields_S["adv"].numel() == r.num_sequences
         starts = (pos == 0).sum().item()
         assert starts == r.num_sequences
 
@@ -114,9 +117,9 @@ def test_packing_is_not_detected_by_accident(tiny_model_dir):
 
 
 def test_padding_micro_batch_has_one_target_and_no_sequences():
-    mb = padding_micro_batch(["adv"])
+    mb = padding_micro_batch(["t"], ["adv"])
     assert mb.is_padding and mb.num_sequences == 0 and mb.target_pos_N.tolist() == [1]
-    assert mb.fields_N["adv"].tolist() == [0.0]
+    assert mb.fields_N["t"].tolist() == [0.0] and mb.seq_fields_S["adv"][mb.row_seq_N].tolist() == [0.0]
 
 
 def test_samples_packed_together_share_a_row_and_the_rest_still_fills_rows():

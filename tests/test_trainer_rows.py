@@ -38,10 +38,10 @@ def test_rows_become_samples_with_group_advantages_and_lags():
     batches = [_group("a", [1.0, 0.0], [[3, 4], [4]]), _group("b", [0.5, 0.5], [[2], [2, 2, 4]])]
     samples = rows_to_samples(batches, version=5, first_index=10, cfg=cfg)
     assert [s.index for s in samples] == [10, 11, 12, 13]
-    assert [s.token_fields["advantage"] for s in samples] == [[0.5, 0.5], [-0.5], [0.0], [0.0, 0.0, 0.0]]
+    assert [s.seq_fields["advantage"] for s in samples] == [0.5, -0.5, 0.0, 0.0]  # once per sequence
     assert [s.token_fields["lag"] for s in samples] == [[2, 1], [1], [3], [3, 3, 1]]
     assert samples[1].token_fields["behaviour"] == [-1.0]
-    assert [s.token_fields["group"][0] for s in samples] == [0, 0, 1, 1]
+    assert [s.seq_fields["group"] for s in samples] == [0, 0, 1, 1]
     assert samples[0].prompt_ids == [1, 5] and samples[3].completion_ids == [5, 5, 5]
 
 
@@ -50,7 +50,7 @@ def test_dpo_roles_mark_the_best_and_worst_attempt_and_the_reference_logprobs_tr
                              "rl.algorithm=dpo"])  # seed 004's default: margins against the reference model
     batch = _group("a", [0.2, 0.9, 0.1], [[0], [0], [0]], reference=[[-0.5], [-0.25], [-2.0]])
     samples = rows_to_samples([batch], version=0, first_index=0, cfg=cfg)
-    assert [s.token_fields["advantage"][0] for s in samples] == [0.0, 1.0, -1.0]
+    assert [s.seq_fields["advantage"] for s in samples] == [0.0, 1.0, -1.0]
     assert [s.token_fields["reference"] for s in samples] == [[-0.5], [-0.25], [-2.0]]
     with pytest.raises(ValueError, match="reference log-probs"):
         rows_to_samples([_group("a", [0.2, 0.9, 0.1], [[0], [0], [0]])], version=0, first_index=0, cfg=cfg)
@@ -73,9 +73,9 @@ def test_reference_logprobs_and_rewards_travel_when_the_objective_needs_them():
     batch = _group("a", [1.0, 0.0], [[3, 4], [4]], reference=[[-0.25, -2.0], [-1.5]])
     samples = rows_to_samples([batch], version=4, first_index=0, cfg=cfg)
     assert [s.token_fields["reference"] for s in samples] == [[-0.25, -2.0], [-1.5]]
-    assert [s.token_fields["reward"] for s in samples] == [[1.0, 1.0], [0.0]]
+    assert [s.seq_fields["reward"] for s in samples] == [1.0, 0.0]
     plain = rows_to_samples([batch], version=4, first_index=0, cfg=load_config(None, ["run_dir=x", "model.path=m"]))
-    assert "reference" not in plain[0].token_fields and "reward" not in plain[0].token_fields
+    assert "reference" not in plain[0].token_fields and "reward" not in plain[0].seq_fields
 
 
 def test_rows_without_reference_logprobs_are_refused_when_the_kl_needs_them():
@@ -132,8 +132,8 @@ def test_loss_fn_feeds_gae_advantages_and_returns_to_the_loss():
 def test_padding_micro_batch_adds_zero_loss_and_the_same_statistics_keys():
     cfg, samples = _dpo_samples(["rl.kl_coef=0.1", "rl.dpo_reference=reference"])
     mb = _micro_batch(samples, cfg)
-    assert list(mb.fields_N) == _field_names(cfg)
-    pad = padding_micro_batch(_field_names(cfg))
+    assert (list(mb.fields_N), list(mb.seq_fields_S)) == _field_names(cfg)
+    pad = padding_micro_batch(*_field_names(cfg))
     loss_fn = _loss_fn(cfg, 6, 1, torch.device("cpu"), [])
     new = torch.full((pad.target_pos_N.numel(),), -0.3, dtype=torch.float64, requires_grad=True)
     pad_loss, pad_stats = loss_fn(pad, new, None)
@@ -159,7 +159,8 @@ class ShiftedScores:
     def accumulate(self, micro_batches, loss_fn):
         stats = []
         for mb in micro_batches:
-            new = (mb.fields_N["reference"] + self.SHIFT * mb.fields_N["advantage"]).requires_grad_()
+            role_N = mb.seq_fields_S["advantage"][mb.row_seq_N]
+            new = (mb.fields_N["reference"] + self.SHIFT * role_N).requires_grad_()
             loss, mb_stats = loss_fn(mb, new, None)
             loss.backward()
             self.losses.append(loss.item())
@@ -171,9 +172,9 @@ class ShiftedScores:
 
 
 def _dpo_step(share: int, rank: int = 0, world: int = 1) -> dict:
-    """One DPO train_step on the given rank of share `share`'s samples: share 0 holds two pairs (chosen 3 / rejected 1 tokens,
-    then chosen 2 / rejected 3 tokens), share 1 only a tied group (no pair: the padding pass gives its
-    statistics). Returns the step's statistics and this rank's micro-batch losses."""
+    """One DPO train_step on the given rank of share `share`'s samples: share 0 holds two pairs (chosen 3 /
+    rejected 1 tokens, then chosen 2 / rejected 3 tokens), share 1 only a tied group (no pair: the padding
+    pass gives its statistics). Returns the step's statistics and this rank's micro-batch losses."""
     cfg = load_config(None, ["run_dir=x", "model.path=m", "actor.attempts=3", "trainer.samples_per_step=9",
                              "rl.algorithm=dpo"])
     ref = [[-0.1, -0.2], [-0.3, -0.4, -0.5], [-0.6]]

@@ -63,7 +63,8 @@ def _rank_main(rank: int, port: int, run_dir: str, out_dir: str, steps: int, dat
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     cfg = load_config(None, [f"run_dir={run_dir}", "model.path=unused", f"actor.attempts={G}",
-                             f"trainer.samples_per_step={G * GROUPS_PER_STEP}", f"trainer.data_timeout_s={data_timeout_s}",
+                             f"trainer.samples_per_step={G * GROUPS_PER_STEP}",
+                             f"trainer.data_timeout_s={data_timeout_s}",
                              "trainer.dist_timeout_s=120", "streams.poll_interval_s=0.05"])
     signals = StopSignals()
     signals.install()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from pipelinerl.config import TinyModelConfig, TrainerConfig
+from pipelinerl.config import TinyModelConfig
 from pipelinerl.launch.procs import free_port
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
@@ -55,23 +55,25 @@ def worker(rank: int, world: int, port: int, model_dir: str, run_dir: str, steps
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from pipelinerl.config import load_config
-    from pipelinerl.trainer.deepspeed_backend import DeepSpeedTrainer
+    from pipelinerl.trainer.backends import build_trainer
+    from pipelinerl.trainer.broadcast import ServerBroadcaster
     from pipelinerl.trainer.dist import init_process_group, read_dist_env
-    from pipelinerl.trainer.loop import connect_broadcaster
 
     dist = read_dist_env()
     init_process_group(dist, 300)
-    trainer = DeepSpeedTrainer(TrainerConfig(zero_stage=3, deepspeed_config={
-        "zero_optimization": {"stage3_param_persistence_threshold": 0}}), dist)
-    trainer.init(model_dir)
     cfg = load_config(None, [f"run_dir={run_dir}", f"model.path={model_dir}", "inference.weight_update_backend=gloo",
-                             f"trainer.broadcast_port={free_port(19700)}"])
-    gather = [trainer.broadcast_weights(v) for v in range(1, steps + 1)]
-    trainer.broadcaster = connect_broadcaster(cfg, dist) if dist.is_main else None
+                             f"trainer.broadcast_port={free_port(19700)}", "trainer.zero_stage=3",
+                             "trainer.deepspeed_config.zero_optimization.stage3_param_persistence_threshold=0"])
+    broadcaster = ServerBroadcaster(cfg, dist) if dist.is_main else None
+    trainer = build_trainer(cfg, dist, broadcaster)
+    trainer.init(model_dir)
+    gather = [trainer.broadcast_weights(v) for v in range(1, steps + 1)]  # not connected yet: gather only
+    if broadcaster is not None:
+        broadcaster.connect()
     send = [trainer.broadcast_weights(v) for v in range(steps + 1, 2 * steps + 1)]
     if dist.is_main:
         Path(out).write_text(json.dumps({"gather": gather, "send": send}, default=str))
-        trainer.broadcaster.close()
+        broadcaster.close()
 
 
 def bench(name: str, work: Path, steps: int) -> dict:

@@ -22,7 +22,8 @@ import zlib
 from pipelinerl.trainer.step_data import split_groups
 
 
-def old_rule_owners(n_groups: int, world: int, max_groups: int, rng: random.Random, writer: str = "actor0") -> list[int]:
+def old_rule_owners(n_groups: int, world: int, max_groups: int, rng: random.Random,
+                    writer: str = "actor0") -> list[int]:
     """The rank that owned each group of the stream under the per-segment rule."""
     owners, seq, salt = [], 0, zlib.crc32(writer.encode())
     while len(owners) < n_groups:
@@ -66,7 +67,8 @@ def token_balance(world: int, groups: int, batches: int, rng: random.Random) -> 
     for _ in range(batches):
         tokens = [int(rng.paretovariate(1.5) * 200) for _ in range(groups)]  # most short, a few very long
         mean = sum(tokens) / world
-        for k, shares in enumerate((split_groups(tokens, world), [list(range(r, groups, world)) for r in range(world)])):
+        round_robin = [list(range(r, groups, world)) for r in range(world)]
+        for k, shares in enumerate((split_groups(tokens, world), round_robin)):
             ratios[k].append(max(sum(tokens[i] for i in s) for s in shares) / mean)
     return sum(ratios[0]) / batches, sum(ratios[1]) / batches
 
@@ -81,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     n = args.groups * args.batches
-    old = share_stats(old_rule_owners(n, args.ranks, args.max_segment_groups, rng), args.ranks, args.groups, args.batches)
+    old = share_stats(old_rule_owners(n, args.ranks, args.max_segment_groups, rng), args.ranks, args.groups,
+                      args.batches)
     new = share_stats(exact_split_owners(n, args.ranks, args.groups, rng), args.ranks, args.groups, args.batches)
     exact, round_robin = token_balance(args.ranks, args.groups, min(args.batches, 50), rng)
-    print(f"{args.ranks} ranks, {args.groups}-group steps, {args.batches} steps, segments of 1..{args.max_segment_groups} groups")
+    print(f"{args.ranks} ranks, {args.groups}-group steps, {args.batches} steps, "
+          f"segments of 1..{args.max_segment_groups} groups")
     print(f"{'':36}{'per-segment rule':>18}{'exact split':>14}")
     for key, value in old.items():
         print(f"{key:36}{value:>18}{new[key]:>14}")

@@ -10,11 +10,12 @@ from pipelinerl.rl.advantages import (
     group_advantages,
     terminal_rewards,
 )
-from pipelinerl.rl.losses import compute_loss
+from pipelinerl.rl.losses import LossInputs, compute_loss
 from pipelinerl.rl.stats import LAG_HIST_BINS, merge_stats, summarize_stats
 
 __all__ = [
     "LAG_HIST_BINS",
+    "LossInputs",
     "compute_loss",
     "dpo_roles",
     "gae_advantages",

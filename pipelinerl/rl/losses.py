@@ -12,6 +12,8 @@ gradient whatever the packing. The normalisation is mixed:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -96,31 +98,38 @@ def _kl_to_reference(new_T, ref_T, keep_T, num_sequences: int, kl_coef: float):
     return kl_loss, {"kl_loss": kl_loss.detach().double(), "kl_ref_sum": kl_sum.detach().double()}
 
 
-def compute_loss(new_logprobs_T: torch.Tensor, behaviour_logprobs_T: torch.Tensor, advantages_T: torch.Tensor,
-                 mask_T: torch.Tensor, lag_T: torch.Tensor, seq_index_T: torch.Tensor, num_sequences: int,
-                 cfg: RLConfig, ref_logprobs_T: torch.Tensor | None = None,
-                 values_T: torch.Tensor | None = None, returns_T: torch.Tensor | None = None,
-                 group_index_T: torch.Tensor | None = None,
-                 num_pairs: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss (scalar, to minimise) of one packed micro-batch and its statistics (see rl/stats.py).
+@dataclass
+class LossInputs:
+    """One packed micro-batch's tensors for `compute_loss`. T = packed completion tokens of several sequences.
 
-    T = packed tokens of several sequences. new_logprobs_T: log pi_current(token) (carries the gradient);
-    behaviour_logprobs_T: log-probs returned by the inference server that sampled the token;
-    advantages_T: the sequence's advantage on each of its tokens (grpo), GAE advantages
-    (value_function), or the DPO role +1 chosen / -1 rejected / 0 unpaired (dpo, see `dpo_roles`);
-    mask_T: bool, completion tokens that may get loss; lag_T: trainer version - version that produced
-    the token; seq_index_T / group_index_T: any integer id of each token's sequence / prompt group
-    (group ids needed by dpo only); num_sequences: sequences in the whole optimizer step, all ranks;
-    num_pairs: DPO pairs in the whole optimizer step, all ranks (dpo only; 0 is allowed: no pair term).
-    ref_logprobs_T: reference-model log-probs, needed when cfg.needs_reference_logprobs.
-    values_T (with gradient) and returns_T: critic values and GAE returns, needed when cfg.value_function.
-    """
+    Counts are of the whole optimizer step (all micro-batches, all ranks), so micro-batch losses add up."""
+
+    new_logprobs_T: torch.Tensor  # [T] float: log pi_current(token), carries the gradient
+    behaviour_logprobs_T: torch.Tensor  # [T] float: log-prob reported by the inference server that sampled it
+    advantages_T: torch.Tensor  # [T] float: the sequence's advantage on each of its tokens (grpo), GAE
+    # advantages (value_function), or the DPO role +1 chosen / -1 rejected / 0 unpaired (dpo, see `dpo_roles`)
+    mask_T: torch.Tensor  # [T] bool: completion tokens that may get loss
+    lag_T: torch.Tensor  # [T] int: trainer version - version that produced the token
+    seq_index_T: torch.Tensor  # [T] int: any id of each token's sequence
+    num_sequences: int  # sequences in the whole optimizer step, all ranks (> 0)
+    ref_logprobs_T: torch.Tensor | None = None  # [T] float: reference model; when cfg.needs_reference_logprobs
+    values_T: torch.Tensor | None = None  # [T] float, with gradient: critic values; when cfg.value_function
+    returns_T: torch.Tensor | None = None  # [T] float: GAE returns (the critic's target); when cfg.value_function
+    group_index_T: torch.Tensor | None = None  # [T] int: any id of each token's prompt group; dpo only
+    num_pairs: int | None = None  # DPO pairs in the whole optimizer step, all ranks; dpo only (0: no pair term)
+
+
+def compute_loss(inputs: LossInputs, cfg: RLConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss (scalar, to minimise) of one packed micro-batch and its statistics (see rl/stats.py)."""
+    new_logprobs_T, behaviour_logprobs_T, mask_T = inputs.new_logprobs_T, inputs.behaviour_logprobs_T, inputs.mask_T
+    lag_T, seq_index_T, num_sequences = inputs.lag_T, inputs.seq_index_T, inputs.num_sequences
+    ref_logprobs_T, num_pairs = inputs.ref_logprobs_T, inputs.num_pairs
     assert new_logprobs_T.dim() == 1 and new_logprobs_T.shape == behaviour_logprobs_T.shape == mask_T.shape
     assert num_sequences > 0
     mask_T = mask_T.bool()
     keep_T = kept_tokens(mask_T, lag_T, cfg.max_token_lag)
     behaviour_T = behaviour_logprobs_T.detach().to(new_logprobs_T.dtype)
-    advantages_T = advantages_T.detach().to(new_logprobs_T.dtype)
+    advantages_T = inputs.advantages_T.detach().to(new_logprobs_T.dtype)
     stats = token_stats(new_logprobs_T, behaviour_T, lag_T, mask_T, keep_T)
     stats["sequences"] = stats["tokens"].new_tensor(float(torch.unique(seq_index_T[mask_T]).numel()))
     if cfg.needs_reference_logprobs:
@@ -129,7 +138,7 @@ def compute_loss(new_logprobs_T: torch.Tensor, behaviour_logprobs_T: torch.Tenso
     if cfg.algorithm == "dpo":
         assert num_pairs is not None, "algorithm=dpo needs num_pairs (the step's pairs, all ranks)"
         reference_T = ref_logprobs_T if cfg.dpo_reference == "reference" else behaviour_T
-        main, counts = _dpo(new_logprobs_T, reference_T, advantages_T, keep_T, seq_index_T, group_index_T,
+        main, counts = _dpo(new_logprobs_T, reference_T, advantages_T, keep_T, seq_index_T, inputs.group_index_T,
                             cfg.dpo_beta)
         assert int(counts["dpo_pairs"]) <= num_pairs, "num_pairs must count the whole step's pairs"
         loss = main / max(num_pairs, 1)  # no pair anywhere: main is an empty sum, 0
@@ -143,6 +152,7 @@ def compute_loss(new_logprobs_T: torch.Tensor, behaviour_logprobs_T: torch.Tenso
         stats.update(kl_stats)
         loss = loss + kl_loss
     if cfg.value_function:
+        values_T, returns_T = inputs.values_T, inputs.returns_T
         assert values_T is not None and returns_T is not None, "value_function needs values_T and returns_T"
         value_loss = cfg.value_coef * (((values_T - returns_T.detach()) ** 2) * keep_T).sum() / num_sequences
         stats["value_loss"] = value_loss.detach().double()

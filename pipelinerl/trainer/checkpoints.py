@@ -5,7 +5,8 @@ Layout of one checkpoint (complete once renamed from `step_<8-digit step>.tmp`):
     step_00000120/
       meta.json      step, policy version, stream cursor, samples seen: written last, by rank 0
       hf/            HF weights + config + tokenizer, gathered on rank 0: loadable by transformers and vLLM
-      deepspeed/     DeepSpeed state (every rank's weight/optimizer shard, the lr schedule)
+      deepspeed/     the backend's state (Trainer.save_state: every rank's weight/optimizer shard, the lr
+                     schedule); the folder keeps its first backend's name so older checkpoints resume
 
 Parallel filesystems give no locks and no atomic appends, so a checkpoint is published by renaming its
 folder: a crash leaves at most a `.tmp` folder, which no reader trusts and the next save deletes.
@@ -18,11 +19,15 @@ import re
 import shutil
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipelinerl.atomic import write_file
 from pipelinerl.trainer.dist import DistInfo, all_reduce_max, barrier
 
+if TYPE_CHECKING:
+    from pipelinerl.trainer.contract import Trainer
+
+STATE_DIR = "deepspeed"  # Trainer.save_state's folder inside a checkpoint
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
@@ -44,15 +49,16 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(trainer, root: Path, step: int, meta: dict[str, Any], keep_last: int, dist: DistInfo) -> Path:
-    """Collective: every rank writes its DeepSpeed shard, rank 0 the HF weights, meta.json and the rename."""
+def save_checkpoint(trainer: Trainer, root: Path, step: int, meta: dict[str, Any], keep_last: int,
+                    dist: DistInfo) -> Path:
+    """Collective: every rank writes its state shard, rank 0 the HF weights, meta.json and the rename."""
     final = checkpoint_path(root, step)
     tmp = final.with_name(final.name + ".tmp")
     if dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    trainer.save_state(tmp / "deepspeed")
+    trainer.save_state(tmp / STATE_DIR)
     trainer.save_hf(tmp / "hf")
     barrier()  # every shard is on disk before the checkpoint is declared complete
     if dist.is_main:
@@ -65,9 +71,9 @@ def save_checkpoint(trainer, root: Path, step: int, meta: dict[str, Any], keep_l
     return final
 
 
-def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
-    """Collective: restore DeepSpeed state on every rank; returns the checkpoint's meta.json."""
-    trainer.load_state(Path(path) / "deepspeed")
+def load_checkpoint(trainer: Trainer, path: Path) -> dict[str, Any]:
+    """Collective: restore the backend's state on every rank; returns the checkpoint's meta.json."""
+    trainer.load_state(Path(path) / STATE_DIR)
     return json.loads((Path(path) / "meta.json").read_text())
 
 

@@ -1,19 +1,55 @@
-"""The trainer contract (seed 000): the five operations the training loop needs from a backend.
+"""The trainer contract: everything the training loop and the checkpoints need from a backend.
 
-A backend (DeepSpeed here; FSDP or TorchTitan could follow) implements this Protocol; the loop and the
-tests use nothing else. Loss maths stays in `pipelinerl.rl`; packing in `pipelinerl.trainer.packing`.
+A backend (DeepSpeed in deepspeed_backend.py; FSDP2 or TorchTitan could follow) implements `Trainer`
+and is registered by name in backends.py, which builds it: the loop (loop.py) and the checkpoints
+(checkpoints.py) use nothing else. Loss maths stays in `pipelinerl.rl`; packing in
+`pipelinerl.trainer.packing`; the weight transport to the inference servers comes in through the
+constructor as a `WeightSender`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from pipelinerl.trainer.packing import MicroBatch
 
+if TYPE_CHECKING:
+    from pipelinerl.weights import TensorMeta
+
+# loss_fn(micro_batch, new_logprobs_N, values_N or None without a value head) -> (loss share, stats):
+# the loop's objective of one micro-batch, which `Trainer.accumulate` differentiates.
+LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
+
+
+class WeightSender(Protocol):
+    """Sends one version of the full LM weights to the inference servers (rank 0 only).
+
+    weights.WeightBroadcaster (an open group) and trainer.broadcast.ServerBroadcaster (the run's servers,
+    connected once they are up) are the two; a filesystem or NIXL transport would be a third."""
+
+    def broadcast(self, version: int, metas: list[TensorMeta], tensors: Iterable[torch.Tensor]) -> dict:
+        """Send `tensors` (in `metas` order, consumed exactly once) as `version`; returns at least the
+        bytes sent ("bytes") and per-server replies ("servers") when there are servers."""
+
 
 class Trainer(Protocol):
+    """A training backend: sharded model + optimizer on this rank, driven by the loop.
+
+    Constructed by backends.build_trainer as
+    ``Backend(cfg: TrainerConfig, dist: DistInfo, dtype: str, broadcaster: WeightSender | None,
+    value_head: bool, temperature: float)``: dtype is model.dtype; broadcaster is rank 0's weight
+    transport (None on the other ranks, or to gather without sending); value_head trains a critic head
+    beside the LM (rl.value_function); temperature is the rollouts' sampling temperature, at which
+    completion log-probs are scored (actor.sampling.temperature)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the loss inputs of this rank belong (the device of the log-probs `forward` returns)."""
+
     def init(self, model_path: str) -> None:
         """Load the HF checkpoint at model_path, shard weights and optimizer state over the ranks."""
 
@@ -24,12 +60,27 @@ class Trainer(Protocol):
         None when the backend trains no value head (rl.value_function off). The head is the backend's own:
         broadcasts and HF checkpoints carry the LM alone."""
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate gradients of loss: this micro-batch's share of the step's total loss (a sum over
-        its tokens divided by the number of sequences in the whole step, all ranks)."""
+    def accumulate(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> list[dict]:
+        """Collective. Forward + loss_fn + backward over this rank's micro-batches, gradients summed. The loss
+        of a micro-batch is its share of the step's total loss (a sum over its tokens divided by a count of
+        the whole step, all ranks), so the step's gradient is the plain sum over micro-batches and ranks.
+        Ranks may hold different numbers of micro-batches (even none); the backend keeps its collectives in
+        step. Returns the stats of this rank's real micro-batches, in order."""
 
     def optimizer_step(self) -> dict[str, float]:
-        """Clip, step the optimizer and the schedule, zero gradients; returns grad_norm and lr."""
+        """Collective. Clip, step the optimizer and the schedule, zero gradients; returns grad_norm and lr."""
 
     def broadcast_weights(self, version: int) -> dict[str, float]:
-        """Gather the full weights layer by layer and send them to the inference servers as `version`."""
+        """Collective. Gather the full LM weights and (rank 0, through the broadcaster) send them as
+        `version`; returns the sender's timings plus "bytes" and "broadcast_total_s"."""
+
+    def save_state(self, out_dir: Path) -> None:
+        """Collective. Everything needed to resume (weights with any value head, optimizer, schedule); each
+        rank writes its own part under out_dir."""
+
+    def load_state(self, in_dir: Path) -> None:
+        """Collective. Restore what `save_state` wrote (after `init`); FileNotFoundError if nothing is there."""
+
+    def save_hf(self, out_dir: Path) -> None:
+        """Collective. An HF folder of the LM alone (weights, config, tokenizer) written by rank 0: loadable
+        by transformers and vLLM."""

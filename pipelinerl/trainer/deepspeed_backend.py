@@ -19,22 +19,20 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from pipelinerl.config import TrainerConfig
+from pipelinerl.dtypes import dtype_name, torch_dtype
+from pipelinerl.trainer.contract import LossFn, WeightSender
 from pipelinerl.trainer.dist import DistInfo, all_reduce_max
 from pipelinerl.trainer.packing import MicroBatch, padding_micro_batch
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Files of an HF folder that describe weights; everything else (config, tokenizer) is copied as-is.
 _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
-
-# loss_fn(micro_batch, new_logprobs_N, values_N or None without a value head) -> (loss share, stats)
-LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -136,13 +134,14 @@ def completion_logprobs(model, micro_batch: MicroBatch, device: torch.device,
 
 
 class DeepSpeedTrainer:
-    """See contract.Trainer. `broadcaster` (rank 0 only) is a weights.WeightBroadcaster, or None to
-    gather without sending (benchmarks, tests). `value_head`: train a critic head beside the LM (ValueHeadLM);
-    `forward` and `accumulate` then also give the values. `temperature`: the rollouts' sampling temperature
-    (actor.sampling.temperature); completion log-probs are scored at it, like the behaviour log-probs."""
+    """contract.Trainer on DeepSpeed (constructor as the contract says). `broadcaster` (rank 0 only) is a
+    contract.WeightSender, or None to gather without sending (benchmarks, tests). `value_head`: train a critic
+    head beside the LM (ValueHeadLM); `forward` and `accumulate` then also give the values. `temperature`: the
+    rollouts' sampling temperature (actor.sampling.temperature); completion log-probs are scored at it, like
+    the behaviour log-probs."""
 
-    def __init__(self, cfg: TrainerConfig, dist: DistInfo, dtype: str = "float32", broadcaster=None,
-                 value_head: bool = False, temperature: float = 1.0):
+    def __init__(self, cfg: TrainerConfig, dist: DistInfo, dtype: str = "float32",
+                 broadcaster: WeightSender | None = None, value_head: bool = False, temperature: float = 1.0):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature!r} (actor.sampling.temperature)")
         self.cfg, self.dist, self.dtype, self.broadcaster = cfg, dist, dtype, broadcaster
@@ -172,7 +171,7 @@ class DeepSpeedTrainer:
             # Makes from_pretrained load each tensor straight into its ZeRO-3 shard (FACTS.md).
             self._hf_ds_config = HfDeepSpeedConfig(ds_config)
         model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=TORCH_DTYPES[self.dtype], attn_implementation=self.cfg.attn_implementation)
+            model_path, dtype=torch_dtype(self.dtype), attn_implementation=self.cfg.attn_implementation)
         model.config.use_cache = False
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -209,8 +208,9 @@ class DeepSpeedTrainer:
         value head, else aligned with new_logprobs_N (see `completion_forward`), and the loss must use it so
         that every rank reduces the head's gradients. Returns the real batches' stats."""
         count = max(all_reduce_max(len(micro_batches)), 1)  # >= 1 pass: the optimizer step needs gradients
-        names = micro_batches[0].fields_N.keys() if micro_batches else ()
-        padded = micro_batches + [padding_micro_batch(names)] * (count - len(micro_batches))
+        first = micro_batches[0] if micro_batches else None
+        pad = padding_micro_batch(first.fields_N, first.seq_fields_S) if first else padding_micro_batch()
+        padded = micro_batches + [pad] * (count - len(micro_batches))
         stats = []
         for mb in padded:
             new_N, values_N = self.forward(mb)
@@ -232,8 +232,6 @@ class DeepSpeedTrainer:
 
     def named_shapes(self) -> list[tuple[str, str, list[int]]]:
         """(HF name, dtype, full shape) of every LM parameter, without gathering (ZeRO-3 keeps ds_shape)."""
-        from pipelinerl.weights import dtype_name
-
         return [(name, dtype_name(p.dtype), list(getattr(p, "ds_shape", p.shape)))
                 for own in self._modules_with_params() for name, p in own]
 

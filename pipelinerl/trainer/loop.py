@@ -10,22 +10,22 @@ conventional mode (config `mode`) they are broadcast only after every G-th step,
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 
 from pipelinerl.config import Config, ConfigError
+from pipelinerl.trainer.backends import build_trainer
+from pipelinerl.trainer.broadcast import ServerBroadcaster
 from pipelinerl.trainer.checkpoints import (
     StopSignals,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from pipelinerl.trainer.deepspeed_backend import DeepSpeedTrainer
+from pipelinerl.trainer.contract import Trainer
 from pipelinerl.trainer.dist import (
     DistInfo,
     all_reduce_sum,
@@ -59,8 +59,9 @@ def check_supported(cfg: Config, dist: DistInfo) -> None:
 
 
 def rows_to_samples(batches, version: int, first_index: int, cfg: Config) -> list[Sample]:
-    """One record batch per group -> Samples with per-token behaviour log-probs, advantage (or DPO
-    role), lag, group, and when the objective needs them the reference log-probs and the reward."""
+    """One record batch per group -> Samples with per-token behaviour log-probs and lags (and reference
+    log-probs when the objective needs them), and per-sequence advantage (or DPO role), group (and reward
+    when the objective needs it)."""
     from pipelinerl.rl import dpo_roles, group_advantages
 
     samples = []
@@ -74,20 +75,20 @@ def rows_to_samples(batches, version: int, first_index: int, cfg: Config) -> lis
             adv = group_advantages(rewards, group, cfg.rl.baseline, cfg.rl.divide_by_std)
         for i, completion in enumerate(rows["completion_token_ids"]):
             n = len(completion)
-            fields = {"behaviour": rows["behaviour_logprobs"][i], "advantage": [float(adv[i])] * n,
-                      "lag": [version - v for v in rows["versions"][i]], "group": [float(g)] * n}
+            tokens = {"behaviour": rows["behaviour_logprobs"][i], "lag": [version - v for v in rows["versions"][i]]}
             if cfg.rl.needs_reference_logprobs:
-                fields["reference"] = _reference_logprobs(rows, i, n)
+                tokens["reference"] = _reference_logprobs(rows, i, n)
+            seq = {"advantage": float(adv[i]), "group": float(g)}
             if cfg.rl.value_function:
-                fields["reward"] = [float(rewards[i])] * n
-            samples.append(Sample(rows["prompt_token_ids"][i], completion, first_index + len(samples), fields))
+                seq["reward"] = float(rewards[i])
+            samples.append(Sample(rows["prompt_token_ids"][i], completion, first_index + len(samples), tokens, seq))
     return samples
 
 
-def _field_names(cfg: Config) -> list[str]:
-    """The per-token fields `rows_to_samples` gives every sample under this config."""
-    return ["behaviour", "advantage", "lag", "group"] + ["reference"] * cfg.rl.needs_reference_logprobs + \
-        ["reward"] * cfg.rl.value_function
+def _field_names(cfg: Config) -> tuple[list[str], list[str]]:
+    """The per-token and per-sequence fields `rows_to_samples` gives every sample under this config."""
+    return (["behaviour", "lag"] + ["reference"] * cfg.rl.needs_reference_logprobs,
+            ["advantage", "group"] + ["reward"] * cfg.rl.value_function)
 
 
 def _reference_logprobs(rows: dict, i: int, n: int) -> list[float]:
@@ -107,23 +108,24 @@ def step_samples(batches, cfg: Config, dist: DistInfo, version: int) -> tuple[li
 
 
 def _loss_fn(cfg: Config, num_sequences: int, num_pairs: int, device: torch.device, token_log: list):
-    """The loss of one micro-batch, normalised by the step's sequence (and DPO pair) counts over all ranks."""
-    from pipelinerl.rl import compute_loss, gae_advantages, terminal_rewards
+    """The loss of one micro-batch, normalised by the step's sequence (and DPO pair) counts over all ranks.
+    Per-sequence fields are expanded to the tokens here (suffix _N: completion tokens, _S: the row's sequences)."""
+    from pipelinerl.rl import LossInputs, compute_loss, gae_advantages, terminal_rewards
 
     def loss_fn(mb: MicroBatch, new_N: torch.Tensor, values_N: torch.Tensor | None):
         f = {k: v.to(device) for k, v in mb.fields_N.items()}
+        per_seq = {k: v.to(device) for k, v in mb.seq_fields_S.items()}
         lag_N = f["lag"].long()
         mask_N = torch.full_like(lag_N, not mb.is_padding, dtype=torch.bool)  # padding: zero loss and stats
-        seq_N = torch.unique(mb.seq_index_N.to(device), return_inverse=True)[1]
-        advantages_N, returns_N = f["advantage"], None
+        seq_N = mb.row_seq_N.to(device)
+        advantages_N, returns_N = per_seq["advantage"][seq_N], None
         if cfg.rl.value_function:
-            rewards_S = torch.zeros(int(seq_N.max()) + 1, dtype=torch.float64, device=device).scatter(
-                0, seq_N, f["reward"])
-            rewards_N = terminal_rewards(rewards_S, seq_N, mask_N)
+            rewards_N = terminal_rewards(per_seq["reward"], seq_N, mask_N)
             advantages_N, returns_N = gae_advantages(rewards_N, values_N, seq_N, cfg.rl.gamma, cfg.rl.gae_lambda)
-        loss, stats = compute_loss(new_N, f["behaviour"], advantages_N, mask_N, lag_N, seq_N, num_sequences, cfg.rl,
-                                   ref_logprobs_T=f.get("reference"), values_T=values_N, returns_T=returns_N,
-                                   group_index_T=f["group"].long(), num_pairs=num_pairs)
+        inputs = LossInputs(new_N, f["behaviour"], advantages_N, mask_N, lag_N, seq_N, num_sequences,
+                            ref_logprobs_T=f.get("reference"), values_T=values_N, returns_T=returns_N,
+                            group_index_T=per_seq["group"][seq_N].long(), num_pairs=num_pairs)
+        loss, stats = compute_loss(inputs, cfg.rl)
         if not mb.is_padding:
             token_log.append((lag_N.cpu(), f["behaviour"].cpu(), new_N.detach().cpu()))
         return loss, {k: v.detach().cpu() for k, v in stats.items()}
@@ -151,26 +153,26 @@ def _trained(samples: list[Sample], cfg: Config) -> tuple[list[Sample], list | N
     trained = [s for s in samples if s.completion_ids]
     if cfg.rl.algorithm != "dpo":
         return trained, None
-    role = {id(s): s.token_fields["advantage"][0] for s in trained}
+    role = {id(s): s.seq_fields["advantage"] for s in trained}
     if cfg.rl.kl_coef == 0:
         trained = [s for s in trained if role[id(s)] != 0]
-    return trained, [s.token_fields["group"][0] if role[id(s)] != 0 else None for s in trained]
+    return trained, [s.seq_fields["group"] if role[id(s)] != 0 else None for s in trained]
 
 
-def train_step(trainer: DeepSpeedTrainer, samples: list[Sample], cfg: Config, dist: DistInfo,
+def train_step(trainer: Trainer, samples: list[Sample], cfg: Config, dist: DistInfo,
                state: LoopState, token_log: list) -> dict[str, float]:
     """Forward/backward over this rank's packed samples, then one optimizer step."""
     trained, together = _trained(samples, cfg)
     # DPO pairs trained here: one per trained chosen sample, whose rejected partner shares its micro-batch
     # (`compute_loss` asserts it). The DPO loss is the mean over the step's pairs, all ranks.
-    pairs = sum(s.token_fields["advantage"][0] == 1 for s in trained) if cfg.rl.algorithm == "dpo" else 0
+    pairs = sum(s.seq_fields["advantage"] == 1 for s in trained) if cfg.rl.algorithm == "dpo" else 0
     num_sequences, tokens, num_pairs = all_reduce_sum(
         [len(samples), sum(len(s.completion_ids) for s in samples), pairs])
     micro_batches = pack(trained, cfg.trainer.micro_batch_tokens, together)
     loss_fn = _loss_fn(cfg, int(num_sequences), int(num_pairs), trainer.device, token_log)
     mb_stats = trainer.accumulate(micro_batches, loss_fn)
     if not mb_stats:  # nothing to train on this rank (e.g. only tied DPO groups): zero statistics, same keys
-        pad = padding_micro_batch(_field_names(cfg))
+        pad = padding_micro_batch(*_field_names(cfg))
         no_values = torch.zeros(1, device=trainer.device) if cfg.rl.value_function else None
         mb_stats = [loss_fn(pad, torch.zeros(1, device=trainer.device), no_values)[1]]
     stats = _reduce_stats(mb_stats)
@@ -182,51 +184,7 @@ def train_step(trainer: DeepSpeedTrainer, samples: list[Sample], cfg: Config, di
     return stats
 
 
-def broadcast_address(cfg: Config, server_url: str) -> str:
-    """trainer.broadcast_host, or the local address on the route to the first server (works for
-    loopback on one machine and picks the right interface on a cluster)."""
-    if cfg.trainer.broadcast_host:
-        return cfg.trainer.broadcast_host
-    url = urlparse(server_url)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((url.hostname, url.port or 80))  # UDP: no packet is sent
-        return s.getsockname()[0]
-
-
-def wait_for_servers(run_dir: str, timeout_s: float, stop_flag=lambda: False) -> list[str]:
-    """The announced servers' URLs; [] when a stop signal came first."""
-    from pipelinerl.inference.rundir import list_servers
-
-    deadline = time.monotonic() + timeout_s
-    while not (urls := list_servers(run_dir)):
-        if stop_flag():
-            return []
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no inference server announced itself in {run_dir}/servers within {timeout_s:.0f} s")
-        time.sleep(1.0)
-    return urls
-
-
-def connect_broadcaster(cfg: Config, dist: DistInfo, stop_flag):
-    """Rank 0's weight-update group with every server announced in RUN_DIR/servers; None when a stop
-    signal came before any server (the loop then stops every rank at its first step)."""
-    from pipelinerl.inference.rundir import run_token
-    from pipelinerl.weights import WeightBroadcaster
-
-    urls = wait_for_servers(cfg.run_dir, cfg.inference.startup_timeout_s, stop_flag)
-    if not urls:
-        return None
-    backend = cfg.inference.weight_update_backend or dist.backend
-    broadcaster = WeightBroadcaster(
-        urls, backend, broadcast_address(cfg, urls[0]), cfg.trainer.broadcast_port,
-        cfg.inference.weight_update_timeout_s, int(cfg.trainer.broadcast_bucket_mb * 2**20),
-        run_token(cfg.run_dir, cfg.inference.auth_token), checksums=cfg.trainer.broadcast_checksums)
-    broadcaster.connect()
-    log.info("weight-update group open with %d server(s): %s", len(urls), ", ".join(urls))
-    return broadcaster
-
-
-def resume(trainer: DeepSpeedTrainer, root: Path, dist: DistInfo) -> LoopState:
+def resume(trainer: Trainer, root: Path, dist: DistInfo) -> LoopState:
     """Restore the latest complete checkpoint, if any (every rank reads the same folder)."""
     path = latest_checkpoint(root)
     if path is None:
@@ -240,7 +198,7 @@ def resume(trainer: DeepSpeedTrainer, root: Path, dist: DistInfo) -> LoopState:
                      last_saved=meta["step"])
 
 
-def checkpoint(trainer, cfg: Config, dist: DistInfo, state: LoopState) -> None:
+def checkpoint(trainer: Trainer, cfg: Config, dist: DistInfo, state: LoopState) -> None:
     """Collective. The cursor is the stream position after the last trained step, so a stop that came
     while a step's data was being read re-reads that data after the resume."""
     meta = {"version": state.step, "samples_seen": state.samples_seen, "cursor": state.cursor}
@@ -300,16 +258,20 @@ def train(cfg: Config) -> None:
     check_supported(cfg, dist)
     init_process_group(dist, cfg.trainer.dist_timeout_s)
     torch.manual_seed(cfg.seed)
-    trainer = DeepSpeedTrainer(cfg.trainer, dist, cfg.model.dtype, value_head=cfg.rl.value_function,
-                               temperature=cfg.actor.sampling.temperature)
+    broadcaster = ServerBroadcaster(cfg, dist) if dist.is_main else None  # connected below: the model loads first
+    trainer = build_trainer(cfg, dist, broadcaster)
     trainer.init(cfg.model.path)
     state = resume(trainer, Path(cfg.run_dir) / "checkpoints", dist)
     signals = StopSignals()
     if cfg.checkpoints.save_on_signal:
         signals.install()
-    stop_flag = lambda: signals.received is not None
+
+    def stop_flag() -> bool:
+        return signals.received is not None
+
     data = StepData(cfg, dist, state.cursor, stop_flag)
-    trainer.broadcaster = connect_broadcaster(cfg, dist, stop_flag) if dist.is_main else None
+    if broadcaster is not None:
+        broadcaster.connect(stop_flag)  # no server before a stop signal: nothing is sent, the loop stops
     logger = StepLogger(cfg, dist, state.step)
     try:
         if state.step > 0:  # servers may have (re)started from older weights
@@ -317,11 +279,11 @@ def train(cfg: Config) -> None:
         _run(trainer, data, cfg, dist, state, signals, logger)
     finally:
         logger.close()
-        if trainer.broadcaster is not None:
-            trainer.broadcaster.close()
+        if broadcaster is not None:
+            broadcaster.close()
 
 
-def _run(trainer, data: StepData, cfg: Config, dist: DistInfo, state: LoopState, signals: StopSignals,
+def _run(trainer: Trainer, data: StepData, cfg: Config, dist: DistInfo, state: LoopState, signals: StopSignals,
          logger) -> None:
     max_steps = cfg.trainer.max_steps
     while max_steps is None or state.step < max_steps:

@@ -4,8 +4,10 @@ A packed micro-batch is one row: sequences concatenated, position ids restarting
 attention mask, transformers derives a block-diagonal causal mask from those restarts (sdpa) or uses
 varlen kernels (flash-attention), so attention never crosses sequences and nothing is padded.
 
-Per-token tensors live on completion tokens only (suffix _N): the loss needs nothing else. Pure torch:
-no process groups here; the backend pads ranks to equal micro-batch counts.
+Per-token tensors live on completion tokens only (suffix _N): the loss needs nothing else. Per-sequence
+values (advantage, group, reward) are kept once per sequence (suffix _S: the row's sequences in row order)
+and expanded to tokens by the loss, through row_seq_N. Pure torch: no process groups here; the backend pads
+ranks to equal micro-batch counts.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class Sample:
     completion_ids: list[int]
     index: int  # position of the sample in its optimizer step (0..N-1), the same on every rank
     token_fields: dict[str, list[float]] = field(default_factory=dict)  # one value per completion token
+    seq_fields: dict[str, float] = field(default_factory=dict)  # one value for the whole sequence
 
     def __post_init__(self) -> None:
         assert self.prompt_ids, "a sample needs at least one prompt token to condition the first completion token"
@@ -42,7 +45,9 @@ class MicroBatch:
     position_ids: torch.Tensor  # [1, L] long, restarting at 0 for each sequence
     target_pos_N: torch.Tensor  # [N] long: row position of each completion token (predicted from pos - 1)
     seq_index_N: torch.Tensor  # [N] long: the token's Sample.index (step-wide, independent of packing)
+    row_seq_N: torch.Tensor  # [N] long: the token's sequence among the row's S (0..S-1): indexes seq_fields_S
     fields_N: dict[str, torch.Tensor]  # [N] float64 per token field
+    seq_fields_S: dict[str, torch.Tensor]  # [S] float64 per sequence field, the row's sequences in row order
     num_sequences: int
     is_padding: bool = False  # an empty stand-in that keeps ranks' collectives in step; its loss is 0
 
@@ -52,19 +57,23 @@ class MicroBatch:
 
 
 def _row(samples: list[Sample]) -> MicroBatch:
-    ids, pos, target, seq = [], [], [], []
-    for s in samples:
+    ids, pos, target, seq, row_seq = [], [], [], [], []
+    for k, s in enumerate(samples):
         start = len(ids) + len(s.prompt_ids)
         ids += s.prompt_ids + s.completion_ids
         pos += range(s.num_tokens)
         target += range(start, start + len(s.completion_ids))
         seq += [s.index] * len(s.completion_ids)
+        row_seq += [k] * len(s.completion_ids)
     names = samples[0].token_fields.keys()
     fields = {n: torch.tensor([v for s in samples for v in s.token_fields[n]], dtype=torch.float64) for n in names}
+    seq_fields = {n: torch.tensor([s.seq_fields[n] for s in samples], dtype=torch.float64)
+                  for n in samples[0].seq_fields}
     return MicroBatch(
         input_ids=torch.tensor([ids], dtype=torch.long), position_ids=torch.tensor([pos], dtype=torch.long),
         target_pos_N=torch.tensor(target, dtype=torch.long), seq_index_N=torch.tensor(seq, dtype=torch.long),
-        fields_N=fields, num_sequences=len(samples))
+        row_seq_N=torch.tensor(row_seq, dtype=torch.long), fields_N=fields, seq_fields_S=seq_fields,
+        num_sequences=len(samples))
 
 
 def pack(samples: list[Sample], micro_batch_tokens: int, together: list | None = None) -> list[MicroBatch]:
@@ -93,10 +102,12 @@ def pack(samples: list[Sample], micro_batch_tokens: int, together: list | None =
     return [_row(b) for b in bins]
 
 
-def padding_micro_batch(field_names) -> MicroBatch:
-    """Two pad tokens and one target: enough for a forward/backward that touches every parameter."""
+def padding_micro_batch(token_fields=(), seq_fields=()) -> MicroBatch:
+    """Two pad tokens and one target: enough for a forward/backward that touches every parameter. Its
+    fields (names as given) are zeros: one token of one (uncounted) sequence."""
     return MicroBatch(
         input_ids=torch.zeros((1, 2), dtype=torch.long), position_ids=torch.tensor([[0, 1]]),
-        target_pos_N=torch.tensor([1]), seq_index_N=torch.tensor([0]),
-        fields_N={n: torch.zeros(1, dtype=torch.float64) for n in field_names}, num_sequences=0,
+        target_pos_N=torch.tensor([1]), seq_index_N=torch.tensor([0]), row_seq_N=torch.tensor([0]),
+        fields_N={n: torch.zeros(1, dtype=torch.float64) for n in token_fields},
+        seq_fields_S={n: torch.zeros(1, dtype=torch.float64) for n in seq_fields}, num_sequences=0,
         is_padding=True)

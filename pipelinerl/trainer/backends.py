@@ -1,0 +1,31 @@
+"""The one place that picks a trainer backend: `trainer.backend` -> a class implementing contract.Trainer.
+
+A second backend (FSDP2, TorchTitan) is one new module with a class of the contract's constructor, plus
+one line in BACKENDS. No torch import here: the config can list the names without loading torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipelinerl.config import Config
+    from pipelinerl.trainer.contract import Trainer, WeightSender
+    from pipelinerl.trainer.dist import DistInfo
+
+# name (config trainer.backend) -> "module:class", imported only when chosen (each pulls in its framework)
+BACKENDS = {
+    "deepspeed": "pipelinerl.trainer.deepspeed_backend:DeepSpeedTrainer",
+}
+
+
+def build_trainer(cfg: Config, dist: DistInfo, broadcaster: WeightSender | None) -> Trainer:
+    """The backend named by cfg.trainer.backend, constructed (not yet initialised: call `init`)."""
+    name = cfg.trainer.backend
+    if name not in BACKENDS:
+        raise ValueError(f"trainer.backend={name!r} is not one of {', '.join(BACKENDS)}")
+    module, _, cls = BACKENDS[name].partition(":")
+    backend = getattr(importlib.import_module(module), cls)
+    return backend(cfg.trainer, dist, cfg.model.dtype, broadcaster=broadcaster, value_head=cfg.rl.value_function,
+                   temperature=cfg.actor.sampling.temperature)

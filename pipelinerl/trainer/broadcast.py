@@ -1,0 +1,81 @@
+"""Rank 0's weight transport to the run's inference servers (those announced in RUN_DIR/servers)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Iterable
+from urllib.parse import urlparse
+
+import torch
+
+from pipelinerl.config import Config
+from pipelinerl.trainer.dist import DistInfo
+
+log = logging.getLogger("pipelinerl.trainer")
+
+
+def broadcast_address(cfg: Config, server_url: str) -> str:
+    """trainer.broadcast_host, or the local address on the route to the first server (works for
+    loopback on one machine and picks the right interface on a cluster)."""
+    if cfg.trainer.broadcast_host:
+        return cfg.trainer.broadcast_host
+    url = urlparse(server_url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((url.hostname, url.port or 80))  # UDP: no packet is sent
+        return s.getsockname()[0]
+
+
+def wait_for_servers(run_dir: str, timeout_s: float, stop_flag=lambda: False) -> list[str]:
+    """The announced servers' URLs; [] when a stop signal came first."""
+    from pipelinerl.inference.rundir import list_servers
+
+    deadline = time.monotonic() + timeout_s
+    while not (urls := list_servers(run_dir)):
+        if stop_flag():
+            return []
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no inference server announced itself in {run_dir}/servers within {timeout_s:.0f} s")
+        time.sleep(1.0)
+    return urls
+
+
+class ServerBroadcaster:
+    """A contract.WeightSender for the run's servers. Built before the model loads (the trainer backend takes
+    it in its constructor) so that loading overlaps the servers' start-up; `connect` then waits for them and
+    opens the weight-update group. Until connected, or when a stop signal came before any server, `broadcast`
+    sends nothing and returns the bytes it would have sent (the gather, a collective, still runs)."""
+
+    def __init__(self, cfg: Config, dist: DistInfo):
+        self.cfg, self.dist = cfg, dist
+        self._sender = None  # a weights.WeightBroadcaster once connected
+
+    def connect(self, stop_flag=lambda: False) -> bool:
+        """Open the group with every server announced in RUN_DIR/servers; False when a stop signal came
+        before any server (the loop then stops every rank at its first step)."""
+        from pipelinerl.inference.rundir import run_token
+        from pipelinerl.weights import WeightBroadcaster
+
+        cfg = self.cfg
+        urls = wait_for_servers(cfg.run_dir, cfg.inference.startup_timeout_s, stop_flag)
+        if not urls:
+            return False
+        backend = cfg.inference.weight_update_backend or self.dist.backend
+        sender = WeightBroadcaster(
+            urls, backend, broadcast_address(cfg, urls[0]), cfg.trainer.broadcast_port,
+            cfg.inference.weight_update_timeout_s, int(cfg.trainer.broadcast_bucket_mb * 2**20),
+            run_token(cfg.run_dir, cfg.inference.auth_token), checksums=cfg.trainer.broadcast_checksums)
+        sender.connect()
+        self._sender = sender
+        log.info("weight-update group open with %d server(s): %s", len(urls), ", ".join(urls))
+        return True
+
+    def broadcast(self, version: int, metas, tensors: Iterable[torch.Tensor]) -> dict:
+        if self._sender is None:
+            return {"bytes": float(sum(t.numel() * t.element_size() for t in tensors))}
+        return self._sender.broadcast(version, metas, tensors)
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
