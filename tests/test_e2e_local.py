@@ -50,7 +50,8 @@ def _run(run_dir: Path, model_dir: Path, max_steps: int) -> subprocess.Completed
                  f"trainer.max_steps={max_steps}", f"trainer.samples_per_step={SAMPLES_PER_STEP}",
                  "trainer.warmup_steps=0", f"actor.max_lag={MAX_LAG}", "actor.max_groups_in_flight=2",
                  f"actor.sampling.max_new_tokens={COMPLETION_TOKENS}",
-                 f"actor.sampling.min_new_tokens={COMPLETION_TOKENS}", "actor.eval_every_steps=4", "actor.eval_samples=16",
+                 f"actor.sampling.min_new_tokens={COMPLETION_TOKENS}", "actor.eval_every_steps=4",
+                 "actor.eval_samples=16",
                  "checkpoints.every_steps=4", "logging.progress_bar=false", "inference.base_port=18950",
                  "inference.max_model_len=64", "streams.segment_max_seconds=0.5",
                  "inference.max_num_seqs=2",  # with min_new_tokens: generation is the bottleneck (docstring)

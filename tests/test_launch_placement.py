@@ -63,7 +63,8 @@ def test_local_roles_get_disjoint_gpus_in_the_launchers_own_ids(tmp_path):
 def test_dry_run_prints_every_roles_gpus(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", "--dry-run", str(TINY), f"run_dir={tmp_path}",
                           "inference.num_servers=2", "inference.tensor_parallel_size=2"], capture_output=True,
-                         text=True, timeout=120, check=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7"))
+                         text=True, timeout=120, check=True,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7"))
     lines = out.stdout.splitlines()
     assert lines[:4] == ["# GPUs on this machine: 0,1,2,3,4,5,6,7", "# server0: GPUs 0,1", "# server1: GPUs 2,3",
                          "# trainer: 4 rank(s) on GPUs 4,5,6,7"]
@@ -78,7 +79,8 @@ from pathlib import Path
 out = Path(sys.argv[1])
 got = []
 signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
-(out / f"ready{os.environ['RANK']}").write_text(os.environ['WORLD_SIZE'] + " " + os.environ.get('CUDA_VISIBLE_DEVICES', ''))
+visible = os.environ.get('CUDA_VISIBLE_DEVICES', '')
+(out / f"ready{os.environ['RANK']}").write_text(os.environ['WORLD_SIZE'] + " " + visible)
 while not got:
     time.sleep(0.05)
 (out / f"signalled{os.environ['RANK']}").touch()
@@ -89,8 +91,9 @@ sys.exit(int(os.environ['RANK']) if sys.argv[2] == 'fail' else 0)
 def _start_ranks(tmp_path: Path, mode: str) -> subprocess.Popen:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
+    argv = f"[sys.executable, {str(script)!r}, {str(tmp_path)!r}, {mode!r}]"
     code = (f"import sys; from pipelinerl.launch.ranks import run_ranks; "
-            f"sys.exit(run_ranks([sys.executable, {str(script)!r}, {str(tmp_path)!r}, {mode!r}], 3, 29999, ['5', '6', '7'], grace_s=5))")
+            f"sys.exit(run_ranks({argv}, 3, 29999, ['5', '6', '7'], grace_s=5))")
     proc = subprocess.Popen([sys.executable, "-c", code])
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"ready{r}").exists() for r in range(3)):
