@@ -20,10 +20,17 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="config overrides, e.g. trainer.lr=1e-5 run_dir=runs/x (also after the options)")
 
 
-def _version() -> str:
-    import pipelinerl
+class _VersionAction(argparse.Action):
+    """`--version`: reads the installed version only when asked (importlib.metadata is not free)."""
 
-    return pipelinerl.__version__
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import pipelinerl
+
+        print(f"pipelinerl {pipelinerl.__version__}")
+        parser.exit()
 
 
 def cmd_show_config(args: argparse.Namespace) -> None:
@@ -118,7 +125,7 @@ def cmd_slurm(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipelinerl", description="Reinforcement learning for LLMs with in-flight weight updates.")
-    parser.add_argument("--version", action="version", version=f"pipelinerl {_version()}")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 help="`pipelinerl COMMAND --help` describes each")
 
