@@ -329,14 +329,18 @@ def _print_summary(cfg: Config) -> None:
 
 # -- `pipelinerl slurm ...` ---------------------------------------------------------------------------------
 
+def _config_args(parser) -> None:
+    parser.add_argument("config", help="YAML config file (configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.lr=1e-5")
+
+
 def _parser():
     import argparse
 
     parser = argparse.ArgumentParser(prog="pipelinerl slurm", description="Run the pipeline on Slurm.")
     sub = parser.add_subparsers(dest="what", required=True, metavar="WHAT")
     p = sub.add_parser("launch", help="run the pipeline on this job's nodes (what slurm/run_*.sh executes)")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", metavar="key=value")
+    _config_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the srun line of each role; start nothing")
     p = sub.add_parser("servers", help="(started by launch on each inference node) this node's vLLM servers")
     p.add_argument("config", help="the run's resolved RUN_DIR/config.yaml")
@@ -352,8 +356,7 @@ def _parser():
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="overrides the script applies to CONFIG (its shape: node counts, servers, ...)")
     p = sub.add_parser("submit", help="submit the pipeline with submitit, wait, print its summary")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", metavar="key=value")
+    _config_args(p)
     p.add_argument("--folder", default="runs/submitit", help="submitit's folder (scripts, logs, results)")
     p.add_argument("--timeout-s", type=float, default=7 * 86400, help="give up waiting after this long")
     return parser
