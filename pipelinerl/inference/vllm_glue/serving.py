@@ -12,9 +12,15 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipelinerl.config import Config, ConfigError
 from pipelinerl.inference.vllm_glue import ENGINE_NAME, WORKER_EXTENSION
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from pipelinerl.inference.vllm_glue.control import VllmEngine
 
 # Engine arguments the servers set themselves (server.py's docstring says why); engine_args may not
 # override them. Reference servers skip logprobs_mode: vLLM never processes prompt log-probs, the only
@@ -82,8 +88,8 @@ def setup_process(cpu_kv_cache_gb: float | None) -> None:
 class Server:
     """What `open_server` yields: add routes to `app`, drive updates through `engine`, then `serve()`."""
 
-    app: object  # FastAPI
-    engine: object  # control.VllmEngine
+    app: FastAPI
+    engine: VllmEngine  # an `UpdatableEngine` (pipelinerl/inference/updates.py)
     serve: Callable[[], Awaitable[None]]  # uvicorn until SIGINT/SIGTERM
 
 
