@@ -383,7 +383,9 @@ def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, tin
     assert 3 <= stopped < max_steps and f"resumed from {run_dir}/checkpoints/step_{stopped:08d}" in text
     meta = _meta(run_dir)
     assert meta["step"] == max_steps and meta["samples_seen"] == max_steps * SAMPLES_PER_STEP
-    assert "step 3:" in (run_dir / "logs" / "trainer_rank1.log").read_text()  # each rank its own log
+    rank1 = (run_dir / "logs" / "trainer_rank1.log").read_text()  # each rank its own log
+    assert f"train[rank 1] pipelinerl.trainer: stop signal 10: checkpointed at step {stopped}" in rank1
+    assert "train[rank 1]" not in text
     _assert_ends_with_summary(slurm_log, max_steps, run_dir)
     stats = _trained_exactly_once(run_dir, max_steps)
     lag_max = {rank: int(s["lag"].max()) for rank, s in stats.items()}

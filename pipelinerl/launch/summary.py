@@ -51,8 +51,11 @@ def summary_line(summary: RunSummary) -> str:
 def _last_scalar(folder: Path, tag: str) -> float | None:
     if not folder.is_dir():
         return None
+    import logging
+
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its per-file INFO lines would bury the summary
     acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     acc.Reload()
     return acc.Scalars(tag)[-1].value if tag in acc.Tags()["scalars"] else None
