@@ -120,7 +120,7 @@ def reference_run(model_dir, dtype, steps=STEPS):
     from torch.optim.lr_scheduler import LambdaLR
     from transformers import AutoModelForCausalLM
 
-    from pipelinerl.trainer.deepspeed_backend import lr_factor
+    from pipelinerl.trainer.model import lr_factor
 
     cfg = trainer_config(3, 1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")

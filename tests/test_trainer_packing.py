@@ -81,7 +81,7 @@ def _per_sequence_logprobs(model, samples):
 def test_packed_forward_equals_per_sequence_forward(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from pipelinerl.trainer.deepspeed_backend import completion_logprobs
+    from pipelinerl.trainer.model import completion_logprobs
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
@@ -105,7 +105,7 @@ def test_packing_is_not_detected_by_accident(tiny_model_dir):
     """Without position-id restarts the same row would leak attention: the test above is not vacuous."""
     from transformers import AutoModelForCausalLM
 
-    from pipelinerl.trainer.deepspeed_backend import completion_logprobs
+    from pipelinerl.trainer.model import completion_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
     samples = make_samples(3, seed=3)

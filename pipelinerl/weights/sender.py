@@ -48,24 +48,23 @@ class WeightBroadcaster:
 
     def connect(self) -> None:
         """POST /init_process_group to every server while opening the group as rank 0."""
-        self._status = {url: self._get(url, "/status") for url in self.server_urls}
+        self._status = {url: self._request(url, "/status") for url in self.server_urls}
         ranks = [s["num_ranks"] for s in self._status.values()]
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         world = 1 + sum(ranks)
         req = InitRequest(self.master_addr, self.master_port, 0, world, self.backend, self.timeout_s)
-        posts = {url: self._pool.submit(self._post, url, "/init_process_group",
-                                        {**asdict(req), "rank_offset": off})
-                 for url, off in zip(self.server_urls, offsets)}
+        posts = self._post_all("/init_process_group", {url: {**asdict(req), "rank_offset": off}
+                                                      for url, off in zip(self.server_urls, offsets)})
         opening = self._pool.submit(open_group, req, 0)
         deadline = time.monotonic() + self.timeout_s
         while not opening.done():
-            self._raise_failed(posts)
+            posts.raise_failed()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out opening the weight group on {self.master_addr}:"
-                                   f"{self.master_port}; waiting for {self._pending(posts)}")
+                                   f"{self.master_port}; waiting for {posts.pending()}")
             time.sleep(0.01)
         self._group = opening.result()
-        self._join(posts, deadline)
+        posts.join(deadline)
 
     def broadcast(self, version: int, metas: list[TensorMeta], tensors: Iterable[torch.Tensor]) -> dict:
         """One update round; returns timings and every server's reply. Raises WeightTransferError."""
@@ -75,14 +74,13 @@ class WeightBroadcaster:
         self._check_metas(req.tensors)
         started = time.monotonic()
         deadline = started + self.timeout_s
-        posts = {url: self._pool.submit(self._post, url, "/request_weight_update", update_body(req))
-                 for url in self.server_urls}
+        posts = self._post_all("/request_weight_update", dict.fromkeys(self.server_urls, update_body(req)))
         try:
             send_s, sums = self._send_buckets(req, tensors, deadline, posts)
             if self.checksums:
                 self._send(torch.tensor(sums, dtype=torch.int64, device=self._device), deadline, posts,
                            "the checksum tensor")
-            replies = self._join(posts, deadline + HTTP_MARGIN_S)
+            replies = posts.join(deadline + HTTP_MARGIN_S)
         except BaseException:
             self._group = None  # the collective sequence is broken; servers fall back on their own
             raise
@@ -110,7 +108,7 @@ class WeightBroadcaster:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _send_buckets(self, req: UpdateRequest, tensors: Iterable[torch.Tensor], deadline: float,
-                      posts: dict) -> tuple[float, list[int]]:
+                      posts: Replies) -> tuple[float, list[int]]:
         """Pack and send bucket by bucket; two buffers let packing overlap the previous send."""
         it: Iterator[torch.Tensor] = iter(tensors)
         sums: list[int] = []
@@ -137,48 +135,59 @@ class WeightBroadcaster:
             self._wait(work, deadline, posts, label)
         return send_s + time.monotonic() - t0, sums
 
-    def _send(self, tensor: torch.Tensor, deadline: float, posts: dict, what: str) -> None:
+    def _send(self, tensor: torch.Tensor, deadline: float, posts: Replies, what: str) -> None:
         self._wait(broadcast_async(self._group, tensor), deadline, posts, what)
 
-    def _wait(self, work, deadline: float, posts: dict, what: str) -> None:
-        wait_work(work, deadline, f"{what} to reach {self._pending(posts)}",
-                  poll=lambda: self._raise_failed(posts))
+    def _wait(self, work, deadline: float, posts: Replies, what: str) -> None:
+        wait_work(work, deadline, f"{what} to reach {posts.pending()}", poll=posts.raise_failed)
 
-    def _raise_failed(self, posts: dict[str, Future]) -> None:
+    def _request(self, url: str, path: str, body: dict | None = None) -> dict:
+        """GET (no body) or POST (a JSON body) url + path; the JSON reply, or WeightTransferError."""
+        return http_json(url, path, body, self._headers, self.timeout_s + HTTP_MARGIN_S)
+
+    def _post_all(self, path: str, bodies: dict[str, dict]) -> Replies:
+        """POST bodies[url] to url + path for every server at once, on the pool."""
+        return Replies({url: self._pool.submit(self._request, url, path, body) for url, body in bodies.items()})
+
+
+class Replies:
+    """The servers' pending replies to one request each (the HTTP side of a round, beside the collective)."""
+
+    def __init__(self, futures: dict[str, Future]):
+        self.futures = futures
+
+    def raise_failed(self) -> None:
         """A server that answered with an error has failed: stop waiting for it. A success may arrive
         before this side's last collective completes: a receiver can finish before its sender does."""
-        for fut in posts.values():
+        for fut in self.futures.values():
             if fut.done():
                 fut.result()  # raises WeightTransferError naming the URL
 
-    def _join(self, posts: dict[str, Future], deadline: float) -> dict[str, dict]:
+    def join(self, deadline: float) -> dict[str, dict]:
         replies = {}
-        for url, fut in posts.items():
+        for url, fut in self.futures.items():
             try:
                 replies[url] = fut.result(timeout=max(deadline - time.monotonic(), 0.0))
             except TimeoutError:
                 raise TimeoutError(f"timed out waiting for the reply of {url}") from None
         return replies
 
-    @staticmethod
-    def _pending(posts: dict[str, Future]) -> str:
-        return ", ".join(url for url, fut in posts.items() if not fut.done()) or "the servers"
+    def pending(self) -> str:
+        return ", ".join(url for url, fut in self.futures.items() if not fut.done()) or "the servers"
 
-    def _get(self, url: str, path: str) -> dict:
-        return self._http("GET", url, path, None)
 
-    def _post(self, url: str, path: str, body: dict) -> dict:
-        return self._http("POST", url, path, body)
-
-    def _http(self, method: str, url: str, path: str, body: dict | None) -> dict:
-        try:
-            resp = httpx.request(method, url + path, json=body, headers=self._headers,
-                                 timeout=httpx.Timeout(self.timeout_s + HTTP_MARGIN_S, connect=10.0))
-        except httpx.HTTPError as err:
-            raise WeightTransferError(f"{method} {url}{path} failed: {err}") from err
-        if resp.status_code != 200:
-            raise WeightTransferError(f"{method} {url}{path} -> HTTP {resp.status_code}: {resp.text[:500]}")
-        return resp.json()
+def http_json(url: str, path: str, body: dict | None, headers: dict, read_timeout_s: float) -> dict:
+    """GET (body None) or POST (JSON body); the JSON reply. WeightTransferError names the URL on a transport
+    error or a status other than 200."""
+    method = "GET" if body is None else "POST"
+    try:
+        resp = httpx.request(method, url + path, json=body, headers=headers,
+                             timeout=httpx.Timeout(read_timeout_s, connect=10.0))
+    except httpx.HTTPError as err:
+        raise WeightTransferError(f"{method} {url}{path} failed: {err}") from err
+    if resp.status_code != 200:
+        raise WeightTransferError(f"{method} {url}{path} -> HTTP {resp.status_code}: {resp.text[:500]}")
+    return resp.json()
 
 
 def _next_checked(it: Iterator[torch.Tensor], meta: TensorMeta) -> torch.Tensor:
