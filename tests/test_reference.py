@@ -133,7 +133,7 @@ def test_a_sequence_filling_max_model_len_is_scored(servers, tmp_path):
     try:
         async def score():
             async with httpx.AsyncClient() as http:
-                await actor.score_reference(http, prompt, completions)
+                await actor.client.score_reference(http, prompt, completions)
 
         asyncio.run(score())
     finally:

@@ -69,7 +69,7 @@ def sample(server, temperature: float) -> list[Sample]:
 
     async def complete_all():
         async with httpx.AsyncClient() as http:
-            return await asyncio.gather(*[actor.complete(http, p, greedy=False, n=N) for p in prompts])
+            return await asyncio.gather(*[actor.client.complete(http, p, greedy=False, n=N) for p in prompts])
 
     try:
         groups = asyncio.run(complete_all())
