@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print where each role runs and its command; start nothing")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("slurm", add_help=False, help="Slurm: launch | servers | submit (`pipelinerl slurm --help`)")
+    p = sub.add_parser("slurm", add_help=False,
+                       help="Slurm: script | launch | servers | submit (`pipelinerl slurm --help`)")
     p.add_argument("slurm_args", nargs=argparse.REMAINDER, metavar="...",
                    help="arguments of `pipelinerl slurm` (see `pipelinerl slurm --help`)")
     p.set_defaults(func=cmd_slurm)
@@ -190,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse a command line; `key=value` overrides may come before or after the command's options."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["slurm"]:  # everything after it is the Slurm tool's own command line, options first too
+        return argparse.Namespace(command="slurm", func=cmd_slurm, slurm_args=argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse fills `overrides` with the key=value items before the first option only; take the rest too.

@@ -62,6 +62,14 @@ def test_overrides_before_and_after_options():
     assert args.nproc == 2 and args.overrides == ["a=1", "b=2"]
 
 
+def test_slurm_takes_its_own_command_line_options_first_too():
+    assert parse_args(["slurm", "--help"]).slurm_args == ["--help"]
+    args = parse_args(["slurm", "script", "--job-name", "x", str(TINY), "a=1"])
+    assert args.slurm_args == ["script", "--job-name", "x", str(TINY), "a=1"]
+    out = _run("-m", "pipelinerl", "slurm", "--help")
+    assert out.returncode == 0 and "script" in out.stdout
+
+
 @pytest.mark.parametrize("argv", [
     ["train", str(TINY), "--nproc", "2", "--bogus"],  # an unknown option
     ["train", str(TINY), "--nproc", "2", "stray"],  # not key=value

@@ -33,8 +33,7 @@ def test_model_is_untied_deterministic_and_vllm_compatible(tiny_model_dir, tmp_p
     assert cfg.hidden_size // cfg.num_attention_heads in (32, 64)
     again, _ = build_tiny_model(tmp_path / "again", TinyModelConfig(seed=0))
     other, _ = build_tiny_model(tmp_path / "other", TinyModelConfig(seed=1))
-    for (name, a), b, c in zip(model.state_dict().items(), again.state_dict().values(),
-                               other.state_dict().values()):
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
     assert not torch.equal(model.lm_head.weight, other.lm_head.weight)
 
