@@ -171,7 +171,7 @@ def test_the_trainer_scores_logits_divided_by_the_temperature(tiny_model_dir, te
     """completion_logprobs at T against float64 log_softmax(logits / T), one sequence at a time."""
     from transformers import AutoModelForCausalLM
 
-    from pipelinerl.trainer.deepspeed_backend import completion_logprobs
+    from pipelinerl.trainer.model import completion_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)

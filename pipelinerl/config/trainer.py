@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipelinerl.config.fields import check, check_choice, check_positive, doc
+from pipelinerl.trainer.backends import BACKENDS  # names only: no torch import
 
-TRAINER_BACKENDS = ("deepspeed",)  # pipelinerl/trainer's factory builds one of these
+TRAINER_BACKENDS = tuple(BACKENDS)  # the factory's registry is the one list of backends
 
 
 @dataclass

@@ -26,7 +26,6 @@ from pipelinerl.dtypes import dtype_name, torch_dtype
 from pipelinerl.trainer.contract import LossFn, WeightSender
 from pipelinerl.trainer.dist import DistInfo, all_reduce_max
 from pipelinerl.trainer.model import ValueHeadLM, completion_forward, lr_factor
-from pipelinerl.trainer.model import completion_logprobs as completion_logprobs  # re-export: older imports
 from pipelinerl.trainer.packing import MicroBatch, padding_micro_batch
 
 # Files of an HF folder that describe weights; everything else (config, tokenizer) is copied as-is.
