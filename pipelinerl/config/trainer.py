@@ -31,6 +31,13 @@ class TrainerConfig:
     adam_eps: float = doc(1e-8, "AdamW epsilon")
     grad_clip: float | None = doc(1.0, "max global gradient L2 norm", null="no clipping")
     gradient_checkpointing: bool = doc(False, "recompute activations in backward (long sequences on GPU)")
+    logprob_chunk_tokens: int | None = doc(
+        1024, "the LM head and log-softmax run over this many completion tokens at a time, each chunk's logits "
+              "recomputed in backward: the logits then need a few float32 [chunk, vocab] buffers (0.6 GB each at "
+              "1024 x 152k) instead of the micro-batch's; equal to the unchunked result to float tolerance",
+        unit="tokens",
+        null="no chunking: the micro-batch's whole [tokens, vocab] logits at once (10 GB in float32 at 16k x 152k, "
+             "plus its gradient)")
     attn_implementation: str = doc("sdpa", "sdpa (any device; packed sequences get a block-diagonal mask) | "
                                            "flash_attention_2 (GPU with flash-attn installed; varlen kernels)")
     deepspeed_config: dict = doc({}, "merged over the generated DeepSpeed config, e.g. {zero_optimization: "
@@ -50,6 +57,7 @@ class TrainerConfig:
         check_choice(self.zero_stage, (0, 1, 2, 3), "trainer.zero_stage")
         check_positive(self.num_gpus, "trainer.num_gpus", allow_null=True)
         check_positive(self.micro_batch_tokens, "trainer.micro_batch_tokens")
+        check_positive(self.logprob_chunk_tokens, "trainer.logprob_chunk_tokens", allow_null=True)
         check_positive(self.samples_per_step, "trainer.samples_per_step")
         check_positive(self.max_steps, "trainer.max_steps", allow_null=True)
         check_positive(self.lr, "trainer.lr")

@@ -44,7 +44,8 @@ class Trainer(Protocol):
     value_head: bool, temperature: float)``: dtype is model.dtype; broadcaster is rank 0's weight
     transport (None on the other ranks, or to gather without sending); value_head trains a critic head
     beside the LM (rl.value_function); temperature is the rollouts' sampling temperature, at which
-    completion log-probs are scored (actor.sampling.temperature)."""
+    completion log-probs are scored (actor.sampling.temperature). cfg.logprob_chunk_tokens bounds
+    how many rows of [tokens, vocab] logits `forward` and its backward hold at once (model.completion_forward)."""
 
     @property
     def device(self) -> torch.device:

@@ -25,7 +25,7 @@ from pipelinerl.config import TrainerConfig
 from pipelinerl.dtypes import dtype_name, torch_dtype
 from pipelinerl.trainer.contract import LossFn, WeightSender
 from pipelinerl.trainer.dist import DistInfo, all_reduce_max
-from pipelinerl.trainer.model import ValueHeadLM, completion_forward, lr_factor
+from pipelinerl.trainer.model import ValueHeadLM, completion_forward, enable_chunked_logprobs, lr_factor
 from pipelinerl.trainer.packing import MicroBatch, padding_micro_batch
 
 # Files of an HF folder that describe weights; everything else (config, tokenizer) is copied as-is.
@@ -66,7 +66,8 @@ class DeepSpeedTrainer:
     contract.WeightSender, or None to gather without sending (benchmarks, tests). `value_head`: train a critic
     head beside the LM (ValueHeadLM); `forward` and `accumulate` then also give the values. `temperature`: the
     rollouts' sampling temperature (actor.sampling.temperature); completion log-probs are scored at it, like
-    the behaviour log-probs."""
+    the behaviour log-probs, cfg.logprob_chunk_tokens rows at a time (model.LogprobHead: scoring is a call of
+    the LM head module, so under ZeRO-3 its own hooks gather its weight and reduce its gradient)."""
 
     def __init__(self, cfg: TrainerConfig, dist: DistInfo, dtype: str = "float32",
                  broadcaster: WeightSender | None = None, value_head: bool = False, temperature: float = 1.0):
@@ -103,6 +104,8 @@ class DeepSpeedTrainer:
         model.config.use_cache = False
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        if self.cfg.logprob_chunk_tokens is not None:
+            enable_chunked_logprobs(model)
         if self.value_head:
             # Created outside zero.Init: under ZeRO-3 deepspeed.initialize partitions it like the LM.
             model = ValueHeadLM(model)
@@ -117,7 +120,8 @@ class DeepSpeedTrainer:
             lr_scheduler=lambda opt: LambdaLR(opt, lambda step: lr_factor(step, cfg)))
 
     def forward(self, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return completion_forward(self.engine, micro_batch, self.device, self.temperature)
+        return completion_forward(self.engine, micro_batch, self.device, self.temperature,
+                                  self.cfg.logprob_chunk_tokens)
 
     def backward(self, loss: torch.Tensor) -> None:
         # DeepSpeed divides by the data-parallel size when it reduces; the loss is already this rank's

@@ -1,5 +1,6 @@
 """The model side of every trainer backend, free of any parallelism framework: the learning-rate schedule,
-the value head, and the packed forward pass that scores completion tokens.
+the value head, and the packed forward pass that scores completion tokens (optionally a chunk of tokens at a
+time through LogprobHead, so that the [tokens, vocab] logits never exist whole).
 
 Value head (rl.value_function). A backend then wraps `ValueHeadLM`: the HF causal LM plus a critic head on
 its final hidden state (shared trunk). The head is trained and checkpointed with the backend's state, but
@@ -31,8 +32,9 @@ def lr_factor(step: int, cfg: TrainerConfig) -> float:
 
 
 class LogitsAndValues(NamedTuple):  # a tuple, so ZeRO-3's hooks on module outputs reach its tensors
-    logits: torch.Tensor  # [1, K, V] the LM's logits of the rows kept by logits_to_keep
+    logits: torch.Tensor  # [1, K, V] the LM's logits of the rows kept ([1, 0, V] when lm_logits=False)
     values: torch.Tensor  # [1, K] the value head on the same rows' final hidden states
+    hidden: torch.Tensor  # [K, H] those final hidden states (the LM head's input)
 
 
 class ValueHeadLM(torch.nn.Module):
@@ -48,40 +50,146 @@ class ValueHeadLM(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, logits_to_keep: torch.Tensor, **lm_kwargs) -> LogitsAndValues:
+    def forward(self, rows_K: torch.Tensor, lm_logits: bool = True, **lm_kwargs) -> LogitsAndValues:
+        """Values (and, with lm_logits, the LM's logits) of rows rows_K of the packed sequence."""
         # hidden_states[-1] is the final norm's output (transformers ties it to last_hidden_state). The tuple
         # holds every layer's output, which backward (or gradient checkpointing) keeps anyway.
-        out = self.lm(logits_to_keep=logits_to_keep, output_hidden_states=True, **lm_kwargs)
-        hidden_KH = out.hidden_states[-1][0, logits_to_keep]
-        return LogitsAndValues(out.logits, self.value_head(hidden_KH)[None, :, 0])
+        out = self.lm(logits_to_keep=rows_K if lm_logits else rows_K[:0], output_hidden_states=True, **lm_kwargs)
+        hidden_KH = out.hidden_states[-1][0, rows_K]
+        return LogitsAndValues(out.logits, self.value_head(hidden_KH)[None, :, 0], hidden_KH)
 
 
-def completion_forward(model, micro_batch: MicroBatch, device: torch.device,
-                       temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[N] float32 log softmax(logits / temperature) at the targets."""
+    logits_NV = logits_NV.float()
+    if temperature != 1.0:
+        logits_NV = logits_NV / temperature
+    return logits_NV.gather(-1, targets_N[:, None])[:, 0] - logits_NV.logsumexp(-1)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """token_logprobs(linear(hidden_NH, weight, bias), ...) over chunk_tokens rows at a time. Forward keeps
+    only [N] log-sum-exps; backward recomputes each chunk's logits for its gradient. One autograd node, so the
+    head's weight receives one gradient per backward (ZeRO-1/2 reduce a parameter's gradient once; reentrant
+    checkpointing per chunk would accumulate it once per chunk). Numerics as the unchunked path: logits in
+    the weight's dtype, softmax in float32, their gradient cast back to the weight's dtype before the matmuls;
+    the weight's gradient is summed over chunks in float32."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, bias_V, targets_N, temperature, chunk_tokens):
+        logprobs, lse = [], []
+        for rows in _chunks(len(hidden_NH), chunk_tokens):
+            logits_CV = _tempered_logits(hidden_NH[rows], weight_VH, bias_V, temperature)
+            lse.append(logits_CV.logsumexp(-1))
+            logprobs.append(logits_CV.gather(-1, targets_N[rows, None])[:, 0] - lse[-1])
+            del logits_CV  # before the next chunk's
+        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N, torch.cat(lse))
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        return torch.cat(logprobs)
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        hidden_NH, weight_VH, bias_V, targets_N, lse_N = ctx.saved_tensors
+        grad_hidden_NH = torch.empty_like(hidden_NH)
+        grad_weight_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
+        grad_bias_V = None if bias_V is None else torch.zeros(bias_V.shape, dtype=torch.float32,
+                                                              device=bias_V.device)
+        for rows in _chunks(len(hidden_NH), ctx.chunk_tokens):
+            # d logprob_i / d logits_ij = (onehot_ij - softmax_ij) / T, in place over the recomputed logits
+            g_CV = _tempered_logits(hidden_NH[rows], weight_VH, bias_V, ctx.temperature)
+            g_CV.sub_(lse_N[rows, None]).exp_().mul_(-grad_N[rows, None].float())
+            g_CV.scatter_add_(-1, targets_N[rows, None], grad_N[rows, None].float())
+            if ctx.temperature != 1.0:
+                g_CV.div_(ctx.temperature)
+            if grad_bias_V is not None:
+                grad_bias_V += g_CV.sum(0)
+            g_CV = g_CV.to(weight_VH.dtype)
+            grad_hidden_NH[rows] = g_CV @ weight_VH
+            grad_weight_VH.addmm_(g_CV.T.float(), hidden_NH[rows].float())  # .float(): no copy in float32
+            del g_CV
+        grad_bias_V = None if grad_bias_V is None else grad_bias_V.to(bias_V.dtype)
+        return grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype), grad_bias_V, None, None, None
+
+
+def _chunks(n: int, chunk_tokens: int) -> list[slice]:
+    return [slice(start, start + chunk_tokens) for start in range(0, n, chunk_tokens)]
+
+
+def _tempered_logits(hidden_CH, weight_VH, bias_V, temperature) -> torch.Tensor:
+    logits_CV = torch.nn.functional.linear(hidden_CH, weight_VH, bias_V).float()  # a fresh tensor either way
+    return logits_CV.div_(temperature) if temperature != 1.0 else logits_CV
+
+
+class LogprobHead(torch.nn.Linear):
+    """The LM head (an nn.Linear) that can also score targets chunk by chunk: `head(hidden)` are logits as
+    before; `head(hidden_NH, targets_N, temperature, chunk_tokens)` are [N] float32 log-probs, peak memory
+    O(chunk_tokens x V). Scoring goes through the head module's own call so that whatever wraps it sees an
+    ordinary module call: ZeRO-3's hooks gather its partitioned weight around forward and backward and
+    reduce its gradient. Installed by `enable_chunked_logprobs`; parameters and names are the Linear's."""
+
+    def forward(self, hidden, targets_N=None, temperature=1.0, chunk_tokens=None):
+        if targets_N is None:
+            return super().forward(hidden)
+        return _ChunkedLogprobs.apply(hidden, self.weight, self.bias, targets_N, temperature, chunk_tokens)
+
+
+def enable_chunked_logprobs(lm: torch.nn.Module) -> None:
+    """Make the HF LM's output head a LogprobHead (in place: the same module, parameters and hooks)."""
+    head = lm.get_output_embeddings()
+    if type(head) not in (torch.nn.Linear, LogprobHead):
+        raise ValueError(f"chunked log-probs need an nn.Linear LM head, got {type(head).__name__}: "
+                         "set trainer.logprob_chunk_tokens=null")
+    head.__class__ = LogprobHead
+
+
+def chunked_logprobs(head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor,
+                     temperature: float, chunk_tokens: int) -> torch.Tensor:
+    """[N] float32 token_logprobs(head(hidden_NH), targets_N, temperature), chunk_tokens rows at a time."""
+    assert isinstance(head, LogprobHead), "call enable_chunked_logprobs(lm) first"
+    return head(hidden_NH, targets_N, temperature, chunk_tokens)
+
+
+def completion_forward(model, micro_batch: MicroBatch, device: torch.device, temperature: float = 1.0,
+                       chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward pass over a packed micro-batch: [N] float32 log-probs of its completion tokens and, when
     `model` is a ValueHeadLM, [N] float32 values (else None). model: an HF causal LM, a ValueHeadLM, or the
-    backend engine wrapping either (DeepSpeed's). values_N[i] is the value of the state in which token i was chosen: the
-    head on row target_pos_N[i] - 1, the same row whose logits give new_N[i].
+    backend engine wrapping either (DeepSpeed's, which exposes it as `.module`). values_N[i] is the value of
+    the state in which token i was chosen: the head on row target_pos_N[i] - 1, the same row whose logits
+    give new_N[i].
 
     The log-probs are those of softmax(logits / temperature), the distribution the servers sample from and
     report (vLLM's processed log-probs): at temperature != 1 the raw softmax is not the behaviour policy's
-    counterpart, and importance ratios against it are wrong even on-policy. Values are untouched."""
+    counterpart, and importance ratios against it are wrong even on-policy. Values are untouched.
+
+    chunk_tokens: None runs the LM head on all N rows at once ([N, V] logits, then float32); a number runs
+    it over that many rows at a time (`chunked_logprobs`, after `enable_chunked_logprobs`), equal to float
+    tolerance."""
     input_ids = micro_batch.input_ids.to(device)
     target_pos = micro_batch.target_pos_N.to(device)
-    # No attention mask: transformers isolates the packed sequences from the position-id restarts.
-    # Only rows that predict a completion token go through the LM head (the vocabulary is large).
-    out = model(input_ids=input_ids, position_ids=micro_batch.position_ids.to(device), use_cache=False,
-                logits_to_keep=target_pos - 1)
-    logits_NV = out.logits[0].float()
-    if temperature != 1.0:
-        logits_NV = logits_NV / temperature
+    rows_K = target_pos - 1  # only rows that predict a completion token go through the LM head
     targets_N = input_ids[0, target_pos]
-    logprobs_N = logits_NV.gather(-1, targets_N[:, None])[:, 0] - logits_NV.logsumexp(-1)
-    return logprobs_N, out.values[0].float() if isinstance(out, LogitsAndValues) else None
+    unwrapped = getattr(model, "module", model)
+    value_head = isinstance(unwrapped, ValueHeadLM)
+    lm = unwrapped.lm if value_head else unwrapped
+    # No attention mask: transformers isolates the packed sequences from the position-id restarts.
+    kwargs = {"input_ids": input_ids, "position_ids": micro_batch.position_ids.to(device), "use_cache": False}
+    if value_head:
+        out = model(rows_K=rows_K, lm_logits=chunk_tokens is None, **kwargs)
+        hidden_NH, values_N = out.hidden, out.values[0].float()
+    elif chunk_tokens is None:
+        out = model(logits_to_keep=rows_K, **kwargs)
+    else:  # an empty logits_to_keep: the trunk's hidden states, no logits
+        out = model(logits_to_keep=rows_K[:0], output_hidden_states=True, **kwargs)
+        hidden_NH = out.hidden_states[-1][0, rows_K]
+    if chunk_tokens is None:
+        logprobs_N = token_logprobs(out.logits[0], targets_N, temperature)
+    else:
+        logprobs_N = chunked_logprobs(lm.get_output_embeddings(), hidden_NH, targets_N, temperature, chunk_tokens)
+    return logprobs_N, values_N if value_head else None
 
 
-def completion_logprobs(model, micro_batch: MicroBatch, device: torch.device,
-                        temperature: float = 1.0) -> torch.Tensor:
-    """[N] float32 log-probs of a packed micro-batch's completion tokens under an HF causal LM (tempered as in
-    `completion_forward`)."""
-    return completion_forward(model, micro_batch, device, temperature)[0]
+def completion_logprobs(model, micro_batch: MicroBatch, device: torch.device, temperature: float = 1.0,
+                        chunk_tokens: int | None = None) -> torch.Tensor:
+    """[N] float32 log-probs of a packed micro-batch's completion tokens under an HF causal LM (tempered and
+    chunked as in `completion_forward`)."""
+    return completion_forward(model, micro_batch, device, temperature, chunk_tokens)[0]
