@@ -36,26 +36,27 @@ def publish(tmp: Path, final: Path, fsync: bool = True) -> None:
         fsync_path(final.parent)
 
 
-def write_file(path: str | Path, data: str | bytes, mode: int = 0o644, fsync: bool = True) -> None:
-    """Replace `path` with `data` atomically (file permissions `mode`)."""
-    path = Path(path)
+def _written_temp(path: Path, data: str | bytes, mode: int) -> Path:
+    """`data` in a new temporary sibling of `path` (folders created), not yet published."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "wb") as f:
         f.write(data.encode() if isinstance(data, str) else data)
-    publish(tmp, path, fsync)
+    return tmp
+
+
+def write_file(path: str | Path, data: str | bytes, mode: int = 0o644, fsync: bool = True) -> None:
+    """Replace `path` with `data` atomically (file permissions `mode`)."""
+    path = Path(path)
+    publish(_written_temp(path, data, mode), path, fsync)
 
 
 def create_file(path: str | Path, data: str | bytes, mode: int = 0o644) -> bool:
     """Create `path` with `data` unless it exists (first creator wins, complete or absent, never
     overwritten); True if this call created it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_sibling(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
+    tmp = _written_temp(path, data, mode)
     try:
         os.link(tmp, path)
         return True
