@@ -14,12 +14,13 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelinerl.actor import Actor, Completion, ServerPool
-from pipelinerl.actor.client import _completion_logprobs, _parse_choice
+from pipelinerl.actor.client import CompletionsClient, _completion_logprobs, _parse_choice
 from pipelinerl.config import load_config, save_config
 from pipelinerl.inference.rundir import SERVERS_DIR, list_servers, run_token
 from pipelinerl.launch.local import wait_for_servers
@@ -72,6 +73,33 @@ def test_the_pool_picks_the_least_loaded_server_and_sets_a_failed_one_aside(tmp_
     assert pool.acquire(avoid=set()) == first  # now the less loaded
     pool.release(second, failed=True)
     assert pool.refresh() == [first] and pool.acquire(avoid={first}) == first  # avoided, but the only one
+
+
+def test_the_serving_version_is_the_oldest_and_a_silent_server_is_set_aside(tmp_path):
+    """Two servers mid-broadcast report versions 2 and 1: the actor may only count on 1. A server whose
+    /status fails is set aside (requests avoid it) and no longer holds the version back."""
+    (tmp_path / SERVERS_DIR).mkdir()
+    for port in (1, 2):
+        (tmp_path / SERVERS_DIR / f"h_{port}").write_text(f"http://h:{port}\n")
+    reports = {"h:1": 2, "h:2": 1}
+
+    def status(request: httpx.Request) -> httpx.Response:
+        version = reports[request.url.netloc.decode()]
+        return httpx.Response(200, json={"version": version}) if version is not None else httpx.Response(503)
+
+    cfg = _config(tmp_path, Path("unused"), tmp_path / "actor.yaml")
+    client = CompletionsClient(cfg.actor, str(tmp_path), reference=False)
+
+    async def serving() -> int:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(status)) as http:
+            return await client.serving_version(http)
+
+    assert asyncio.run(serving()) == 1
+    reports["h:2"] = None
+    assert asyncio.run(serving()) == 2
+    assert client.pool.refresh() == ["http://h:1"]
+    reports["h:1"] = None
+    assert asyncio.run(serving()) == -1
 
 
 def test_the_scheduler_throttles_by_lag_and_writes_groups_in_start_order(tmp_path, tiny_model_dir):

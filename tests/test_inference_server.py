@@ -4,6 +4,7 @@ References are transformers' forward passes with a manual argmax loop (not `gene
 min_new_tokens would suppress EOS), on the same weights the server was sent.
 """
 
+import json
 import os
 import re
 import signal
@@ -151,34 +152,56 @@ def test_update_a_b_a_matches_transformers(server, models, broadcaster):
 
 def _straddling_round(server, models, broadcaster, old: int, prompts: list[list[int]],
                       after_update=None) -> tuple[int, dict]:
-    """Long requests with an update from A (version old) to C (old + 1) sent while they run: checks every
-    request and returns how many straddled the update. after_update(prompt, done, n) gives the n tokens
-    a request must continue with once it has generated `done` under A (default: on A's stale KV cache)."""
+    """Long completions of all prompts in one streamed request (admitted together), with an update from A
+    (version old) to C (old + 1) sent once every one has streamed a token, so none is generated wholly
+    under C: checks every completion and returns how many straddled the update. after_update(prompt, done,
+    n) gives the n tokens a completion must continue with once it has generated `done` under A (default:
+    on A's stale KV cache)."""
     after_update = after_update or (lambda ids, done, n: hf_stale_kv(models["A"], models["C"], ids, done, n))
     _send(broadcaster, old, models["A"])
-    results: dict[int, dict] = {}
-
-    def run(i, ids):
-        results[i] = _complete(server, ids, 250 - len(ids))
-
-    threads = [threading.Thread(target=run, args=(i, ids)) for i, ids in enumerate(prompts)]
-    for t in threads:
-        t.start()
-    _stream_until(server, _ids(models, "9+9="), 4)  # sent after the others: they are running by now
+    n = 250 - max(map(len, prompts))
+    started, results = threading.Event(), {}
+    thread = threading.Thread(target=lambda: results.update(_stream(server, prompts, n, started)))
+    thread.start()
+    assert started.wait(timeout=HTTP_TIMEOUT_S), "the completions streamed no token"
     reply = _send(broadcaster, old + 1, models["C"])
-    for t in threads:
-        t.join(timeout=120)
-    assert sorted(results) == list(range(len(prompts))), "every in-flight request must finish"
+    thread.join(timeout=HTTP_TIMEOUT_S)
+    assert sorted(results) == list(range(len(prompts))), "every in-flight completion must finish"
     straddled = 0
     for i, ids in enumerate(prompts):
         tokens, versions = results[i]["token_ids"], results[i]["policy_versions"]
         k = versions.count(old)
         assert versions == [old] * k + [old + 1] * (len(tokens) - k), "versions must switch once, old to new"
+        assert k > 0, "a completion that streamed a token before the update has a token of the old version"
         assert tokens[:k] == hf_greedy(models["A"], ids, k)
-        if 0 < k < len(tokens):
+        if k < len(tokens):
             straddled += 1
             assert tokens[k:] == after_update(ids, tokens[:k], len(tokens) - k)
     return straddled, reply
+
+
+def _stream(server, prompts: list[list[int]], n: int, started: threading.Event) -> dict[int, dict]:
+    """Greedy n-token completions of prompts in one streamed request, joined per choice into {token_ids,
+    policy_versions} (the versions ride on a choice's last chunk); sets `started` once every choice has
+    streamed a token."""
+    body = {"model": server["model"], "prompt": prompts, "max_tokens": n, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True}
+    out = {i: {"token_ids": [], "policy_versions": None} for i in range(len(prompts))}
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=HTTP_TIMEOUT_S) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[len("data: "):])["choices"]:
+                joined = out[choice["index"]]
+                joined["token_ids"] += choice.get("token_ids") or []
+                if choice.get("finish_reason") is not None:
+                    joined["policy_versions"] = choice.get("policy_versions")
+            if all(c["token_ids"] for c in out.values()):
+                started.set()
+    for c in out.values():
+        assert c["policy_versions"] is not None and len(c["policy_versions"]) == len(c["token_ids"]) == n, c
+    return out
 
 
 def straddle_until_half(server, models, broadcaster, after_update=None) -> None:
@@ -194,19 +217,6 @@ def straddle_until_half(server, models, broadcaster, after_update=None) -> None:
 
 def test_in_flight_update_switches_versions_where_it_happened(server, models, broadcaster):
     straddle_until_half(server, models, broadcaster)  # kv_on_update=keep: continue on the stale KV cache
-
-
-def _stream_until(server, ids: list[int], n: int) -> None:
-    """A streamed probe request, joined after the others: returns once it has produced n tokens."""
-    body = {"model": server["model"], "prompt": ids, "max_tokens": 2 * n, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=HTTP_TIMEOUT_S) as resp:
-        chunks = 0
-        for line in resp.iter_lines():
-            chunks += line.startswith("data: {")
-            if chunks >= n:
-                return
-    raise AssertionError("the probe request ended early")
 
 
 def test_control_routes_need_the_token(server):

@@ -62,7 +62,10 @@ class ServerPool:
     def release(self, url: str, failed: bool) -> None:
         self.load[url] = max(0, self.load.get(url, 0) - 1)
         if failed:
-            self.failed_at[url] = time.monotonic()
+            self.set_aside(url)
+
+    def set_aside(self, url: str) -> None:
+        self.failed_at[url] = time.monotonic()
 
 
 class CompletionsClient:
@@ -106,16 +109,22 @@ class CompletionsClient:
         """Whether any policy server is announced (and not set aside after a failure)."""
         return bool(self.pool.refresh())
 
-    async def newest_version(self, http: httpx.AsyncClient) -> int:
-        """The newest policy version any announced server reports on /status (-1: none answered)."""
-        version = -1
-        for url in self.pool.refresh():
+    async def serving_version(self, http: httpx.AsyncClient) -> int:
+        """The policy version every policy server serves: the oldest one the announced servers report on
+        /status (-1: none answered). A request goes to any of them, so only this version bounds the lag of
+        its tokens. A server that does not answer is set aside like one that failed a request."""
+        async def one(url: str) -> int | None:
             try:
                 resp = await http.get(f"{url}/status", timeout=10.0)
-                version = max(version, int(resp.json()["version"]))
+                resp.raise_for_status()
+                return int(resp.json()["version"])
             except (httpx.HTTPError, KeyError, ValueError) as err:
-                log.warning("could not read the version of %s: %r", url, err)
-        return version
+                log.warning("could not read the version of %s (set aside): %r", url, err)
+                self.pool.set_aside(url)
+                return None
+
+        versions = [v for v in await asyncio.gather(*map(one, self.pool.refresh())) if v is not None]
+        return min(versions, default=-1)
 
     async def _post_completions(self, http: httpx.AsyncClient, pool: ServerPool, body: dict) -> list[dict]:
         """POST /v1/completions to the pool's least-loaded server and return the choices in index order;

@@ -1,8 +1,9 @@
 """The actor's scheduler: which prompt starts when, in which order groups are written, and evaluation.
 
 Lag throttle. The trainer takes samples in stream order, `samples_per_step` (S) per optimizer step, so
-the i-th sample written is trained at step floor(i / S). Starting sample i only once the servers serve
-version v >= floor(i / S) - max_lag bounds the lag of every token by max_lag (its version is >= v).
+the i-th sample written is trained at step floor(i / S). Starting sample i only once every server serves
+a version v >= floor(i / S) - max_lag (the oldest version any reports is v) bounds the lag of every token
+by max_lag (its version is >= v).
 With max_lag = 0 the actor generates step k's batch only with version-k weights: synchronous
 on-policy RL. The bound is exact when groups finish in the order they started; the trainer's
 `rl.max_token_lag` drops any token that still exceeds it.
@@ -44,7 +45,7 @@ class Actor:
         self.writer = StreamWriter(cfg.run_dir, ROLLOUT_TOPIC, actor_id, cfg.streams)
         self.eval_writer = StreamWriter(cfg.run_dir, EVAL_TOPIC, actor_id, cfg.streams)
         self.tb = Scalars(cfg.run_dir, actor_id)
-        self.version = 0  # the newest policy version any server reports
+        self.version = 0  # the version every server serves (the oldest any reports; -1: none answered)
         self.started_samples, self.next_prompt = self._resume_position()
         self.in_flight: dict[asyncio.Task, int] = {}  # group task -> its prompt number
         self.evals: set[asyncio.Task] = set()
@@ -161,7 +162,7 @@ class Actor:
             prompts = self.task.iter_train(self.next_prompt)
             evaluated, last_log = -1, time.monotonic()
             while True:
-                self.version = max(self.version, await self.client.newest_version(http))
+                self.version = await self.client.serving_version(http)
                 every = self.cfg.actor.eval_every_steps
                 if every and self.version // every > evaluated and self.client.has_servers():
                     evaluated = self.version // every

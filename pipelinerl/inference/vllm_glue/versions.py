@@ -2,16 +2,20 @@
 
 vLLM tracks, per request, where each weight version starts (`CompletionOutput.weight_versions`, spans
 over output-token indexes) but only its token-in/token-out route returns them. These subclasses add
-one documented extra field to every non-streaming choice:
+one documented extra field to every non-streaming choice, and to the last chunk of each streamed
+completion choice (the one with its `finish_reason`):
 
     choices[i].policy_versions: list[int]   one entry per completion token (same length as
-                                            `token_ids`): the policy version that produced it
+                                            `token_ids`; streamed: as all the choice's chunks
+                                            together): the policy version that produced it
 
 Versions are integers because the server always sets them from the trainer's integer versions.
 `serving.open_server` applies `add_versions` on policy servers.
 """
 
 from __future__ import annotations
+
+import json
 
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
@@ -54,6 +58,35 @@ class VersionedCompletion(OpenAIServingCompletion):
         for choice, output in zip(response.choices, outputs):
             setattr(choice, FIELD, per_token_versions(output))
         return response
+
+
+    async def completion_stream_generator(self, request, engine_inputs, result_generator, *args, **kwargs):
+        num_choices = request.n or 1
+        finished: dict[int, list[int] | None] = {}  # choice index -> versions, once its output finished
+
+        async def remember_finished():
+            async for prompt_idx, res in result_generator:
+                for output in res.outputs:
+                    if output.finished():
+                        finished[output.index + prompt_idx * num_choices] = per_token_versions(output)
+                yield prompt_idx, res
+
+        async for event in super().completion_stream_generator(request, engine_inputs, remember_finished(),
+                                                               *args, **kwargs):
+            yield _with_versions(event, finished) if finished else event
+
+
+def _with_versions(event: str, finished: dict[int, list[int] | None]) -> str:
+    """A streamed `data: {...}` chunk with `policy_versions` on each choice that finished in it."""
+    if not event.startswith("data: {"):
+        return event
+    chunk = json.loads(event[len("data: "):])
+    ended = [c for c in chunk.get("choices", []) if c.get("finish_reason") is not None and c.get("index") in finished]
+    if not ended:
+        return event
+    for choice in ended:
+        choice[FIELD] = finished.pop(choice["index"])
+    return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
 
 
 def add_versions(state) -> None:
