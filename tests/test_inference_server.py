@@ -148,6 +148,7 @@ def test_update_a_b_a_matches_transformers(server, models, broadcaster):
     assert status["version"] == 2 and status["updates"] == 2
     metrics = httpx.get(server["url"] + "/metrics", timeout=HTTP_TIMEOUT_S).text
     assert "pipelinerl_weight_version 2.0" in metrics and "pipelinerl_weight_updates_total 2.0" in metrics
+    assert "weight update: serving version 2 (paused" in (server["run_dir"] / "server.log").read_text()
 
 
 def _straddling_round(server, models, broadcaster, old: int, prompts: list[list[int]],

@@ -8,6 +8,7 @@ the caller adds its routes before serving and a policy server's responses carry 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -76,10 +77,15 @@ def parse_vllm_args(argv: list[str]):
 
 
 def setup_process(cpu_kv_cache_gb: float | None) -> None:
-    """vLLM's CLI set-up (spawn for worker processes) and the CPU KV-cache size, before the engine starts."""
+    """vLLM's CLI set-up (spawn for worker processes) and the CPU KV-cache size, before the engine starts.
+
+    vLLM's SageMaker routes import `model_hosting_container_standards`, which at import sets the root
+    logger and its handlers to SAGEMAKER_CONTAINER_LOG_LEVEL (default ERROR): every `pipelinerl` line of
+    the server would vanish. It is given the level `pipelinerl.logs.setup_logging` chose."""
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
     cli_env_setup()
+    os.environ.setdefault("SAGEMAKER_CONTAINER_LOG_LEVEL", logging.getLevelName(logging.getLogger().level))
     if cpu_kv_cache_gb is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cpu_kv_cache_gb))
 
