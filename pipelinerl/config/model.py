@@ -52,6 +52,10 @@ class ModelConfig:
     path: str = doc(MISSING, "folder with config.json, weights and tokenizer; relative paths are from the CWD")
     build_tiny_if_missing: bool = doc(False, "`run` builds (and warm-starts) the tiny model at `path` if absent")
     dtype: str = doc("float32", f"training and serving dtype: {' | '.join(MODEL_DTYPES)}")
+    lm_head_fp32: bool = doc(False, "compute the LM head's logits in float32 in the trainer and on every vLLM "
+                             "server (vLLM's hf_overrides head_dtype), from the live low-precision weights: "
+                             "behaviour and trainer log-probs then agree better in bfloat16/float16 "
+                             "(tools/bench_lm_head_precision.py); no effect when dtype is float32")
     tiny: TinyModelConfig = section(TinyModelConfig, "shape of the offline tiny model; used only when building it")
 
     def __post_init__(self) -> None:

@@ -67,14 +67,16 @@ class DeepSpeedTrainer:
     head beside the LM (ValueHeadLM); `forward` and `accumulate` then also give the values. `temperature`: the
     rollouts' sampling temperature (actor.sampling.temperature); completion log-probs are scored at it, like
     the behaviour log-probs, cfg.logprob_chunk_tokens rows at a time (model.LogprobHead: scoring is a call of
-    the LM head module, so under ZeRO-3 its own hooks gather its weight and reduce its gradient)."""
+    the LM head module, so under ZeRO-3 its own hooks gather its weight and reduce its gradient).
+    `lm_head_fp32` (model.lm_head_fp32): the LM head's logits in float32, as on the servers."""
 
     def __init__(self, cfg: TrainerConfig, dist: DistInfo, dtype: str = "float32",
-                 broadcaster: WeightSender | None = None, value_head: bool = False, temperature: float = 1.0):
+                 broadcaster: WeightSender | None = None, value_head: bool = False, temperature: float = 1.0,
+                 lm_head_fp32: bool = False):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature!r} (actor.sampling.temperature)")
         self.cfg, self.dist, self.dtype, self.broadcaster = cfg, dist, dtype, broadcaster
-        self.value_head, self.temperature = value_head, temperature
+        self.value_head, self.temperature, self.lm_head_fp32 = value_head, temperature, lm_head_fp32
         self.engine = None
         self.model_path: Path | None = None
         self._hf_ds_config = None  # must outlive from_pretrained for ZeRO-3 (transformers keeps a weakref)
@@ -104,8 +106,8 @@ class DeepSpeedTrainer:
         model.config.use_cache = False
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        if self.cfg.logprob_chunk_tokens is not None:
-            enable_chunked_logprobs(model)
+        if self.cfg.logprob_chunk_tokens is not None or self.lm_head_fp32:
+            enable_chunked_logprobs(model, fp32=self.lm_head_fp32)
         if self.value_head:
             # Created outside zero.Init: under ZeRO-3 deepspeed.initialize partitions it like the LM.
             model = ValueHeadLM(model)

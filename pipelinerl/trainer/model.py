@@ -72,43 +72,52 @@ class _ChunkedLogprobs(torch.autograd.Function):
     only [N] log-sum-exps; backward recomputes each chunk's logits for its gradient. One autograd node, so the
     head's weight receives one gradient per backward (ZeRO-1/2 reduce a parameter's gradient once; reentrant
     checkpointing per chunk would accumulate it once per chunk). Numerics as the unchunked path: logits in
-    the weight's dtype, softmax in float32, their gradient cast back to the weight's dtype before the matmuls;
-    the weight's gradient is summed over chunks in float32."""
+    the weight's dtype (float32 with fp32: hidden states, weight and bias cast first), softmax in float32,
+    their gradient cast back to that dtype before the matmuls; the weight's gradient is summed over chunks in
+    float32. fp32 holds one float32 copy of the weight during forward and again during backward (vocab x
+    hidden x 4 B: 2.2 GB for a 152k x 3584 head); the logits stay O(chunk_tokens x V)."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, bias_V, targets_N, temperature, chunk_tokens):
+    def forward(ctx, hidden_NH, weight_VH, bias_V, targets_N, temperature, chunk_tokens, fp32):
+        dtype = torch.float32 if fp32 else weight_VH.dtype
+        w_VH, b_V = _cast(weight_VH, dtype), _cast(bias_V, dtype)
         logprobs, lse = [], []
         for rows in _chunks(len(hidden_NH), chunk_tokens):
-            logits_CV = _tempered_logits(hidden_NH[rows], weight_VH, bias_V, temperature)
+            logits_CV = _tempered_logits(hidden_NH[rows].to(dtype), w_VH, b_V, temperature)
             lse.append(logits_CV.logsumexp(-1))
             logprobs.append(logits_CV.gather(-1, targets_N[rows, None])[:, 0] - lse[-1])
             del logits_CV  # before the next chunk's
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N, torch.cat(lse))
-        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        ctx.temperature, ctx.chunk_tokens, ctx.dtype = temperature, chunk_tokens, dtype
         return torch.cat(logprobs)
 
     @staticmethod
     def backward(ctx, grad_N):
         hidden_NH, weight_VH, bias_V, targets_N, lse_N = ctx.saved_tensors
+        w_VH, b_V = _cast(weight_VH, ctx.dtype), _cast(bias_V, ctx.dtype)
         grad_hidden_NH = torch.empty_like(hidden_NH)
         grad_weight_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
         grad_bias_V = None if bias_V is None else torch.zeros(bias_V.shape, dtype=torch.float32,
                                                               device=bias_V.device)
         for rows in _chunks(len(hidden_NH), ctx.chunk_tokens):
             # d logprob_i / d logits_ij = (onehot_ij - softmax_ij) / T, in place over the recomputed logits
-            g_CV = _tempered_logits(hidden_NH[rows], weight_VH, bias_V, ctx.temperature)
+            g_CV = _tempered_logits(hidden_NH[rows].to(ctx.dtype), w_VH, b_V, ctx.temperature)
             g_CV.sub_(lse_N[rows, None]).exp_().mul_(-grad_N[rows, None].float())
             g_CV.scatter_add_(-1, targets_N[rows, None], grad_N[rows, None].float())
             if ctx.temperature != 1.0:
                 g_CV.div_(ctx.temperature)
             if grad_bias_V is not None:
                 grad_bias_V += g_CV.sum(0)
-            g_CV = g_CV.to(weight_VH.dtype)
-            grad_hidden_NH[rows] = g_CV @ weight_VH
+            g_CV = g_CV.to(ctx.dtype)
+            grad_hidden_NH[rows] = g_CV @ w_VH  # cast to the hidden states' dtype by the assignment
             grad_weight_VH.addmm_(g_CV.T.float(), hidden_NH[rows].float())  # .float(): no copy in float32
             del g_CV
         grad_bias_V = None if grad_bias_V is None else grad_bias_V.to(bias_V.dtype)
-        return grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype), grad_bias_V, None, None, None
+        return grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype), grad_bias_V, None, None, None, None
+
+
+def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(dtype)  # no copy when already dtype
 
 
 def _chunks(n: int, chunk_tokens: int) -> list[slice]:
@@ -125,21 +134,32 @@ class LogprobHead(torch.nn.Linear):
     before; `head(hidden_NH, targets_N, temperature, chunk_tokens)` are [N] float32 log-probs, peak memory
     O(chunk_tokens x V). Scoring goes through the head module's own call so that whatever wraps it sees an
     ordinary module call: ZeRO-3's hooks gather its partitioned weight around forward and backward and
-    reduce its gradient. Installed by `enable_chunked_logprobs`; parameters and names are the Linear's."""
+    reduce its gradient. Installed by `enable_chunked_logprobs`; parameters and names are the Linear's.
+
+    fp32 (model.lm_head_fp32): both calls compute the logits in float32 from the live low-precision weight,
+    as the vLLM servers do with head_dtype float32; rounding bfloat16 logits (8 significant bits) is then no
+    longer a source of behaviour/trainer disagreement."""
+
+    fp32: bool = False
 
     def forward(self, hidden, targets_N=None, temperature=1.0, chunk_tokens=None):
         if targets_N is None:
-            return super().forward(hidden)
-        return _ChunkedLogprobs.apply(hidden, self.weight, self.bias, targets_N, temperature, chunk_tokens)
+            if not self.fp32:
+                return super().forward(hidden)
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(), _cast(self.bias, torch.float32))
+        return _ChunkedLogprobs.apply(hidden, self.weight, self.bias, targets_N, temperature, chunk_tokens,
+                                      self.fp32)
 
 
-def enable_chunked_logprobs(lm: torch.nn.Module) -> None:
-    """Make the HF LM's output head a LogprobHead (in place: the same module, parameters and hooks)."""
+def enable_chunked_logprobs(lm: torch.nn.Module, fp32: bool = False) -> None:
+    """Make the HF LM's output head a LogprobHead (in place: the same module, parameters and hooks); fp32
+    makes its logits float32 (LogprobHead), whether or not they are chunked."""
     head = lm.get_output_embeddings()
     if type(head) not in (torch.nn.Linear, LogprobHead):
-        raise ValueError(f"chunked log-probs need an nn.Linear LM head, got {type(head).__name__}: "
-                         "set trainer.logprob_chunk_tokens=null")
+        raise ValueError(f"chunked or float32 log-probs need an nn.Linear LM head, got {type(head).__name__}: "
+                         "set trainer.logprob_chunk_tokens=null and model.lm_head_fp32=false")
     head.__class__ = LogprobHead
+    head.fp32 = fp32
 
 
 def chunked_logprobs(head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor,
@@ -163,7 +183,7 @@ def completion_forward(model, micro_batch: MicroBatch, device: torch.device, tem
 
     chunk_tokens: None runs the LM head on all N rows at once ([N, V] logits, then float32); a number runs
     it over that many rows at a time (`chunked_logprobs`, after `enable_chunked_logprobs`), equal to float
-    tolerance."""
+    tolerance. Either way the logits are float32 from the start when the head is a LogprobHead with fp32."""
     input_ids = micro_batch.input_ids.to(device)
     target_pos = micro_batch.target_pos_N.to(device)
     rows_K = target_pos - 1  # only rows that predict a completion token go through the LM head

@@ -58,13 +58,28 @@ def vllm_argv(cfg: Config, host: str, port: int, reference: bool = False) -> lis
                  "--worker-extension-cls", WORKER_EXTENSION]
         if inf.max_model_len is not None:
             argv += ["--max-model-len", str(inf.max_model_len)]
-    for key, value in inf.engine_args.items():
+    for key, value in _engine_args(cfg).items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
         else:
             argv += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
     return argv
+
+
+def _engine_args(cfg: Config) -> dict:
+    """inference.engine_args, plus hf_overrides.head_dtype=float32 with model.lm_head_fp32: vLLM then
+    computes the logits in float32 from the live weights (LogitsProcessor casts hidden states and weight at
+    each call, so a weight update leaves no stale copy), as the trainer's LogprobHead does."""
+    args = dict(cfg.inference.engine_args)
+    if not cfg.model.lm_head_fp32:
+        return args
+    overrides = dict(args.get("hf_overrides") or {})
+    if overrides.get("head_dtype", "float32") != "float32":
+        raise ConfigError(f"config `inference.engine_args.hf_overrides.head_dtype`: model.lm_head_fp32 sets it "
+                          f"to 'float32', got {overrides['head_dtype']!r}; remove it or set model.lm_head_fp32=false")
+    args["hf_overrides"] = {**overrides, "head_dtype": "float32"}
+    return args
 
 
 def parse_vllm_args(argv: list[str]):
