@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from pipelinerl.config.fields import check, check_choice, check_positive, doc
 
+UPDATE_STAGING = ("host", "device")  # inference.update_staging: weights/receiver.py implements both
+
 
 @dataclass
 class InferenceConfig:
@@ -25,6 +27,14 @@ class InferenceConfig:
     enable_prefix_caching: bool = doc(False, "vLLM prefix cache; only with kv_on_update=recompute")
     kv_on_update: str = doc("keep", "running sequences after an update: keep (stale KV) | recompute (re-prefill)")
     weight_update_backend: str | None = doc(None, "nccl | gloo", null="nccl when CUDA is present, else gloo")
+    update_staging: str = doc(
+        "host", "where a server keeps an incoming weight update until every byte has arrived (the served model is "
+                "untouched until then, so a failed broadcast never leaves it half-updated): host (each bucket lands "
+                "on the GPU and is copied to host RAM: one bucket of GPU memory beyond gpu_memory_utilization, the "
+                "full model of host RAM per tensor-parallel worker, since each receives full tensors) | device (the "
+                "buckets stay on the GPU: no device->host->device copies, but the full model of GPU memory per "
+                "worker beyond gpu_memory_utilization). On CPU both are the same memory. `pipelinerl plan` shows "
+                "which fits")
     weight_update_timeout_s: float = doc(600.0, "how long any weight-update wait may take (group join, each "
                                                 "bucket, each reply); the trainer sends it to the servers", unit="s")
     auth_token: str | None = doc(None, "bearer token of the control routes",
@@ -50,6 +60,7 @@ class InferenceConfig:
         check(self.cpu_kv_cache_gb is None or float(self.cpu_kv_cache_gb).is_integer(),
               "inference.cpu_kv_cache_gb", "vLLM takes whole GiB here (e.g. 1 or 4)")
         check_choice(self.kv_on_update, ("keep", "recompute"), "inference.kv_on_update")
+        check_choice(self.update_staging, UPDATE_STAGING, "inference.update_staging")
         check(not (self.kv_on_update == "keep" and self.enable_prefix_caching), "inference.enable_prefix_caching",
               "kv_on_update=keep continues on stale KV, and vLLM cannot reset the prefix cache while those "
               "requests hold blocks: set enable_prefix_caching=false, or kv_on_update=recompute")

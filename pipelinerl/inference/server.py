@@ -163,7 +163,7 @@ async def run(cfg: Config, args, updates: Updates | None) -> None:
                 server.app.include_router(reference_router())
             else:
                 updater = WeightUpdater(server.engine, updates.expected, cfg.model.dtype, cfg.inference.kv_on_update,
-                                        updates.version)
+                                        updates.version, staging=cfg.inference.update_staging)
                 server.app.include_router(control_router(updater, updates.token))
                 await updater.start()
             folder = rundir.SERVERS_DIR if updates is not None else rundir.REFERENCE_SERVERS_DIR

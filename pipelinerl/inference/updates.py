@@ -27,7 +27,7 @@ class UpdatableEngine(Protocol):
 
     async def set_version(self, version: int) -> None: ...  # tag tokens generated from now on
 
-    async def join_group(self, req: InitRequest) -> None: ...
+    async def join_group(self, req: InitRequest, staging: str) -> None: ...  # staging: host | device
 
     async def pause(self, recompute: bool) -> None: ...  # keep running requests; recompute: drop their KV
 
@@ -64,11 +64,12 @@ class _Metrics:
 
 
 class WeightUpdater:
-    """One per server. `expected` maps HF tensor names to shapes (read from the checkpoint)."""
+    """One per server. `expected` maps HF tensor names to shapes (read from the checkpoint); `staging` is
+    where the engine stages an update before loading it (inference.update_staging: host | device)."""
 
     def __init__(self, engine: UpdatableEngine, expected: dict[str, list[int]], dtype: str, kv_on_update: str,
-                 version: int, registry: CollectorRegistry = REGISTRY):
-        self.engine, self.expected, self.dtype = engine, expected, dtype
+                 version: int, registry: CollectorRegistry = REGISTRY, staging: str = "host"):
+        self.engine, self.expected, self.dtype, self.staging = engine, expected, dtype, staging
         self.kv_on_update, self.num_ranks, self.version = kv_on_update, engine.num_ranks, version
         self.group_ready = False
         self.busy = False  # one control operation at a time; the routes answer 409 meanwhile
@@ -85,7 +86,7 @@ class WeightUpdater:
         return {"version": self.version, "num_ranks": self.num_ranks, "group_ready": self.group_ready,
                 "updating": self.busy, "updates": self.updates, "pause_total_s": self.pause_total_s,
                 "last_pause_s": self.last_pause_s, "kv_on_update": self.kv_on_update,
-                "dtype": self.dtype, "tensors": self.expected}
+                "update_staging": self.staging, "dtype": self.dtype, "tensors": self.expected}
 
     async def init_group(self, body: object) -> dict:
         req = _parsed(parse_init_request, body)
@@ -95,7 +96,7 @@ class WeightUpdater:
             raise UpdateError(409, "already in a weight-update group; a new one is accepted after a "
                                    "failed update or a server restart")
         try:
-            await self.engine.join_group(req)
+            await self.engine.join_group(req, self.staging)
         except Exception as err:
             raise UpdateError(504, f"joining the weight group of {req.master_addr}:{req.master_port} "
                                    f"failed: {err}") from err

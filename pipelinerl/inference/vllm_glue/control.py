@@ -26,8 +26,10 @@ class VllmEngine:
         # vLLM versions are strings; the per-token spans carry them back (serving.per_token_versions).
         await self.client.update_weight_version(str(version))
 
-    async def join_group(self, req: InitRequest) -> None:
-        await self.client.init_weight_transfer_engine(WeightTransferInitRequest(init_info=asdict(req)))
+    async def join_group(self, req: InitRequest, staging: str) -> None:
+        # staging is this server's inference.update_staging: a server-side choice, so not in the trainer's body
+        info = {**asdict(req), "staging": staging}
+        await self.client.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
     async def pause(self, recompute: bool) -> None:
         # "keep" freezes running requests in place; clearing the cache preempts them (re-prefill later).

@@ -8,8 +8,10 @@ layers to the meta device: a trainer that dies mid-broadcast leaves a model on m
 kills the engine (FACTS.md). This engine keeps vLLM's lifecycle (`start_weight_update` ->
 `update_weights` -> `finish_weight_update`, driven by `AsyncLLM`) but splits it differently:
 
-- `update_weights` only receives, into staging buffers (host memory on both CPU and GPU), with a
-  deadline; on any failure the staging is dropped and the model was never touched.
+- `update_weights` only receives, into staging buffers, with a deadline; on any failure the staging is
+  dropped and the model was never touched. The server's `inference.update_staging` picks where the
+  staging lives on a GPU (host RAM, or device memory: no device->host->device copies); it comes with
+  the init info (`GroupInitInfo.staging`, added by the server, not by the trainer).
 - `finish_weight_update` loads from staging with vLLM's layerwise reload, which re-runs the weight
   post-processing. On CPU that re-packs the oneDNN linear weights, so the load is exact and inference
   keeps the prepacked kernels (no throughput cost; the alternative, plain `F.linear`, costs 15-30 %).
@@ -44,6 +46,7 @@ class GroupInitInfo(WeightTransferInitInfo):
     world_size: int
     backend: str
     timeout_s: float
+    staging: str = "host"  # the server's inference.update_staging (control.VllmEngine.join_group adds it)
 
 
 @dataclass
@@ -63,6 +66,7 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
         super().__init__(config, vllm_config, device, model)
         self.group = None
         self.request: InitRequest | None = None
+        self.staging = "host"
         self.staged: list[tuple[str, torch.Tensor]] | None = None
         self.timings: dict[str, float] = {}
 
@@ -74,7 +78,9 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
     def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
         if self.group is not None:
             raise RuntimeError(f"already in a weight-update group with {self.peer}")
-        self.request = InitRequest(**asdict(init_info))
+        fields = asdict(init_info)
+        self.staging = fields.pop("staging")
+        self.request = InitRequest(**fields)
         pc = self.parallel_config
         rank = self.request.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.group = open_group(self.request, rank)
@@ -94,7 +100,8 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
         device = torch.device("cpu") if self.request.backend == "gloo" else self.device
         started = time.monotonic()
         try:
-            self.staged = receive_staged(self.group, req, device, started + self.request.timeout_s, self.peer)
+            self.staged = receive_staged(self.group, req, device, started + self.request.timeout_s, self.peer,
+                                         self.staging)
         except BaseException:
             # A collective that failed half-way leaves the group unusable: the trainer must re-init.
             self.staged = None
