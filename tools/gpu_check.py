@@ -1,0 +1,578 @@
+"""A prepared one-device check (issue #15): what one GPU runs, measured, in one table. Also a CPU smoke test.
+
+Each step runs what the device and the installed libraries allow, and says "skipped: <why>" otherwise:
+
+1. trainer: optimizer steps of the project's trainer on a random-init model built offline (the tiny model,
+   and on CUDA a Qwen2-1.5B-shaped one). With DeepSpeed: the DeepSpeed backend, ZeRO-3 on one rank, built
+   from a Config by `backends.build_trainer`. Without it: plain torch in the same precision scheme (bf16
+   weights and gradients, float32 master weights and AdamW states), with the same chunked log-prob head.
+   Peak memory (CUDA: max_memory_allocated; CPU: growth of the process's peak RSS, getrusage) and step time.
+2. plan: `pipelinerl plan`'s predicted trainer memory per GPU for the same config, beside the measured peak.
+3. gather: the trainer's full-model gather (ZeRO-3: module by module) packed into the wire format's buckets
+   on the device: what WeightBroadcaster does before each broadcast, without the collective.
+4. server (vLLM): `pipelinerl serve` on the tiny model, one weight update over gloo, per-token versions of a
+   sampled completion, and the lag-0 agreement of the server's log-probs with the trainer's.
+
+Each trainer measurement runs in a child process (`--child`), so peaks are per model.
+
+    tools/gpu_check.sh                    # CUDA: tiny + 1.5B-shaped, server step when vLLM imports
+    tools/gpu_check.sh --device cpu       # CI smoke test: tiny only, no server unless --with-server
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BASE_CONFIG = REPO / "configs" / "tiny_cpu.yaml"
+GB = 1e9  # decimal, as the plan reports (the issue: 16384 x 152k x 4 B "= 10 GB")
+
+# name -> (hidden, layers, heads, kv heads, FFN, vocab); vocab None keeps the tiny tokenizer's.
+SHAPES = {
+    "tiny": (128, 2, 4, 2, 512, None),
+    "1.5b": (1536, 28, 12, 2, 8960, 151936),  # Qwen2.5-1.5B's shape (untied here, as every tiny build)
+}
+
+
+@dataclass
+class Row:
+    step: str
+    result: str  # "ok" | "FAILED: <why>" | "skipped: <why>"
+    numbers: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.result.startswith("FAILED")
+
+
+def importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# ---- models and configs -------------------------------------------------------------------------------
+
+def build_model(out_dir: Path, shape: str, device: str):
+    """The project's tiny-model builder at another shape; a real-size vocabulary where the shape has one
+    (ids past the character tokenizer's are never decoded: the check feeds token ids)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipelinerl.config import TinyModelConfig
+    from pipelinerl.tiny_model import build_tokenizer, save_model, tiny_qwen2_config
+
+    hidden, layers, heads, kv, ffn, vocab = SHAPES[shape]
+    tiny = TinyModelConfig(hidden_size=hidden, num_layers=layers, num_attention_heads=heads,
+                           num_key_value_heads=kv, intermediate_size=ffn, max_position_embeddings=4096)
+    tokenizer = build_tokenizer()
+    config = tiny_qwen2_config(tiny, tokenizer)
+    if vocab is not None:
+        config.vocab_size = vocab
+    torch.manual_seed(tiny.seed)
+    # A 1.5B model initialises in seconds on the GPU, minutes on CPU; bf16 halves what is written.
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    save_model(model, tokenizer, out_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
+def write_config(path: Path, model_dir: Path, run_dir: Path, args, extra: tuple[str, ...] = ()) -> Path:
+    """configs/tiny_cpu.yaml with the check's model and trainer settings, resolved and saved: the one file
+    that the trainer child, `pipelinerl plan` and the server all read."""
+    from pipelinerl.config import load_config, save_config
+
+    overrides = [f"run_dir={run_dir}", f"model.path={model_dir}", "model.build_tiny_if_missing=false",
+                 f"model.dtype={args.dtype}", "trainer.zero_stage=3", "trainer.num_gpus=1",
+                 f"trainer.micro_batch_tokens={args.tokens}", f"trainer.logprob_chunk_tokens={args.chunk}",
+                 f"trainer.broadcast_bucket_mb={args.bucket_mb}", "actor.sampling.min_new_tokens=0", *extra]
+    save_config(load_config(BASE_CONFIG, overrides), path)
+    return path
+
+
+# ---- step 1 and 3, in a child process: trainer steps, peak memory, gather into buckets ------------------
+
+def random_samples(vocab: int, tokens: int, seq_len: int, seed: int):
+    """Packed-sequence samples of random ids (1/8 prompt), filling one micro-batch of `tokens`."""
+    import torch
+
+    from pipelinerl.trainer.packing import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = max(1, seq_len // 8)
+    out = []
+    for i in range(max(1, tokens // seq_len)):
+        ids = torch.randint(3, vocab, (seq_len,), generator=g).tolist()
+        adv = float(torch.randn((), generator=g))
+        out.append(Sample(ids[:prompt], ids[prompt:], index=i, token_fields={"advantage": [adv] * (seq_len - prompt)}))
+    return out
+
+
+def pg_loss(mb, new_N, values_N, num_sequences: int):
+    """A policy-gradient loss of the trainer's form (a share of the step's sum over sequences)."""
+    loss = -(new_N * mb.fields_N["advantage"].to(new_N)).sum() / num_sequences
+    return loss, {"loss": loss.item()}
+
+
+class DeepSpeedStepper:
+    """The project's DeepSpeed backend on one rank, built from the config as `pipelinerl train` builds it."""
+
+    name = "deepspeed zero-3"
+
+    def __init__(self, cfg):
+        from pipelinerl.launch.procs import free_port
+        from pipelinerl.trainer.backends import build_trainer
+        from pipelinerl.trainer.dist import init_process_group, read_dist_env
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+        dist = read_dist_env()
+        init_process_group(dist, cfg.trainer.dist_timeout_s)
+        self.trainer = build_trainer(cfg, dist, broadcaster=None)
+        self.trainer.init(cfg.model.path)
+        self.device = self.trainer.device
+        self.vocab = self.trainer.lm.config.vocab_size
+
+    def step(self, mbs, num_sequences: int) -> None:
+        import functools
+
+        self.trainer.accumulate(mbs, functools.partial(pg_loss, num_sequences=num_sequences))
+        self.trainer.optimizer_step()
+
+    def weights(self):
+        from pipelinerl.weights import TensorMeta
+
+        metas = [TensorMeta(n, d, s) for n, d, s in self.trainer.named_shapes()]
+        return metas, (t for _, t in self.trainer.gathered_parameters())
+
+
+class TorchStepper:
+    """Plain torch, one device, ZeRO-3's precision scheme at world size 1: 16-bit weights and gradients,
+    float32 master weights and AdamW states (16 bytes per parameter), the same chunked log-prob head."""
+
+    name = "torch adamw (no deepspeed)"
+
+    def __init__(self, cfg, device: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from pipelinerl.dtypes import torch_dtype
+        from pipelinerl.trainer.model import enable_chunked_logprobs
+
+        self.cfg, self.device = cfg, torch.device(device)
+        self.lm = AutoModelForCausalLM.from_pretrained(
+            cfg.model.path, dtype=torch_dtype(cfg.model.dtype), attn_implementation=cfg.trainer.attn_implementation,
+        ).to(self.device)
+        self.lm.config.use_cache = False
+        enable_chunked_logprobs(self.lm)
+        self.params = [p for p in self.lm.parameters()]
+        mixed = self.params[0].dtype != torch.float32
+        self.masters = [p.detach().float().requires_grad_() for p in self.params] if mixed else self.params
+        t = cfg.trainer
+        self.opt = torch.optim.AdamW(self.masters, lr=t.lr, betas=tuple(t.betas), eps=t.adam_eps,
+                                     weight_decay=t.weight_decay)
+        self.vocab = self.lm.config.vocab_size
+
+    def step(self, mbs, num_sequences: int) -> None:
+        import torch
+
+        from pipelinerl.trainer.model import completion_forward
+
+        for mb in mbs:
+            new_N, _ = completion_forward(self.lm, mb, self.device, self.cfg.actor.sampling.temperature,
+                                          self.cfg.trainer.logprob_chunk_tokens)
+            pg_loss(mb, new_N, None, num_sequences)[0].backward()
+        if self.masters is not self.params:
+            for m, p in zip(self.masters, self.params):
+                m.grad, p.grad = p.grad.float(), None
+        if self.cfg.trainer.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.trainer.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.masters is not self.params:
+            with torch.no_grad():
+                for m, p in zip(self.masters, self.params):
+                    p.copy_(m)
+
+    def weights(self):
+        from pipelinerl.weights import TensorMeta, dtype_name
+
+        named = list(self.lm.named_parameters())
+        return [TensorMeta(n, dtype_name(p.dtype), list(p.shape)) for n, p in named], (p.detach() for _, p in named)
+
+
+def pack_buckets(metas, tensors, bucket_bytes: int, device) -> int:
+    """Pack every tensor into its bucket as WeightBroadcaster does (plan_buckets layout, one buffer per
+    bucket on the device); returns the bucket count. No collective: one device has no receiver."""
+    import torch
+
+    from pipelinerl.weights import plan_buckets
+
+    it = iter(tensors)
+    buckets = plan_buckets(metas, bucket_bytes)
+    for bucket in buckets:
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        for off in bucket.offsets:
+            t = next(it)
+            buf[off:off + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+    assert next(it, None) is None, "more tensors than metas"
+    return len(buckets)
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_bytes(device, rss_baseline: int) -> tuple[int, str]:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return rss - rss_baseline, "peak RSS growth after imports (getrusage)"
+
+
+def run_child(args) -> dict:
+    """One trainer measurement (this process only): steps, peak memory, then gather + bucket packing."""
+    import torch
+
+    from pipelinerl.config import load_config
+    from pipelinerl.trainer.packing import pack
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    cfg = load_config(args.child)
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401 - loaded before the baseline: not the model's memory
+
+    if args.trainer == "deepspeed":
+        import deepspeed  # noqa: F401
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    stepper = DeepSpeedStepper(cfg) if args.trainer == "deepspeed" else TorchStepper(cfg, args.device)
+    times = []
+    for step in range(args.steps):
+        samples = random_samples(stepper.vocab, args.tokens, min(args.seq_len, args.tokens), seed=step)
+        mbs = pack(samples, cfg.trainer.micro_batch_tokens)
+        synchronize(stepper.device)
+        start = time.perf_counter()
+        stepper.step(mbs, len(samples))
+        synchronize(stepper.device)
+        times.append(time.perf_counter() - start)
+    peak, how = peak_bytes(stepper.device, rss0)
+    metas, tensors = stepper.weights()
+    start = time.perf_counter()
+    buckets = pack_buckets(metas, tensors, int(cfg.trainer.broadcast_bucket_mb * 2**20), stepper.device)
+    synchronize(stepper.device)
+    gather_s = time.perf_counter() - start
+    return {"backend": stepper.name, "dtype": cfg.model.dtype, "steps": len(times), "first_step_s": times[0],
+            "step_s": statistics.median(times[1:] or times), "tokens_per_step": args.tokens,
+            "peak_bytes": peak, "peak_how": how, "gather_s": gather_s, "buckets": buckets,
+            "gather_bytes": sum(m.nbytes for m in metas), "params": sum(_numel(m.shape) for m in metas)}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def measure_trainer(cfg_path: Path, args, workdir: Path) -> dict:
+    """run_child in a fresh process; its JSON result (RuntimeError with its output's tail on failure)."""
+    argv = [sys.executable, __file__, "--child", str(cfg_path), "--device", args.device,
+            "--trainer", args.trainer, "--tokens", str(args.tokens), "--seq-len", str(args.seq_len),
+            "--steps", str(args.steps), "--threads", str(args.threads)]
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=args.step_timeout_s)
+    (workdir / f"{cfg_path.stem}.child.log").write_text(out.stdout + out.stderr)
+    if out.returncode != 0:
+        raise RuntimeError(f"exit {out.returncode}: {(out.stdout + out.stderr).strip()[-800:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ---- step 2: the plan's prediction ----------------------------------------------------------------------
+
+def plan_trainer_gb(cfg_path: Path, gpu_memory_gb: float) -> float | str:
+    """`pipelinerl plan`'s trainer GB per GPU, or the reason it is unavailable (a str)."""
+    argv = [sys.executable, "-m", "pipelinerl.cli", "plan", str(cfg_path), "--gpu-memory-gb",
+            str(gpu_memory_gb), "--json"]
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=120)
+    if out.returncode == 2 and "invalid choice" in out.stderr:
+        return "pipelinerl plan not available"
+    try:  # a plan that does not fit may exit non-zero and still print its JSON
+        return float(json.loads(out.stdout)["roles"]["trainer"]["per_gpu_gb"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise RuntimeError(f"plan exit {out.returncode}, no trainer per_gpu_gb ({err!r}): "
+                           f"{(out.stdout + out.stderr).strip()[-500:]}") from None
+
+
+# ---- step 4: a vLLM server, one update, per-token versions, lag-0 log-prob agreement --------------------
+
+def start_server(cfg_path: Path, run_dir: Path, port: int, timeout_s: float):
+    """`pipelinerl serve` under a Supervisor (its own process group); the URL once it announces itself."""
+    from pipelinerl.inference.rundir import list_servers
+    from pipelinerl.launch.procs import Role, Supervisor
+
+    sup = Supervisor()
+    sup.start(Role("server", [sys.executable, "-m", "pipelinerl.cli", "serve", str(cfg_path), "--port", str(port)],
+                   run_dir / "server.log", env={"HF_HUB_OFFLINE": "1"}))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not (urls := list_servers(run_dir)):
+            sup.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server did not announce itself within {timeout_s:.0f} s; log: "
+                                   f"{run_dir / 'server.log'}")
+            time.sleep(0.5)
+    except BaseException:
+        sup.stop_all()
+        raise
+    return sup, urls[0]
+
+
+def perturbed_model(model_dir: Path, seed: int):
+    """The served model's weights plus noise: an update the server can only reproduce by loading it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipelinerl.trainer.model import enable_chunked_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    enable_chunked_logprobs(model)
+    return model
+
+
+def update_and_sample(cfg, url: str, model, prompts: list[list[int]]) -> tuple[dict, list]:
+    """Broadcast `model` as version 1 (the project's WeightBroadcaster, gloo), then sample each prompt
+    through the actor's completions client; returns the broadcast's reply and the completions."""
+    import asyncio
+
+    import httpx
+
+    from pipelinerl.actor.client import CompletionsClient
+    from pipelinerl.inference.rundir import run_token
+    from pipelinerl.launch.procs import free_port
+    from pipelinerl.weights import TensorMeta, WeightBroadcaster, dtype_name
+
+    sender = WeightBroadcaster([url], "gloo", "127.0.0.1", free_port(), cfg.inference.weight_update_timeout_s,
+                               int(cfg.trainer.broadcast_bucket_mb * 2**20), run_token(cfg.run_dir), checksums=True)
+    try:
+        sender.connect()
+        named = list(model.named_parameters())
+        reply = sender.broadcast(1, [TensorMeta(n, dtype_name(p.dtype), list(p.shape)) for n, p in named],
+                                 (p.detach() for _, p in named))
+    finally:
+        sender.close()
+    client = CompletionsClient(cfg.actor, cfg.run_dir, reference=False)
+
+    async def sample():
+        async with httpx.AsyncClient() as http:
+            return [c for p in prompts for c in await client.complete(http, p, greedy=False, n=2)]
+
+    return reply, asyncio.run(sample())
+
+
+def trainer_logprobs(model, prompt: list[int], completion: list[int], cfg) -> list[float]:
+    """The trainer's completion log-probs (completion_forward, chunked, at the sampling temperature)."""
+    import torch
+
+    from pipelinerl.trainer.model import completion_logprobs
+    from pipelinerl.trainer.packing import Sample, pack
+
+    (mb,) = pack([Sample(prompt, completion, index=0)], len(prompt) + len(completion))
+    with torch.no_grad():
+        return completion_logprobs(model, mb, torch.device("cpu"), cfg.actor.sampling.temperature,
+                                   cfg.trainer.logprob_chunk_tokens).tolist()
+
+
+def server_check(model_dir: Path, workdir: Path, args) -> Row:
+    from pipelinerl.config import load_config
+    from pipelinerl.launch.procs import free_port
+    from pipelinerl.tiny_model import build_tokenizer
+
+    run_dir = workdir / "server_run"
+    cfg_path = write_config(workdir / "server.yaml", model_dir, run_dir, args,
+                            ("model.dtype=float32", "inference.max_model_len=256",
+                             "actor.sampling.max_new_tokens=32", "actor.sampling.temperature=0.7"))
+    cfg = load_config(cfg_path)
+    start = time.monotonic()
+    sup, url = start_server(cfg_path, run_dir, free_port(), cfg.inference.startup_timeout_s)
+    ready_s = time.monotonic() - start
+    try:
+        model = perturbed_model(model_dir, seed=1)
+        tok = build_tokenizer()
+        prompts = [list(tok(text).input_ids) for text in ("12+34=", "7*8=", "99-1=")]
+        reply, completions = update_and_sample(cfg, url, model, prompts)
+        deltas, versions = [], set()
+        for i, c in enumerate(completions):
+            ours = trainer_logprobs(model, prompts[i // 2], c.token_ids, cfg)
+            deltas += [abs(a - b) for a, b in zip(ours, c.logprobs, strict=True)]
+            versions.update(c.versions)
+    finally:
+        sup.stop_all()
+    mean_d, max_d = statistics.fmean(deltas), max(deltas)
+    numbers = (f"ready {ready_s:.0f} s; update {reply['bytes'] / 1e6:.2f} MB in {reply['total_s']:.2f} s; "
+               f"{len(deltas)} tokens, versions {sorted(versions)}; lag-0 |dlogprob| mean {mean_d:.1e} "
+               f"max {max_d:.1e} (float32, T={cfg.actor.sampling.temperature})")
+    if versions != {1}:
+        return Row("server: update + versions + lag-0 log-probs", f"FAILED: token versions {sorted(versions)}, "
+                   "expected all 1", numbers)
+    if max_d > args.max_logprob_diff:
+        return Row("server: update + versions + lag-0 log-probs",
+                   f"FAILED: max |dlogprob| {max_d:.1e} > {args.max_logprob_diff}", numbers)
+    return Row("server: update + versions + lag-0 log-probs", "ok", numbers)
+
+
+# ---- the table ------------------------------------------------------------------------------------------
+
+def trainer_rows(shape: str, workdir: Path, args) -> list[Row]:
+    """Steps 1-3 for one model shape."""
+    model_dir = workdir / f"model_{shape}"
+    start = time.monotonic()
+    build_model(model_dir, shape, args.device)
+    build_s = time.monotonic() - start
+    cfg_path = write_config(workdir / f"{shape}.yaml", model_dir, workdir / f"run_{shape}", args)
+    try:
+        m = measure_trainer(cfg_path, args, workdir)
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        return [Row(f"trainer [{shape}]", f"FAILED: {err}")]
+    rows = [Row(f"trainer [{shape}]", "ok",
+                f"{m['backend']}, {m['dtype']}, {m['params'] / 1e6:.1f}M params (built in {build_s:.0f} s); "
+                f"{m['tokens_per_step']} tokens/step, chunk {args.chunk}: step {m['step_s']:.2f} s "
+                f"(first {m['first_step_s']:.2f} s), {m['tokens_per_step'] / m['step_s']:.0f} tok/s; "
+                f"peak {m['peak_bytes'] / GB:.3f} GB ({m['peak_how']})")]
+    rows.append(plan_row(shape, cfg_path, m, args))
+    rows.append(Row(f"gather for broadcast [{shape}]", "ok",
+                    f"{m['gather_bytes'] / 1e6:.1f} MB {m['dtype']} in {m['buckets']} bucket(s) of "
+                    f"{args.bucket_mb:g} MiB: {m['gather_s']:.3f} s, {m['gather_bytes'] / m['gather_s'] / GB:.2f} GB/s "
+                    f"(gather + pack on the device, no collective)"))
+    return rows
+
+
+def plan_row(shape: str, cfg_path: Path, measured: dict, args) -> Row:
+    step = f"plan vs measured [{shape}]"
+    try:
+        predicted = plan_trainer_gb(cfg_path, args.gpu_memory_gb)
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        return Row(step, f"FAILED: {err}")
+    if isinstance(predicted, str):
+        return Row(step, f"skipped: {predicted}")
+    peak = measured["peak_bytes"] / GB
+    return Row(step, "ok", f"predicted trainer {predicted:.3f} GB/GPU, measured {peak:.3f} GB: "
+                           f"predicted/measured x{predicted / max(peak, 1e-9):.2f}")
+
+
+def print_table(rows: list[Row]) -> None:
+    w_step = max(len(r.step) for r in rows)
+    w_res = min(max(len(r.result) for r in rows), 60)
+    print(f"\n{'step':<{w_step}}  {'result':<{w_res}}  numbers")
+    print(f"{'-' * w_step}  {'-' * w_res}  {'-' * 7}")
+    for r in rows:
+        print(f"{r.step:<{w_step}}  {r.result:<{w_res}}  {r.numbers}")
+
+
+def run_checks(args) -> list[Row]:
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_check_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"gpu_check: device {args.device}, trainer {args.trainer}, models {args.models}; work in {workdir}",
+          flush=True)
+    rows = []
+    for shape in args.models.split(","):
+        start = time.monotonic()
+        rows += trainer_rows(shape, workdir, args)
+        print(f"gpu_check: {shape} model measured in {time.monotonic() - start:.0f} s", flush=True)
+    step = "server: update + versions + lag-0 log-probs"
+    if not args.with_server:
+        rows.append(Row(step, "skipped: not asked (--with-server)"))
+    elif not importable("vllm"):
+        rows.append(Row(step, "skipped: vllm not importable"))
+    else:
+        try:
+            rows.append(server_check(workdir / "model_tiny", workdir, args))
+        except Exception as err:  # noqa: BLE001 - one failed step is a row, the table still prints
+            rows.append(Row(step, f"FAILED: {type(err).__name__}: {str(err)[-500:]}"))
+    return rows
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--trainer", choices=("auto", "deepspeed", "torch"), default="auto",
+                   help="auto: the DeepSpeed backend when deepspeed imports, else plain torch")
+    p.add_argument("--models", help="comma-separated shapes of " + ", ".join(SHAPES) +
+                   " (default: tiny,1.5b on CUDA, tiny on CPU)")
+    p.add_argument("--dtype", help="trainer dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--tokens", type=int, help="tokens per step, one micro-batch (default 8192 CUDA, 256 CPU)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence")
+    p.add_argument("--chunk", type=int, help="trainer.logprob_chunk_tokens (default 1024 CUDA, 64 CPU)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps; the first is warm-up")
+    p.add_argument("--bucket-mb", type=float, default=256.0, help="trainer.broadcast_bucket_mb")
+    p.add_argument("--gpu-memory-gb", type=float, help="for `pipelinerl plan` (default: this GPU's, or 80)")
+    p.add_argument("--with-server", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the vLLM server step (default: on CUDA when vllm imports; off on CPU)")
+    p.add_argument("--max-logprob-diff", type=float, default=1e-3, help="lag-0 max |dlogprob| that passes")
+    p.add_argument("--threads", type=int, default=0, help="torch threads in the trainer child (0: torch's)")
+    p.add_argument("--step-timeout-s", type=float, default=420.0, help="limit of one trainer measurement")
+    p.add_argument("--workdir", help="where models, configs and logs go (default: a new temporary folder)")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # a config: run one trainer measurement, print JSON
+    return resolve_defaults(p.parse_args(argv))
+
+
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    import torch
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: --device cuda, but torch sees no CUDA device")
+    gpu = args.device == "cuda"
+    if args.trainer == "auto":
+        args.trainer = "deepspeed" if importable("deepspeed") else "torch"
+    args.models = args.models or ("tiny,1.5b" if gpu else "tiny")
+    unknown = set(args.models.split(",")) - set(SHAPES)
+    if unknown:
+        raise SystemExit(f"gpu_check: unknown --models {sorted(unknown)}; choose from {', '.join(SHAPES)}")
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    args.tokens = args.tokens or (8192 if gpu else 256)
+    args.seq_len = min(args.seq_len, args.tokens) if gpu else min(args.seq_len, 32)
+    args.chunk = args.chunk or (1024 if gpu else 64)
+    if args.gpu_memory_gb is None:
+        args.gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / GB if gpu else 80.0
+    if args.with_server is None:
+        args.with_server = gpu
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        print(json.dumps(run_child(args)))
+        return
+    rows = run_checks(args)
+    print_table(rows)
+    failed = [r.step for r in rows if r.failed]
+    if failed:
+        print(f"gpu_check: FAILED: {', '.join(failed)}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
