@@ -116,6 +116,25 @@ def cmd_run(args: argparse.Namespace) -> None:
     run_local(load_config(args.config, args.overrides), dry_run=args.dry_run)
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    import json
+
+    from pipelinerl.plan import SKIPPED, plan_for
+
+    overrides = list(args.overrides)
+    if args.gpu_memory_gb is not None:
+        overrides.append(f"launch.gpu_memory_gb={args.gpu_memory_gb}")
+    plan = plan_for(load_config(args.config, overrides))
+    if plan is None:
+        print(f"{SKIPPED}; give --gpu-memory-gb to plan for a GPU", file=sys.stderr)
+        return
+    print(json.dumps(plan.to_json(), indent=2) if args.json else plan.render())
+    if not plan.fits:
+        for problem in plan.problems:
+            print(f"pipelinerl plan: does not fit: {problem}", file=sys.stderr)
+        raise SystemExit(1)
+
+
 def cmd_slurm(args: argparse.Namespace) -> None:
     from pipelinerl.launch.slurm import main as slurm_main
 
@@ -180,6 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--dry-run", action="store_true", help="print where each role runs and its command; start nothing")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("plan", help="per role and per GPU, the memory a config needs (weights, update staging, KV "
+                                    "cache, ZeRO shards, activations, log-prob chunk); exit 1 if it does not fit")
+    _add_config_args(p)
+    p.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="memory of one GPU in GB (10^9 bytes); default launch.gpu_memory_gb, else nvidia-smi's")
+    p.add_argument("--json", action="store_true",
+                   help='print {"gpu_memory_gb", "fits", "roles": {role: {"per_gpu_gb", "items"}}} instead of a table')
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("slurm", add_help=False,
                        help="Slurm: script | launch | servers | submit (`pipelinerl slurm --help`)")

@@ -53,6 +53,10 @@ class LaunchConfig:
     training_gpus: str | None = doc(None, "GPU ids of a node the trainer ranks use, one per rank, e.g. \"4-7\"; "
                                           "same scope as inference_gpus, and disjoint from it",
                                     null="the second half of the node's GPUs")
+    gpu_memory_gb: float | None = doc(
+        None, "memory of one GPU, for `pipelinerl plan` and the check `run` / the Slurm launcher make before "
+              "starting anything (every role's per-GPU budget must fit in it)", unit="GB (10^9 bytes)",
+        null="what nvidia-smi reports on the launching machine (its smallest GPU); no GPU there: no plan (CPU runs)")
     slurm: SlurmConfig = section(SlurmConfig)
 
     def __post_init__(self) -> None:
@@ -60,6 +64,7 @@ class LaunchConfig:
 
         check_choice(self.backend, ("local", "slurm"), "launch.backend")
         check_positive(self.torch_threads, "launch.torch_threads", allow_null=True)
+        check_positive(self.gpu_memory_gb, "launch.gpu_memory_gb", allow_null=True)
         for name in ("inference_gpus", "training_gpus"):
             try:
                 if getattr(self, name) is not None:

@@ -30,6 +30,7 @@ from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, list
 from pipelinerl.launch.commands import cli, policy_server, reference_server, reference_server_count, threads_env
 from pipelinerl.launch.placement import Placement, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
+from pipelinerl.plan import check_before_start
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,7 @@ def run_local(cfg: Config, dry_run: bool = False) -> None:
         return
     config_path = prepare_run_dir(cfg)
     ensure_model(cfg)
+    check_before_start(cfg)  # every role's GPU memory; on CPU one line saying it was skipped
     if cfg.trainer.max_steps is not None and serving_weights(cfg)[1] >= cfg.trainer.max_steps:
         log.warning("%s already holds a checkpoint at trainer.max_steps=%s: nothing to train (raise "
                     "trainer.max_steps to continue, or pick another run_dir)", cfg.run_dir, cfg.trainer.max_steps)

@@ -50,6 +50,7 @@ from pipelinerl.launch.local import ensure_model, prepare_run_dir, serving_weigh
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
 from pipelinerl.launch.slurm_node import colocated, node_placement, run_node_servers
 from pipelinerl.launch.summary import summarize, summary_line
+from pipelinerl.plan import check_before_start
 
 log = logging.getLogger(__name__)
 
@@ -294,6 +295,7 @@ def launch(cfg: Config, alloc: Allocation) -> None:
              ",".join(alloc.inference), ",".join(alloc.training))
     config_path = prepare_run_dir(cfg)
     ensure_model(cfg)
+    check_before_start(cfg)  # every role's GPU memory, before any srun
     roles = plan_roles(cfg, alloc, config_path)
     signals, sup, requeue_now = _Signals(), Supervisor(), False
     try:

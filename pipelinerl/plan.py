@@ -1,0 +1,358 @@
+"""`pipelinerl plan`: per role and per GPU, the memory a config needs, against the GPU's memory.
+
+`plan_config` is pure arithmetic on the config and the model's shape (no torch, no I/O); `check_before_start`
+is what `pipelinerl run` and the Slurm launcher call before starting anything. GB = 10^9 bytes throughout.
+P = parameters, N = trainer ranks, TP = tensor_parallel_size, b = bytes per element of model.dtype (2 in
+bfloat16), T = trainer.micro_batch_tokens, C = trainer.logprob_chunk_tokens, H, L, I, V = hidden size,
+layers, FFN width, vocabulary. The estimates, so that a measurement can correct them (tools/gpu_check.sh):
+
+trainer rank  params/grads: b x P, sharded over N by ZeRO-3 (grads from ZeRO-2, optimizer from ZeRO-1);
+              optimizer: float32 master (when b < 4) + Adam m and v = 12 B x P / N in bfloat16, so 16 B x P / N
+              in all; zero_buffers: ZeRO-3's live gathered parameters (stage3_max_live_parameters, default
+              1e9) + a gradient reduce bucket (reduce_bucket_size, default 5e8), b bytes each, at most P;
+              activations: each layer keeps about b x (8H + 2 kv_dim + 4I) per token (RMSNorm's float32
+              input counts double; q, k, v; attention output; MLP gate, up, act, product). With gradient
+              checkpointing only each layer's input stays (L x T x H x b) plus one layer recomputed and its
+              gradients (2 x T x layer); without, (L + 1) x T x layer. Log-prob chunk (model.LogprobHead):
+              C x V x (8 + b) (a float32 chunk of logits or their gradient, one float32 temporary, the cast
+              copy) + the head's float32 gradient and its cast V x H x (4 + b); unchunked, T x V x (8 + b).
+              Optimizer step (torch AdamW after ZeRO's float32 gradient copy): 8 B x min(P / N, sub_group_size).
+              The step and the forward/backward never coexist: the larger of the two counts. cuda_runtime:
+              CUDA context, NCCL communicators, allocator fragmentation (a fixed 2 GB).
+policy server vLLM takes gpu_memory_utilization x GPU for weights (b x P / TP), its profiled activations
+              (max_num_batched_tokens x (3I + q_dim + 2 kv_dim) / TP x b + 4 H x b, and the sampler's
+              float32 logits of max_num_seqs rows, 4 copies), CUDA graphs and runtime (a fixed 2.5 GB); the rest
+              is KV cache, which must hold at least one max_model_len sequence. Beyond vLLM's share: the update
+              staging (inference.update_staging: host = one bucket, at least the largest tensor; device = the
+              full model, since every TP worker receives full tensors) and the weight-update group's NCCL
+              buffers (0.5 GB). Host RAM of host staging: the full model per TP worker.
+reference     the same without staging, plus the prompt log-probs it computes outside vLLM's profiled share:
+              max_num_batched_tokens x V x (b + 8) (logits, their float32 copy, the log-softmax).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipelinerl.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TRAINER_RUNTIME_GB = 2.0  # CUDA context + NCCL communicators + allocator fragmentation
+SERVER_RUNTIME_GB = 2.5  # inside vLLM's share: CUDA graphs, CUDA context, TP communicators
+UPDATE_GROUP_GB = 0.5  # the weight-update group's NCCL buffers, allocated after vLLM took its share
+VLLM_BATCHED_TOKENS = 8192  # vLLM's default max_num_batched_tokens for its OpenAI server on large GPUs
+SAMPLER_COPIES = 4  # float32 [max_num_seqs, V] buffers of vLLM's sampler (logits, tempered, probs, logprobs)
+ZERO_DEFAULTS = {"stage3_max_live_parameters": 1e9, "reduce_bucket_size": 5e8, "sub_group_size": 1e9}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a decoder-only transformer (Qwen2 / Llama layout: q/k/v biases, SwiGLU MLP)."""
+
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool = False
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def params(self) -> int:
+        h = self.hidden
+        attention = h * self.q_dim + self.q_dim + 2 * (h * self.kv_dim + self.kv_dim) + self.q_dim * h
+        layer = attention + 3 * h * self.intermediate + 2 * h
+        return self.layers * layer + self.vocab * h * (1 if self.tied else 2) + h
+
+
+# The shipped configs' models, for planning where the model folder is not at hand (e.g. on a laptop).
+BUILTIN_SHAPES = {
+    "Qwen2.5-7B": ModelShape(3584, 28, 18944, 28, 4, 128, 152064),
+    "Qwen2.5-32B": ModelShape(5120, 64, 27648, 40, 8, 128, 152064),
+}
+
+
+def shape_from_hf_config(hf: dict) -> ModelShape:
+    """The shape of an HF config.json (its dict)."""
+    heads = hf["num_attention_heads"]
+    return ModelShape(hf["hidden_size"], hf["num_hidden_layers"], hf["intermediate_size"], heads,
+                      hf.get("num_key_value_heads", heads), hf.get("head_dim") or hf["hidden_size"] // heads,
+                      hf["vocab_size"], bool(hf.get("tie_word_embeddings", False)))
+
+
+def load_shape(cfg: Config) -> tuple[ModelShape, str]:
+    """(shape, where it came from): model.path/config.json, else the built-in table by folder name, else the
+    tiny model's config section when `run` would build it."""
+    config_json = Path(cfg.model.path) / "config.json"
+    if config_json.is_file():
+        return shape_from_hf_config(json.loads(config_json.read_text())), str(config_json)
+    name = Path(cfg.model.path).name
+    if name in BUILTIN_SHAPES:
+        return BUILTIN_SHAPES[name], f"built-in shape of {name} ({config_json} not found)"
+    if cfg.model.build_tiny_if_missing:
+        from pipelinerl.tiny_model import ALPHABET
+
+        t = cfg.model.tiny
+        vocab = 3 + len(ALPHABET)  # pad, bos, eos + one token per symbol (tiny_model.build_tokenizer)
+        return (ModelShape(t.hidden_size, t.num_layers, t.intermediate_size, t.num_attention_heads,
+                           t.num_key_value_heads, t.hidden_size // t.num_attention_heads, vocab),
+                "model.tiny (to be built)")
+    raise ConfigError(f"config `model.path`: {config_json} not found and {name!r} has no built-in shape "
+                      f"({', '.join(BUILTIN_SHAPES)}); point model.path at the HF model folder")
+
+
+@dataclass
+class RolePlan:
+    """One role's budget on one of its GPUs: items in GB, their total, what does not fit and how to fix it."""
+
+    title: str
+    items: dict[str, float]
+    per_gpu_gb: float
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MemoryPlan:
+    gpu_memory_gb: float
+    model: str  # where the shape came from
+    params: int
+    roles: dict[str, RolePlan]  # "trainer", "server", and "reference" when the run has reference servers
+
+    @property
+    def fits(self) -> bool:
+        return not any(role.problems for role in self.roles.values())
+
+    @property
+    def problems(self) -> list[str]:
+        return [p for role in self.roles.values() for p in role.problems]
+
+    def to_json(self) -> dict:
+        """The `--json` schema (tools/gpu_check.py reads it)."""
+        return {"gpu_memory_gb": float(self.gpu_memory_gb), "fits": self.fits,
+                "roles": {name: {"per_gpu_gb": round(r.per_gpu_gb, 3),
+                                 "items": {k: round(v, 3) for k, v in r.items.items()}}
+                          for name, r in self.roles.items()}}
+
+    def render(self) -> str:
+        lines = [f"memory plan on {self.gpu_memory_gb:g} GB GPUs (GB = 10^9 bytes); model: {self.params:,} "
+                 f"parameters, shape from {self.model}"]
+        for role in self.roles.values():
+            lines.append(f"\n{role.title}: {role.per_gpu_gb:.1f} GB per GPU")
+            lines += [f"  {k:<28} {v:8.2f} GB" for k, v in role.items.items()]
+            lines += [f"  - {note}" for note in role.notes]
+            lines += [f"  DOES NOT FIT: {p}" for p in role.problems]
+        lines.append("\nfits" if self.fits else "\ndoes not fit")
+        return "\n".join(lines)
+
+
+def _zero(cfg: Config) -> dict:
+    """DeepSpeed's ZeRO settings the plan uses: the defaults, under trainer.deepspeed_config's overrides."""
+    zero = dict(cfg.trainer.deepspeed_config.get("zero_optimization", {}))
+    out = {k: float(zero.get(k, v)) for k, v in ZERO_DEFAULTS.items()}
+    out["offload_optimizer"] = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+    out["offload_param"] = (zero.get("offload_param") or {}).get("device") in ("cpu", "nvme")
+    return out
+
+
+def layer_activation_bytes(shape: ModelShape, b: int) -> int:
+    """Bytes one decoder layer keeps per token for backward (module docstring)."""
+    return b * (8 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate)
+
+
+def trainer_activations(shape: ModelShape, b: int, tokens: int, checkpointing: bool) -> float:
+    layer = tokens * layer_activation_bytes(shape, b)
+    if checkpointing:
+        return shape.layers * tokens * shape.hidden * b + 2 * layer
+    return (shape.layers + 1) * layer
+
+
+def logprob_bytes(shape: ModelShape, b: int, tokens: int, chunk: int | None) -> tuple[float, float]:
+    """(log-prob working set, LM-head gradient) of one micro-batch (module docstring)."""
+    if chunk is None:
+        return tokens * shape.vocab * (8 + b), shape.vocab * shape.hidden * b
+    return min(chunk, tokens) * shape.vocab * (8 + b), shape.vocab * shape.hidden * (4 + b)
+
+
+def zero_state_bytes(cfg: Config, shape: ModelShape, ranks: int) -> dict[str, float]:
+    """ZeRO's per-rank params, grads, optimizer states and communication buffers (offloaded ones: 0)."""
+    p, b, stage, zero = shape.params, DTYPE_BYTES[cfg.model.dtype], cfg.trainer.zero_stage, _zero(cfg)
+    items = {"params": b * p / (ranks if stage >= 3 else 1), "grads": b * p / (ranks if stage >= 2 else 1),
+             "optimizer": ((4 if b < 4 else 0) + 8) * p / (ranks if stage >= 1 else 1)}
+    if zero["offload_optimizer"]:
+        items["optimizer"] = 0.0
+    if zero["offload_param"] and stage >= 3:
+        items["params"] = 0.0
+    live = min(zero["stage3_max_live_parameters"], p) if stage >= 3 else 0
+    items["zero_buffers"] = b * (live + min(zero["reduce_bucket_size"], p))
+    return items
+
+
+def trainer_plan(cfg: Config, shape: ModelShape, ranks: int, gpu_gb: float) -> RolePlan:
+    t, b = cfg.trainer, DTYPE_BYTES[cfg.model.dtype]
+    items = zero_state_bytes(cfg, shape, ranks)
+    items["activations"] = trainer_activations(shape, b, t.micro_batch_tokens, t.gradient_checkpointing)
+    items["logprob_chunk"], items["logprob_head_grad"] = logprob_bytes(shape, b, t.micro_batch_tokens,
+                                                                       t.logprob_chunk_tokens)
+    zero = _zero(cfg)
+    opt_shard = shape.params / (ranks if t.zero_stage >= 1 else 1)
+    items["optimizer_step"] = 0.0 if zero["offload_optimizer"] else 8 * min(opt_shard, zero["sub_group_size"])
+    items = {k: v / GB for k, v in items.items()}
+    items["cuda_runtime"] = TRAINER_RUNTIME_GB
+    fwd_bwd = items["activations"] + items["logprob_chunk"] + items["logprob_head_grad"]
+    total = sum(items.values()) - fwd_bwd - items["optimizer_step"] + max(fwd_bwd, items["optimizer_step"])
+    other = trainer_activations(shape, b, t.micro_batch_tokens, not t.gradient_checkpointing) / GB
+    notes = [f"{ranks} rank(s), ZeRO-{t.zero_stage}, micro-batches of {t.micro_batch_tokens} tokens; gradient "
+             f"checkpointing {'on' if t.gradient_checkpointing else 'off'} (activations {other:.1f} GB with it "
+             f"{'off' if t.gradient_checkpointing else 'on'})",
+             f"forward/backward {fwd_bwd:.1f} GB and optimizer step {items['optimizer_step']:.1f} GB never coexist: "
+             "the total counts the larger"]
+    role = RolePlan("trainer rank", items, total, notes)
+    if total > gpu_gb:
+        role.problems.append(f"trainer rank: {total:.1f} GB > {gpu_gb:g} GB; {_trainer_knobs(cfg)}")
+    return role
+
+
+def _trainer_knobs(cfg: Config) -> str:
+    t = cfg.trainer
+    more = "launch.slurm.training_nodes" if cfg.launch.backend == "slurm" else "trainer.num_gpus"
+    knobs = [] if t.gradient_checkpointing else ["set trainer.gradient_checkpointing=true"]
+    knobs += [f"raise {more} (ZeRO shards over more ranks)", "lower trainer.micro_batch_tokens"]
+    if t.logprob_chunk_tokens is None:
+        knobs.append("set trainer.logprob_chunk_tokens=1024")
+    return " or ".join(knobs)
+
+
+def server_plan(cfg: Config, shape: ModelShape, gpu_gb: float, reference: bool = False) -> RolePlan:
+    inf, b = cfg.inference, DTYPE_BYTES[cfg.model.dtype]
+    tp, gpu = inf.tensor_parallel_size, gpu_gb * GB
+    batched = int(inf.engine_args.get("max_num_batched_tokens", VLLM_BATCHED_TOKENS))
+    model_bytes = b * shape.params
+    items = {"weights": model_bytes / tp,
+             "activations": batched * ((3 * shape.intermediate + shape.q_dim + 2 * shape.kv_dim) / tp
+                                       + 4 * shape.hidden) * b
+             + inf.max_num_seqs * shape.vocab * 4 * SAMPLER_COPIES,
+             "cuda_graphs_runtime": SERVER_RUNTIME_GB * GB}
+    budget = inf.gpu_memory_utilization * gpu
+    items["kv_cache"] = budget - sum(items.values())
+    if reference:
+        items["prompt_logprobs"] = batched * shape.vocab * (b + 8)
+    else:
+        largest = max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate) * b
+        bucket = max(cfg.trainer.broadcast_bucket_mb * 2**20, largest)
+        items["update_staging"] = model_bytes if inf.update_staging == "device" else bucket
+        items["update_group"] = UPDATE_GROUP_GB * GB if (inf.weight_update_backend or "nccl") == "nccl" else 0.0
+    items = {k: v / GB for k, v in items.items()}
+    role = RolePlan("reference server" if reference else "policy server", items, budget / GB + sum(
+        v for k, v in items.items() if k in ("prompt_logprobs", "update_staging", "update_group")))
+    _server_checks(cfg, shape, gpu_gb, role, reference, model_bytes / GB)
+    return role
+
+
+def _server_checks(cfg: Config, shape: ModelShape, gpu_gb: float, role: RolePlan, reference: bool,
+                   model_gb: float) -> None:
+    inf, b = cfg.inference, DTYPE_BYTES[cfg.model.dtype]
+    name, tp = role.title, inf.tensor_parallel_size
+    outside = role.per_gpu_gb - inf.gpu_memory_utilization * gpu_gb
+    kv_token = 2 * shape.layers * shape.head_dim * max(1, shape.kv_heads // tp) * b  # K and V, per GPU
+    kv_tokens = role.items["kv_cache"] * GB / kv_token
+    seq = (inf.max_model_len or 0) + (1 if reference else 0)
+    role.notes.append(f"TP {tp}; vLLM's share {inf.gpu_memory_utilization:g} x {gpu_gb:g} GB; KV cache holds "
+                      f"{kv_tokens:,.0f} tokens ({kv_tokens / max(seq, 1):.0f} sequences of {seq} tokens; "
+                      f"max_num_seqs {inf.max_num_seqs})")
+    if not reference and inf.update_staging == "host":
+        role.notes.append(f"host staging: {model_gb * tp:.1f} GB of host RAM per server ({model_gb:.1f} GB per "
+                          f"TP worker: each receives full tensors), {model_gb * tp * inf.num_servers:.1f} GB "
+                          f"per inference node")
+    if role.per_gpu_gb > gpu_gb:
+        most = math.floor(100 * (gpu_gb - outside) / gpu_gb) / 100
+        what = ("prompt log-probs" if reference else f"update staging ({inf.update_staging})") + \
+               f" {outside:.1f} GB + vLLM's {inf.gpu_memory_utilization * gpu_gb:.1f} GB"
+        fix = ("or set inference.engine_args.max_num_batched_tokens lower" if reference else
+               "or set inference.update_staging=host" if inf.update_staging == "device" else
+               "or lower trainer.broadcast_bucket_mb")
+        role.problems.append(f"{name}: {what} = {role.per_gpu_gb:.1f} GB > {gpu_gb:g} GB; lower "
+                             f"inference.gpu_memory_utilization to {most:.2f} {fix}")
+    elif kv_tokens < max(seq, 1):
+        role.problems.append(f"{name}: KV cache {role.items['kv_cache']:.1f} GB holds {max(kv_tokens, 0):,.0f} tokens "
+                             f"< one {seq}-token sequence; raise inference.gpu_memory_utilization or "
+                             "inference.tensor_parallel_size, or lower inference.max_model_len")
+
+
+def plan_config(cfg: Config, gpu_gb: float, shape: ModelShape, source: str, trainer_ranks: int) -> MemoryPlan:
+    """Every role's per-GPU budget for `cfg` on GPUs of `gpu_gb` GB."""
+    roles = {"trainer": trainer_plan(cfg, shape, trainer_ranks, gpu_gb), "server": server_plan(cfg, shape, gpu_gb)}
+    if cfg.rl.needs_reference_logprobs:
+        roles["reference"] = server_plan(cfg, shape, gpu_gb, reference=True)
+    return MemoryPlan(gpu_gb, source, shape.params, roles)
+
+
+# -- inputs from the machine and the launchers (I/O) ------------------------------------------------------
+
+def nvidia_smi_gpu_gb() -> float | None:
+    """The smallest GPU's memory in GB as nvidia-smi reports it; None without a GPU."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=False, timeout=60)
+    mib = [float(x) for x in out.stdout.split() if x.replace(".", "", 1).isdigit()]
+    return min(mib) * 2**20 / GB if out.returncode == 0 and mib else None
+
+
+def trainer_ranks(cfg: Config) -> int:
+    """Trainer ranks the launcher would start: trainer.num_gpus, else as the placement derives them."""
+    if cfg.trainer.num_gpus is not None:
+        return cfg.trainer.num_gpus
+    if cfg.launch.backend == "slurm":
+        from pipelinerl.launch.slurm_node import node_placement
+
+        return cfg.launch.slurm.training_nodes * node_placement(cfg).trainer_ranks
+    from pipelinerl.launch.local import machine_gpus, placement
+
+    return placement(cfg, machine_gpus()).trainer_ranks
+
+
+def plan_for(cfg: Config) -> MemoryPlan | None:
+    """The plan on launch.gpu_memory_gb (null: nvidia-smi's); None when neither gives a number (CPU)."""
+    gpu_gb = cfg.launch.gpu_memory_gb
+    if gpu_gb is None and os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+        gpu_gb = nvidia_smi_gpu_gb()
+    if gpu_gb is None:
+        return None
+    shape, source = load_shape(cfg)
+    return plan_config(cfg, gpu_gb, shape, source, trainer_ranks(cfg))
+
+
+SKIPPED = "memory plan skipped: no GPU (launch.gpu_memory_gb is null and nvidia-smi finds none)"
+
+
+def check_before_start(cfg: Config) -> None:
+    """The launchers' check: log each role's per-GPU total; ConfigError naming the number that does not fit
+    and the knob that fixes it. On a CPU machine, one line says the plan was skipped."""
+    plan = plan_for(cfg)
+    if plan is None:
+        log.info(SKIPPED)
+        return
+    for role in plan.roles.values():
+        log.info("memory plan: %s %.1f GB per GPU of %g GB", role.title, role.per_gpu_gb, plan.gpu_memory_gb)
+    if not plan.fits:
+        raise ConfigError("memory plan (`pipelinerl plan` shows it whole): " + "; ".join(plan.problems))

@@ -1,0 +1,250 @@
+"""`pipelinerl plan` against budgets computed by hand here, and the weight-update staging policies on gloo.
+
+Fast: no servers, no DeepSpeed. Byte counts are written out term by term from the estimates the module
+docstring of pipelinerl/plan.py states; GB = 1e9 bytes.
+"""
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipelinerl import cli
+from pipelinerl.config import load_config
+from pipelinerl.launch.procs import free_port
+from pipelinerl.plan import BUILTIN_SHAPES, check_before_start, load_shape, plan_for
+from pipelinerl.weights import (
+    InitRequest,
+    TensorMeta,
+    UpdateRequest,
+    broadcast_async,
+    open_group,
+    plan_buckets,
+    receive_staged,
+    wait_work,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+GB = 1e9
+V = 152064  # Qwen2.5 vocabulary
+
+# Qwen2.5-7B: hidden 3584, 28 layers, FFN 18944, 28 heads / 4 KV heads of 128, untied embeddings.
+LAYER_7B = (3584 * 3584 + 3584) + 2 * (3584 * 512 + 512) + 3584 * 3584 + 3 * 3584 * 18944 + 2 * 3584
+P_7B = 28 * LAYER_7B + 2 * V * 3584 + 3584
+# Qwen2.5-32B: hidden 5120, 64 layers, FFN 27648, 40 heads / 8 KV heads of 128.
+LAYER_32B = (5120 * 5120 + 5120) + 2 * (5120 * 1024 + 1024) + 5120 * 5120 + 3 * 5120 * 27648 + 2 * 5120
+P_32B = 64 * LAYER_32B + 2 * V * 5120 + 5120
+
+
+def _cfg(name: str, *overrides: str):
+    return load_config(str(REPO / "configs" / name), list(overrides))
+
+
+def test_builtin_shapes_count_the_published_parameters(tmp_path):
+    assert BUILTIN_SHAPES["Qwen2.5-7B"].params == P_7B == 7_615_616_512  # "7.61B" on the model card
+    assert BUILTIN_SHAPES["Qwen2.5-32B"].params == P_32B == 32_763_876_352  # "32.5B" + embeddings
+    hf = {"hidden_size": 3584, "num_hidden_layers": 28, "intermediate_size": 18944, "num_attention_heads": 28,
+          "num_key_value_heads": 4, "vocab_size": V, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    shape, source = load_shape(_cfg("qwen7b_orz.yaml", f"model.path={tmp_path}"))
+    assert shape == BUILTIN_SHAPES["Qwen2.5-7B"] and source.endswith("config.json")
+
+
+def _trainer_7b_bytes(gpu_checkpointing: bool = True) -> dict[str, float]:
+    ranks, tokens, b = 8, 16384, 2
+    layer = tokens * b * (8 * 3584 + 2 * 512 + 4 * 18944)  # what one layer keeps for backward
+    acts = 28 * tokens * 3584 * b + 2 * layer if gpu_checkpointing else 29 * layer
+    return {"zero3_shards": 16 * P_7B / ranks,  # bf16 params 2 + bf16 grads 2 + fp32 master/m/v 12, over 8
+            "zero_buffers": 2 * (1e9 + 5e8),  # live params + reduce bucket, bf16
+            "fwd_bwd": acts + 1024 * V * (8 + b) + V * 3584 * (4 + b),  # + log-prob chunk + head gradient
+            "optimizer_step": 8 * P_7B / ranks,  # fp32 grads + AdamW temporary, shard < sub_group_size
+            "cuda_runtime": 2e9}
+
+
+def test_7b_on_80_and_141_gb_matches_the_hand_budget():
+    t = _trainer_7b_bytes()
+    trainer = t["zero3_shards"] + t["zero_buffers"] + max(t["fwd_bwd"], t["optimizer_step"]) + t["cuda_runtime"]
+    for gpu in (80, 141):
+        plan = plan_for(_cfg("qwen7b_orz.yaml", f"launch.gpu_memory_gb={gpu}"))
+        assert plan.fits, plan.problems
+        got = plan.roles["trainer"]
+        shards = got.items["params"] + got.items["grads"] + got.items["optimizer"]
+        assert shards == pytest.approx(t["zero3_shards"] / GB)
+        assert got.per_gpu_gb == pytest.approx(trainer / GB) and round(trainer / GB, 2) == 35.26
+        server = plan.roles["server"]
+        weights = 2 * P_7B  # bf16, TP 1
+        acts = 8192 * (3 * 18944 + 3584 + 2 * 512 + 4 * 3584) * 2 + 256 * V * 4 * 4
+        assert server.items["kv_cache"] == pytest.approx((0.9 * gpu * GB - weights - acts - 2.5e9) / GB)
+        # host staging: one bucket, at least the largest tensor (the 152064 x 3584 bf16 embedding > 1 GiB)
+        staging = max(1024 * 2**20, V * 3584 * 2)
+        assert server.per_gpu_gb == pytest.approx((0.9 * gpu * GB + staging + 0.5e9) / GB)
+        assert "reference" not in plan.roles  # rl.kl_coef = 0
+
+
+def test_32b_on_80_and_141_gb_matches_the_hand_budget():
+    ranks, tokens, b = 16, 8192, 2
+    layer = tokens * b * (8 * 5120 + 2 * 1024 + 4 * 27648)
+    fwd_bwd = 64 * tokens * 5120 * b + 2 * layer + 1024 * V * (8 + b) + V * 5120 * (4 + b)
+    step = 8 * 1e9  # the 2.05e9-parameter shard is stepped in sub-groups of 1e9
+    trainer = 16 * P_32B / ranks + 3e9 + max(fwd_bwd, step) + 2e9
+    for gpu in (80, 141):
+        plan = plan_for(_cfg("qwen32b_orz.yaml", f"launch.gpu_memory_gb={gpu}"))
+        assert plan.fits, plan.problems
+        assert plan.roles["trainer"].per_gpu_gb == pytest.approx(trainer / GB) and round(trainer / GB, 1) == 54.4
+        server = plan.roles["server"]
+        assert server.items["weights"] == pytest.approx(2 * P_32B / 4 / GB)  # TP 4
+        assert server.items["update_staging"] == pytest.approx(V * 5120 * 2 / GB)  # the embedding > 1 GiB
+        assert server.per_gpu_gb == pytest.approx(0.9 * gpu + (V * 5120 * 2 + 0.5e9) / GB)
+
+
+def test_device_staging_costs_the_full_model_per_gpu_and_names_the_knobs():
+    plan = plan_for(_cfg("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "inference.update_staging=device"))
+    assert plan.roles["server"].items["update_staging"] == pytest.approx(2 * P_7B / GB)
+    assert not plan.fits
+    (problem,) = plan.problems
+    # 72 GB of vLLM + 15.23 GB staging + 0.5 GB group = 87.7 GB; (80 - 15.73) / 80 = 0.803 -> 0.80
+    assert problem.startswith("policy server: update staging (device) 15.7 GB + vLLM's 72.0 GB = 87.7 GB > 80 GB")
+    assert "inference.gpu_memory_utilization to 0.80" in problem and "inference.update_staging=host" in problem
+    ok = plan_for(_cfg("qwen7b_orz.yaml", "launch.gpu_memory_gb=141", "inference.update_staging=device",
+                       "inference.gpu_memory_utilization=0.85"))
+    assert ok.fits  # 0.85 x 141 + 15.7 = 135.6 GB
+    tp4 = plan_for(_cfg("qwen32b_orz.yaml", "launch.gpu_memory_gb=141", "inference.update_staging=device"))
+    assert tp4.roles["server"].items["update_staging"] == pytest.approx(2 * P_32B / GB)  # full tensors per worker
+    assert not tp4.fits
+
+
+def test_a_trainer_that_does_not_fit_names_the_number_and_the_knob():
+    t = _trainer_7b_bytes(gpu_checkpointing=False)
+    trainer = t["zero3_shards"] + t["zero_buffers"] + max(t["fwd_bwd"], t["optimizer_step"]) + t["cuda_runtime"]
+    plan = plan_for(_cfg("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "trainer.gradient_checkpointing=false"))
+    assert plan.roles["trainer"].per_gpu_gb == pytest.approx(trainer / GB)
+    (problem,) = plan.problems
+    assert problem.startswith(f"trainer rank: {trainer / GB:.1f} GB > 80 GB; set trainer.gradient_checkpointing=true")
+    assert "launch.slurm.training_nodes" in problem
+    assert plan_for(_cfg("qwen7b_orz.yaml", "launch.gpu_memory_gb=141", "trainer.gradient_checkpointing=false")).fits
+
+
+def test_reference_servers_appear_with_their_prompt_logprobs():
+    plan = plan_for(_cfg("qwen7b_orz.yaml", "launch.gpu_memory_gb=141", "rl.kl_coef=0.05"))
+    ref = plan.roles["reference"]
+    assert ref.items["prompt_logprobs"] == pytest.approx(8192 * V * (2 + 8) / GB)  # outside vLLM's share
+    assert "update_staging" not in ref.items and plan.fits
+    assert not plan_for(_cfg("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "rl.kl_coef=0.05")).fits  # 72 + 12.5
+
+
+def test_json_schema_and_exit_codes(capsys):
+    assert cli.main(["plan", str(REPO / "configs/qwen32b_orz.yaml"), "--gpu-memory-gb", "141", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"gpu_memory_gb", "fits", "roles"} and out["gpu_memory_gb"] == 141.0 and out["fits"] is True
+    assert set(out["roles"]) == {"trainer", "server"}
+    for role in out["roles"].values():
+        assert set(role) == {"per_gpu_gb", "items"} and isinstance(role["per_gpu_gb"], float)
+        assert all(isinstance(v, float) for v in role["items"].values())
+    bad = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "plan", "configs/qwen7b_orz.yaml", "--json",
+                          "--gpu-memory-gb", "30"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and json.loads(bad.stdout)["fits"] is False
+    assert "does not fit: trainer rank: 35.3 GB > 30 GB; raise launch.slurm.training_nodes" in bad.stderr
+
+
+def test_a_cpu_config_skips_the_plan_with_one_line(monkeypatch, caplog, capsys):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi
+    cfg = _cfg("tiny_cpu.yaml")
+    assert plan_for(cfg) is None
+    with caplog.at_level(logging.INFO, logger="pipelinerl.plan"):
+        check_before_start(cfg)
+    assert [r.message for r in caplog.records] == ["memory plan skipped: no GPU (launch.gpu_memory_gb is null and "
+                                                   "nvidia-smi finds none)"]
+    assert cli.main(["plan", str(REPO / "configs/tiny_cpu.yaml")]) == 0
+    assert "skipped" in capsys.readouterr().err
+    assert plan_for(_cfg("tiny_cpu.yaml", "launch.gpu_memory_gb=24")).fits  # the tiny shape, before it is built
+
+
+# -- the staging policies (inference.update_staging) on gloo -------------------------------------------------
+
+def _tensors():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(512, 1024, generator=g), torch.randn(300, generator=g).bfloat16(),
+            torch.randn(1024, 700, generator=g)]  # ~5 MB in 3 buckets of <= 2 MiB (+ one oversize tensor)
+
+
+def _req(version=1) -> UpdateRequest:
+    metas = [TensorMeta("a", "float32", [512, 1024]), TensorMeta("b", "bfloat16", [300]),
+             TensorMeta("c", "float32", [1024, 700])]
+    return UpdateRequest(version, 2 << 20, metas, checksums=True)
+
+
+def _send(port: int, req: UpdateRequest, tensors, buckets: int | None = None) -> None:
+    """The trainer's side, as rank 0; `buckets` stops after that many (a broadcast that breaks)."""
+    from pipelinerl.weights import tensor_checksum
+
+    group = open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 10.0), 0)
+    for k, bucket in enumerate(plan_buckets(req.tensors, req.bucket_bytes)):
+        if buckets is not None and k == buckets:
+            return
+        buf = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        for i, off in zip(bucket.indexes, bucket.offsets):
+            buf[off:off + tensors[i].nbytes].view(tensors[i].dtype).view(tensors[i].shape).copy_(tensors[i])
+        wait_work(broadcast_async(group, buf), time.monotonic() + 10, "the receiver")
+    sums = torch.tensor([tensor_checksum(t) for t in tensors])
+    wait_work(broadcast_async(group, sums), time.monotonic() + 10, "the receiver")
+
+
+@pytest.mark.parametrize("staging", ["host", "device"])
+def test_receive_staged_returns_equal_bytes_on_the_policys_device(staging):
+    port, tensors, req = free_port(18700), _tensors(), _req()
+    sender = threading.Thread(target=_send, args=(port, req, tensors))
+    sender.start()
+    group = open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 10.0), 1)
+    device = torch.device("cpu")  # gloo: the device is the host (on a GPU, host staging copies each bucket out)
+    staged = receive_staged(group, req, device, time.monotonic() + 10, "trainer", staging)
+    sender.join()
+    assert [n for n, _ in staged] == ["a", "b", "c"]
+    for (_, got), want in zip(staged, tensors):
+        assert got.device == device and got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("staging", ["host", "device"])
+def test_the_policy_travels_to_the_worker_engine_and_a_broken_broadcast_stages_nothing(staging):
+    """StagedWeightEngine as vLLM's worker runs it (the server adds `staging` to the init info), without vLLM's
+    engine around it: one complete update, then one whose broadcast stops after a bucket."""
+    from pipelinerl.inference.vllm_glue.transfer import StagedWeightEngine
+
+    pc = SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
+    engine = StagedWeightEngine(None, SimpleNamespace(parallel_config=pc, model_config=None), torch.device("cpu"),
+                                model=None)
+    port, tensors = free_port(18720), _tensors()
+    sender = threading.Thread(target=_send, args=(port, _req(1), tensors))
+    sender.start()
+    engine.init_transfer_engine(engine.parse_init_info(
+        {"master_addr": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo",
+         "timeout_s": 2.0, "staging": staging}))
+    assert engine.staging == staging and engine.request.timeout_s == 2.0
+    engine.receive_weights(engine.parse_update_info({**_body(_req(1))}))
+    sender.join()
+    assert all(torch.equal(got, want) for (_, got), want in zip(engine.staged, tensors))
+
+    engine.shutdown()
+    engine.staged = None
+    port = free_port(18740)
+    sender = threading.Thread(target=_send, args=(port, _req(2), tensors, 1))
+    sender.start()
+    engine.init_transfer_engine(engine.parse_init_info(
+        {"master_addr": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo",
+         "timeout_s": 2.0, "staging": staging}))
+    with pytest.raises(Exception, match="bucket 2/3"):
+        engine.receive_weights(engine.parse_update_info(_body(_req(2))))
+    sender.join()
+    assert engine.staged is None and engine.group is None  # nothing to load; the trainer must re-init
+
+
+def _body(req: UpdateRequest) -> dict:
+    from pipelinerl.weights import update_body
+
+    return update_body(req)
