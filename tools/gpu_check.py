@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,6 +49,7 @@ class Row:
     step: str
     result: str  # "ok" | "FAILED: <why>" | "skipped: <why>"
     numbers: str = ""
+    values: dict = field(default_factory=dict)  # the numbers, raw (--json)
 
     @property
     def failed(self) -> bool:
@@ -215,22 +216,21 @@ class TorchStepper:
         return [TensorMeta(n, dtype_name(p.dtype), list(p.shape)) for n, p in named], (p.detach() for _, p in named)
 
 
-def pack_buckets(metas, tensors, bucket_bytes: int, device) -> int:
-    """Pack every tensor into its bucket as WeightBroadcaster does (plan_buckets layout, one buffer per
-    bucket on the device); returns the bucket count. No collective: one device has no receiver."""
+def pack_buckets(metas, tensors, bucket_bytes: int, device):
+    """Each bucket's buffer on the device, packed as WeightBroadcaster packs it before broadcasting
+    (plan_buckets layout). No collective: one device has no receiver."""
     import torch
 
     from pipelinerl.weights import plan_buckets
 
     it = iter(tensors)
-    buckets = plan_buckets(metas, bucket_bytes)
-    for bucket in buckets:
+    for bucket in plan_buckets(metas, bucket_bytes):
         buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
         for off in bucket.offsets:
             t = next(it)
             buf[off:off + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        yield buf
     assert next(it, None) is None, "more tensors than metas"
-    return len(buckets)
 
 
 def synchronize(device) -> None:
@@ -244,7 +244,8 @@ def peak_bytes(device, rss_baseline: int) -> tuple[int, str]:
     import torch
 
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+        reserved = torch.cuda.max_memory_reserved(device) / GB
+        return torch.cuda.max_memory_allocated(device), f"max_memory_allocated; reserved {reserved:.2f} GB"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return rss - rss_baseline, "peak RSS growth after imports (getrusage)"
 
@@ -276,7 +277,8 @@ def run_child(args) -> dict:
     peak, how = peak_bytes(stepper.device, rss0)
     metas, tensors = stepper.weights()
     start = time.perf_counter()
-    buckets = pack_buckets(metas, tensors, int(cfg.trainer.broadcast_bucket_mb * 2**20), stepper.device)
+    buckets = sum(1 for _ in pack_buckets(metas, tensors, int(cfg.trainer.broadcast_bucket_mb * 2**20),
+                                          stepper.device))
     synchronize(stepper.device)
     gather_s = time.perf_counter() - start
     return {"backend": stepper.name, "dtype": cfg.model.dtype, "steps": len(times), "first_step_s": times[0],
@@ -306,15 +308,16 @@ def measure_trainer(cfg_path: Path, args, workdir: Path) -> dict:
 
 # ---- step 2: the plan's prediction ----------------------------------------------------------------------
 
-def plan_trainer_gb(cfg_path: Path, gpu_memory_gb: float) -> float | str:
-    """`pipelinerl plan`'s trainer GB per GPU, or the reason it is unavailable (a str)."""
+def plan_trainer(cfg_path: Path, gpu_memory_gb: float) -> dict | str:
+    """`pipelinerl plan`'s trainer role ({"per_gpu_gb", "items"}), or the reason it is unavailable (a str)."""
     argv = [sys.executable, "-m", "pipelinerl.cli", "plan", str(cfg_path), "--gpu-memory-gb",
             str(gpu_memory_gb), "--json"]
     out = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=120)
     if out.returncode == 2 and "invalid choice" in out.stderr:
         return "pipelinerl plan not available"
     try:  # a plan that does not fit may exit non-zero and still print its JSON
-        return float(json.loads(out.stdout)["roles"]["trainer"]["per_gpu_gb"])
+        trainer = json.loads(out.stdout)["roles"]["trainer"]
+        return {"per_gpu_gb": float(trainer["per_gpu_gb"]), "items": dict(trainer.get("items", {}))}
     except (ValueError, KeyError, TypeError) as err:
         raise RuntimeError(f"plan exit {out.returncode}, no trainer per_gpu_gb ({err!r}): "
                            f"{(out.stdout + out.stderr).strip()[-500:]}") from None
@@ -432,13 +435,15 @@ def server_check(model_dir: Path, workdir: Path, args) -> Row:
     numbers = (f"ready {ready_s:.0f} s; update {reply['bytes'] / 1e6:.2f} MB in {reply['total_s']:.2f} s; "
                f"{len(deltas)} tokens, versions {sorted(versions)}; lag-0 |dlogprob| mean {mean_d:.1e} "
                f"max {max_d:.1e} (float32, T={cfg.actor.sampling.temperature})")
+    values = {"ready_s": ready_s, "update_s": reply["total_s"], "tokens": len(deltas),
+              "versions": sorted(versions), "mean_abs_diff": mean_d, "max_abs_diff": max_d}
     if versions != {1}:
         return Row("server: update + versions + lag-0 log-probs", f"FAILED: token versions {sorted(versions)}, "
-                   "expected all 1", numbers)
+                   "expected all 1", numbers, values)
     if max_d > args.max_logprob_diff:
         return Row("server: update + versions + lag-0 log-probs",
-                   f"FAILED: max |dlogprob| {max_d:.1e} > {args.max_logprob_diff}", numbers)
-    return Row("server: update + versions + lag-0 log-probs", "ok", numbers)
+                   f"FAILED: max |dlogprob| {max_d:.1e} > {args.max_logprob_diff}", numbers, values)
+    return Row("server: update + versions + lag-0 log-probs", "ok", numbers, values)
 
 
 # ---- the table ------------------------------------------------------------------------------------------
@@ -458,31 +463,39 @@ def trainer_rows(shape: str, workdir: Path, args) -> list[Row]:
                 f"{m['backend']}, {m['dtype']}, {m['params'] / 1e6:.1f}M params (built in {build_s:.0f} s); "
                 f"{m['tokens_per_step']} tokens/step, chunk {args.chunk}: step {m['step_s']:.2f} s "
                 f"(first {m['first_step_s']:.2f} s), {m['tokens_per_step'] / m['step_s']:.0f} tok/s; "
-                f"peak {m['peak_bytes'] / GB:.3f} GB ({m['peak_how']})")]
+                f"peak {m['peak_bytes'] / GB:.3f} GB ({m['peak_how']})", m)]
     rows.append(plan_row(shape, cfg_path, m, args))
     rows.append(Row(f"gather for broadcast [{shape}]", "ok",
                     f"{m['gather_bytes'] / 1e6:.1f} MB {m['dtype']} in {m['buckets']} bucket(s) of "
                     f"{args.bucket_mb:g} MiB: {m['gather_s']:.3f} s, {m['gather_bytes'] / m['gather_s'] / GB:.2f} GB/s "
-                    f"(gather + pack on the device, no collective)"))
+                    f"(gather + pack on the device, no collective)",
+                    {k: m[k] for k in ("gather_s", "gather_bytes", "buckets")}))
     return rows
 
 
 def plan_row(shape: str, cfg_path: Path, measured: dict, args) -> Row:
     step = f"plan vs measured [{shape}]"
     try:
-        predicted = plan_trainer_gb(cfg_path, args.gpu_memory_gb)
+        plan = plan_trainer(cfg_path, args.gpu_memory_gb)
     except (RuntimeError, subprocess.TimeoutExpired) as err:
         return Row(step, f"FAILED: {err}")
-    if isinstance(predicted, str):
-        return Row(step, f"skipped: {predicted}")
+    if isinstance(plan, str):
+        return Row(step, f"skipped: {plan}")
+    # The measured peak counts tensors only (allocated bytes or RSS growth), not the CUDA context and
+    # library workspaces the plan adds as "*runtime*" items: compare it with the plan's tensors alone.
+    predicted, runtime = plan["per_gpu_gb"], sum(v for k, v in plan["items"].items() if "runtime" in k)
     peak = measured["peak_bytes"] / GB
-    return Row(step, "ok", f"predicted trainer {predicted:.3f} GB/GPU, measured {peak:.3f} GB: "
-                           f"predicted/measured x{predicted / max(peak, 1e-9):.2f}")
+    ratio = (predicted - runtime) / max(peak, 1e-9)
+    return Row(step, "ok", f"predicted trainer {predicted:.3f} GB/GPU ({predicted - runtime:.3f} GB of tensors "
+                           f"+ {runtime:.3f} GB runtime), measured {peak:.3f} GB: tensors predicted/measured "
+                           f"x{ratio:.2f}",
+               {"predicted_gb": predicted, "predicted_tensors_gb": predicted - runtime, "measured_gb": peak,
+                "ratio": ratio, "items": plan["items"]})
 
 
 def print_table(rows: list[Row]) -> None:
     w_step = max(len(r.step) for r in rows)
-    w_res = min(max(len(r.result) for r in rows), 60)
+    w_res = max(len("result"), *(min(len(r.result), 60) for r in rows))
     print(f"\n{'step':<{w_step}}  {'result':<{w_res}}  numbers")
     print(f"{'-' * w_step}  {'-' * w_res}  {'-' * 7}")
     for r in rows:
@@ -531,6 +544,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-logprob-diff", type=float, default=1e-3, help="lag-0 max |dlogprob| that passes")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the trainer child (0: torch's)")
     p.add_argument("--step-timeout-s", type=float, default=420.0, help="limit of one trainer measurement")
+    p.add_argument("--json", help="also write the rows (with their raw numbers) to this JSON file")
     p.add_argument("--workdir", help="where models, configs and logs go (default: a new temporary folder)")
     p.add_argument("--child", help=argparse.SUPPRESS)  # a config: run one trainer measurement, print JSON
     return resolve_defaults(p.parse_args(argv))
@@ -568,6 +582,8 @@ def main() -> None:
         return
     rows = run_checks(args)
     print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2))
     failed = [r.step for r in rows if r.failed]
     if failed:
         print(f"gpu_check: FAILED: {', '.join(failed)}")

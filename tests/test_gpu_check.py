@@ -1,0 +1,81 @@
+"""tools/gpu_check.sh as the CI smoke test of the one-GPU check: `--device cpu` runs the tiny model through
+the trainer, the plan and the gather, and prints one table; the bucket packing it times is checked against
+the wire format's layout."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """One `tools/gpu_check.sh --device cpu` (about 30-60 s on 2 cores: three Python processes start)."""
+    work = tmp_path_factory.mktemp("gpu_check")
+    out = subprocess.run([str(REPO / "tools" / "gpu_check.sh"), "--device", "cpu", "--workdir", str(work),
+                          "--json", str(work / "rows.json")], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {r["step"]: r for r in json.loads((work / "rows.json").read_text())}
+    return out.stdout, rows
+
+
+def test_cpu_table_has_a_measured_trainer_row(cpu_run):
+    stdout, rows = cpu_run
+    table = stdout[stdout.index("\nstep "):]
+    assert "trainer [tiny]" in table and "peak" in table
+    trainer = rows["trainer [tiny]"]
+    assert trainer["result"] == "ok"
+    m = trainer["values"]
+    assert m["params"] == 497_024  # the tiny shape: hidden 128, 2 layers, FFN 512, 17-token vocabulary, untied
+    assert m["steps"] == 3 and 0 < m["step_s"] < 30
+    # The peak holds at least the weights and AdamW's two moments (float32) and stays far under a GB.
+    assert 3 * 4 * m["params"] < m["peak_bytes"] < 2e9
+    assert m["gather_bytes"] == 4 * m["params"] and m["buckets"] == 1
+
+
+def test_cpu_table_plan_gather_and_server_rows(cpu_run):
+    _, rows = cpu_run
+    plan = rows["plan vs measured [tiny]"]
+    assert plan["result"] == "ok" or plan["result"] == "skipped: pipelinerl plan not available"
+    if plan["result"] == "ok":
+        assert plan["values"]["predicted_gb"] > 0
+        v = plan["values"]
+        assert 0 < v["predicted_tensors_gb"] <= v["predicted_gb"]
+        assert v["ratio"] == pytest.approx(v["predicted_tensors_gb"] / v["measured_gb"])
+    gather = rows["gather for broadcast [tiny]"]
+    assert gather["result"] == "ok" and gather["values"]["gather_s"] > 0
+    assert rows["server: update + versions + lag-0 log-probs"]["result"].startswith("skipped:")
+    assert not any(r["result"].startswith("FAILED") for r in rows.values())
+
+
+def test_pack_buckets_lays_tensors_out_as_the_wire_format_says():
+    """What the gather row times is the broadcaster's packing: each tensor's bytes at plan_buckets' offset."""
+    from pipelinerl.weights import TensorMeta, dtype_name, plan_buckets
+
+    tool = load_tool()
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=g).to(dtype) for shape, dtype in
+               (((3, 5), torch.float32), ((7,), torch.bfloat16), ((4, 4), torch.float32), ((1,), torch.bfloat16))]
+    metas = [TensorMeta(f"t{i}", dtype_name(t.dtype), list(t.shape)) for i, t in enumerate(tensors)]
+    captured = list(tool.pack_buckets(metas, iter(tensors), 128, torch.device("cpu")))
+    buckets = plan_buckets(metas, 128)
+    assert len(captured) == len(buckets) > 1
+    for bucket, buf in zip(buckets, captured):
+        assert buf.numel() == bucket.nbytes
+        for i, off in zip(bucket.indexes, bucket.offsets):
+            t = tensors[i]
+            assert torch.equal(buf[off:off + t.nbytes].view(t.dtype).view(t.shape), t)
