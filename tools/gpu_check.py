@@ -247,7 +247,15 @@ def peak_bytes(device, rss_baseline: int) -> tuple[int, str]:
         reserved = torch.cuda.max_memory_reserved(device) / GB
         return torch.cuda.max_memory_allocated(device), f"max_memory_allocated; reserved {reserved:.2f} GB"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return rss - rss_baseline, "peak RSS growth after imports (getrusage)"
+    return rss - rss_baseline, "peak RSS (getrusage) above the RSS after imports"
+
+
+def current_rss() -> int:
+    """Resident bytes now (Linux /proc); the high-water mark where /proc is absent."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def run_child(args) -> dict:
@@ -263,7 +271,7 @@ def run_child(args) -> dict:
 
     if args.trainer == "deepspeed":
         import deepspeed  # noqa: F401
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss0 = current_rss()
     stepper = DeepSpeedStepper(cfg) if args.trainer == "deepspeed" else TorchStepper(cfg, args.device)
     times = []
     for step in range(args.steps):
@@ -576,6 +584,9 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def main() -> None:
+    if not importable("omegaconf"):  # pipelinerl.config's one dependency a bare PyTorch machine lacks
+        raise SystemExit("gpu_check: pipelinerl needs omegaconf and antlr4-python3-runtime; without network, "
+                         "put their wheels in .whl/ (tools/gpu_check.sh installs them into a private folder)")
     args = parse_args()
     if args.child:
         print(json.dumps(run_child(args)))
