@@ -14,7 +14,7 @@ run: setup
 	$(VENV)/bin/pipelinerl run $(CONFIG) $(ARGS)
 
 test: setup
-	$(VENV)/bin/python -m pytest -q $(ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=25 $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check pipelinerl tools tests

@@ -356,7 +356,7 @@ def _straddling(run_dir: Path, max_steps: int) -> int:
 def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, tiny_model_dir, tmp_path):
     """Pipeline mode, max_lag 2, USR1 (Slurm's warning before the time limit) after step 3: the job
     checkpoints, requeues itself and resumes; the two ranks together train the stream's samples once."""
-    run_dir, max_steps, max_lag = tmp_path / "run", 20, 2
+    run_dir, max_steps, max_lag = tmp_path / "run", 10, 2
     overrides = _tiny_overrides(run_dir, tiny_model_dir, max_steps=max_steps, port=18430) + [f"actor.max_lag={max_lag}"]
     started = time.monotonic()
     job = _sbatch(slurm_env, tmp_path, "run_tiny_flagship.sh", overrides)
@@ -439,7 +439,7 @@ def test_flagship_shape_in_conventional_mode(slurm_env, tiny_model_dir, tmp_path
 
 @pytest.mark.slow
 def test_submitit_sweep_of_two_points_prints_its_table(slurm_env, tiny_model_dir, tmp_path):
-    overrides = _tiny_overrides(tmp_path / "sweep", tiny_model_dir, max_steps=6, port=18460)
+    overrides = _tiny_overrides(tmp_path / "sweep", tiny_model_dir, max_steps=3, port=18460)
     out = subprocess.run([sys.executable, "tools/sweep.py", "configs/tiny_cpu.yaml", "--grid", "trainer.lr=1e-4,2e-4",
                           "--folder", str(tmp_path / "submitit"), "--timeout-s", "540", *overrides],
                          check=False, env=slurm_env, cwd=REPO, capture_output=True, text=True, timeout=660)
@@ -447,5 +447,5 @@ def test_submitit_sweep_of_two_points_prints_its_table(slurm_env, tiny_model_dir
     table = out.stdout.splitlines()[-3:]
     assert table[0].split()[:6] == ["point", "job", "state", "steps", "samples_seen", "reward_mean"]
     for line, lr in zip(table[1:], ("1e-4", "2e-4")):
-        assert line.split()[0] == f"trainer.lr={lr}" and line.split()[2:5] == ["COMPLETED", "6", "192"], line
-        assert (tmp_path / "sweep" / f"trainer.lr={lr}" / "checkpoints" / "step_00000006").is_dir()
+        assert line.split()[0] == f"trainer.lr={lr}" and line.split()[2:5] == ["COMPLETED", "3", str(3 * SAMPLES_PER_STEP)], line
+        assert (tmp_path / "sweep" / f"trainer.lr={lr}" / "checkpoints" / "step_00000003").is_dir()
