@@ -21,6 +21,10 @@ import random
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "tiny_cpu.yaml"
@@ -98,7 +102,7 @@ def sample(cfg, overrides: list[str], model_dir: Path, args) -> list[tuple[list[
     return [(p, c.token_ids, c.logprobs) for p, cs in zip(prompts, results) for c in cs if c.token_ids]
 
 
-def score(cfg, model_dir: Path, rows, fp32: bool) -> list[tuple]:
+def score(cfg, model_dir: Path, rows, fp32: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per micro-batch, ([N] current log-probs, [N] behaviour log-probs) of the sampled tokens: the trainer's
     forward in cfg.model.dtype, its LM head in float32 when fp32 (chunked as the trainer is configured)."""
     import torch
@@ -124,7 +128,10 @@ def measure(args, model_dir: Path, work: Path, fp32: bool) -> dict:
     from pipelinerl.rl.stats import merge_stats, summarize_stats, token_stats
 
     cfg, overrides = bench_config(args, model_dir, work / f"run_fp32_{fp32}", fp32)
-    scored = score(cfg, model_dir, sample(cfg, overrides, model_dir, args), fp32)
+    rows = sample(cfg, overrides, model_dir, args)
+    scored = score(cfg, model_dir, rows, fp32)
+    other = score(cfg, model_dir, rows, not fp32)  # the head's rounding alone: same trunk, same tokens
+    head_T = torch.cat([a - b for (a, _), (b, _) in zip(scored, other)])
     stats = []
     for current_N, behaviour_N in scored:
         every_N = torch.ones(len(current_N), dtype=torch.bool)
@@ -132,7 +139,8 @@ def measure(args, model_dir: Path, work: Path, fp32: bool) -> dict:
     s = summarize_stats(merge_stats(stats))
     delta_T = torch.cat([behaviour_N - current_N.double() for current_N, behaviour_N in scored])
     return {"tokens": len(delta_T), "kl_k1": s["kl_k1"], "kl_k3": s["kl_k3"], "ess": s["ess"],
-            "entropy": s["entropy"], "mean_abs": delta_T.abs().mean().item(), "max_abs": delta_T.abs().max().item()}
+            "entropy": s["entropy"], "mean_abs": delta_T.abs().mean().item(), "max_abs": delta_T.abs().max().item(),
+            "head_abs": head_T.abs().mean().item()}
 
 
 def main() -> None:
@@ -159,13 +167,15 @@ def main() -> None:
     print(f"{args.dtype} Qwen2 (hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, head x{scale:.1f} "
           f"for logit std {args.logit_std}); vLLM-CPU samples at T=1, trainer forward scores; lag 0")
     print(f"{'lm_head_fp32':<13} {'tokens':>7} {'KL k1':>10} {'KL k3':>10} {'mean|d|':>9} {'max|d|':>8} "
-          f"{'ESS':>9} {'entropy':>8}")
+          f"{'ESS':>9} {'entropy':>8} {'head only':>9}")
     for fp32, r in rows.items():
         print(f"{str(fp32).lower():<13} {r['tokens']:>7} {r['kl_k1']:>10.2e} {r['kl_k3']:>10.2e} "
-              f"{r['mean_abs']:>9.2e} {r['max_abs']:>8.3f} {r['ess']:>9.6f} {r['entropy']:>8.2f}")
+              f"{r['mean_abs']:>9.2e} {r['max_abs']:>8.3f} {r['ess']:>9.6f} {r['entropy']:>8.2f} {r['head_abs']:>9.2e}")
     off, on = rows[False], rows[True]
     print(f"off/on: KL k3 {off['kl_k3'] / on['kl_k3']:.1f}x, mean|d| {off['mean_abs'] / on['mean_abs']:.1f}x, "
           f"max|d| {off['max_abs'] / on['max_abs']:.1f}x")
+    print("d = behaviour - current log-prob per sampled token; head only: mean |d| between the trainer's "
+          "own low-precision and float32 heads on the same tokens (the part the option can remove)")
 
 
 if __name__ == "__main__":
