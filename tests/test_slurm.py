@@ -447,5 +447,6 @@ def test_submitit_sweep_of_two_points_prints_its_table(slurm_env, tiny_model_dir
     table = out.stdout.splitlines()[-3:]
     assert table[0].split()[:6] == ["point", "job", "state", "steps", "samples_seen", "reward_mean"]
     for line, lr in zip(table[1:], ("1e-4", "2e-4")):
-        assert line.split()[0] == f"trainer.lr={lr}" and line.split()[2:5] == ["COMPLETED", "3", str(3 * SAMPLES_PER_STEP)], line
+        fields = line.split()
+        assert fields[0] == f"trainer.lr={lr}" and fields[2:5] == ["COMPLETED", "3", str(3 * SAMPLES_PER_STEP)], line
         assert (tmp_path / "sweep" / f"trainer.lr={lr}" / "checkpoints" / "step_00000003").is_dir()

@@ -28,4 +28,4 @@ def build_trainer(cfg: Config, dist: DistInfo, broadcaster: WeightSender | None)
     module, _, cls = BACKENDS[name].partition(":")
     backend = getattr(importlib.import_module(module), cls)
     return backend(cfg.trainer, dist, cfg.model.dtype, broadcaster=broadcaster, value_head=cfg.rl.value_function,
-                   temperature=cfg.actor.sampling.temperature)
+                   temperature=cfg.actor.sampling.temperature, lm_head_fp32=cfg.model.lm_head_fp32)

@@ -41,10 +41,11 @@ class Trainer(Protocol):
 
     Constructed by backends.build_trainer as
     ``Backend(cfg: TrainerConfig, dist: DistInfo, dtype: str, broadcaster: WeightSender | None,
-    value_head: bool, temperature: float)``: dtype is model.dtype; broadcaster is rank 0's weight
+    value_head: bool, temperature: float, lm_head_fp32: bool)``: dtype is model.dtype; broadcaster is rank 0's weight
     transport (None on the other ranks, or to gather without sending); value_head trains a critic head
     beside the LM (rl.value_function); temperature is the rollouts' sampling temperature, at which
-    completion log-probs are scored (actor.sampling.temperature). cfg.logprob_chunk_tokens bounds
+    completion log-probs are scored (actor.sampling.temperature); lm_head_fp32 computes the logits in
+    float32 (model.lm_head_fp32). cfg.logprob_chunk_tokens bounds
     how many rows of [tokens, vocab] logits `forward` and its backward hold at once (model.completion_forward)."""
 
     @property

@@ -96,11 +96,20 @@ def setup_process(cpu_kv_cache_gb: float | None) -> None:
 
     vLLM's SageMaker routes import `model_hosting_container_standards`, which at import sets the root
     logger and its handlers to SAGEMAKER_CONTAINER_LOG_LEVEL (default ERROR): every `pipelinerl` line of
-    the server would vanish. It is given the level `pipelinerl.logs.setup_logging` chose."""
+    the server would vanish. It is imported here and the root logger's level is put back (its own logger
+    keeps ERROR: its start-up lines are noise here)."""
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
     cli_env_setup()
-    os.environ.setdefault("SAGEMAKER_CONTAINER_LOG_LEVEL", logging.getLevelName(logging.getLogger().level))
+    root = logging.getLogger()
+    level, handler_levels = root.level, [h.level for h in root.handlers]
+    try:
+        import model_hosting_container_standards.logging_config  # noqa: F401  (a vLLM dependency)
+    except ImportError:
+        pass
+    root.setLevel(level)
+    for handler, handler_level in zip(root.handlers, handler_levels):
+        handler.setLevel(handler_level)
     if cpu_kv_cache_gb is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cpu_kv_cache_gb))
 
