@@ -79,15 +79,17 @@ class RecordingEngine:
 
     num_ranks = 2
 
-    def __init__(self, fail_receive: bool = False):
+    def __init__(self, fail_receive: bool = False, fail_load: bool = False):
         self.calls: list[tuple] = []
-        self.fail_receive = fail_receive
+        self.fail_receive, self.fail_load = fail_receive, fail_load
 
     def __getattr__(self, name):
         async def step(*args, **kwargs):
             self.calls.append((name, *args, *kwargs.values()))
             if name == "receive" and self.fail_receive:
                 raise RuntimeError("peer vanished")
+            if name == "load" and self.fail_load:
+                raise RuntimeError("out of memory")
             return {"worker_timings": [{"receive_s": 0.1}] * 2, "in_group": False}.get(name)
 
         return step
@@ -122,3 +124,15 @@ def test_a_failed_receive_resumes_on_the_old_weights():
     assert [c[0] for c in engine.calls] == ["join_group", "pause", "receive", "in_group", "resume"]
     assert engine.calls[1] == ("pause", False)
     assert updater.status()["version"] == 3 and not updater.status()["group_ready"]
+
+
+def test_a_failed_load_stops_the_server_instead_of_serving_a_half_loaded_model():
+    engine, stops = RecordingEngine(fail_load=True), []
+    updater = WeightUpdater(engine, EXPECTED, "float32", "keep", version=3, registry=CollectorRegistry(),
+                            on_broken=lambda: stops.append(True))
+    asyncio.run(updater.init_group(INIT))
+    with pytest.raises(UpdateError, match="out of memory.*stops") as err:
+        asyncio.run(updater.update(UPDATE))
+    assert err.value.status == 500 and updater.broken and stops == [True]
+    assert [c[0] for c in engine.calls] == ["join_group", "pause", "receive", "load"]  # never resumed
+    assert updater.status()["version"] == 3 and not updater.status()["updating"]

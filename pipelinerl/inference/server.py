@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
+import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,7 +165,8 @@ async def run(cfg: Config, args, updates: Updates | None) -> None:
                 server.app.include_router(reference_router())
             else:
                 updater = WeightUpdater(server.engine, updates.expected, cfg.model.dtype, cfg.inference.kv_on_update,
-                                        updates.version, staging=cfg.inference.update_staging)
+                                        updates.version, staging=cfg.inference.update_staging,
+                                        on_broken=lambda: os.kill(os.getpid(), signal.SIGTERM))
                 server.app.include_router(control_router(updater, updates.token))
                 await updater.start()
             folder = rundir.SERVERS_DIR if updates is not None else rundir.REFERENCE_SERVERS_DIR
@@ -171,6 +174,8 @@ async def run(cfg: Config, args, updates: Updates | None) -> None:
                                                                  published))
             await server.serve()
             announce.cancel()
+            if updates is not None and updater.broken:
+                raise SystemExit("stopped: a weight update failed while loading (see above); restart the server")
     finally:
         for path in published:
             path.unlink(missing_ok=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
@@ -68,8 +69,12 @@ class WeightUpdater:
     where the engine stages an update before loading it (inference.update_staging: host | device)."""
 
     def __init__(self, engine: UpdatableEngine, expected: dict[str, list[int]], dtype: str, kv_on_update: str,
-                 version: int, registry: CollectorRegistry = REGISTRY, staging: str = "host"):
+                 version: int, registry: CollectorRegistry = REGISTRY, staging: str = "host",
+                 on_broken: Callable[[], None] = lambda: None):
         self.engine, self.expected, self.dtype, self.staging = engine, expected, dtype, staging
+        # A load that fails part-way leaves the model half-updated: the server must stop rather than serve
+        # it (or stay paused for good); on_broken asks it to (server.py: a graceful stop, exit status 1).
+        self.on_broken, self.broken = on_broken, False
         self.kv_on_update, self.num_ranks, self.version = kv_on_update, engine.num_ranks, version
         self.group_ready = False
         self.busy = False  # one control operation at a time; the routes answer 409 meanwhile
@@ -150,7 +155,16 @@ class WeightUpdater:
                                    f"old weights (version {self.version}); POST /init_process_group "
                                    "again before the next update") from err
         t_received = time.monotonic()
-        await self.engine.load(req.version)
+        try:
+            await self.engine.load(req.version)
+        except Exception as err:
+            self.broken = True
+            log.critical("loading weight version %d failed after it was received: %r. The model may be half "
+                         "loaded: the server stops instead of serving it", req.version, err)
+            self.on_broken()
+            raise UpdateError(500, f"loading weight version {req.version} failed: {err}. The model may be half "
+                                   "loaded, so this server stops; restart it (it starts from the latest "
+                                   "checkpoint)") from err
         t_loaded = time.monotonic()
         await self.engine.resume()
         t_resumed = time.monotonic()
