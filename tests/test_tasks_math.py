@@ -6,7 +6,8 @@ import pytest
 
 from pipelinerl.config import TaskConfig
 from pipelinerl.tasks import get_task
-from pipelinerl.tasks.math_task import MATH_INSTRUCTION, last_boxed, load_rows
+from pipelinerl.tasks.data import load_rows
+from pipelinerl.tasks.math_task import MATH_INSTRUCTION, last_boxed
 
 ROWS = [
     {"question": "What is 1 divided by 2?", "answer": "\\frac{1}{2}"},

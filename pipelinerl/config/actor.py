@@ -70,8 +70,9 @@ class TaskConfig:
     """The data set and its reward."""
 
     name: str = doc("addition", "addition (2-digit sums, answer written units-first; CPU) | math (math-verify)")
-    dataset_path: str | None = doc(None, "math training rows: .jsonl/.json/.parquet of {question, answer} (or "
-                                         "problem/answer, or Open-Reasoner-Zero pairs)",
+    dataset_path: str | None = doc(None, "math training rows: a .jsonl/.json/.parquet file (or a Hugging Face "
+                                         "`datasets` folder, if `datasets` is installed) of {question, answer} "
+                                         "rows (or problem/answer, or Open-Reasoner-Zero pairs)",
                                    null="none: the addition task reads no file")
     eval_dataset_path: str | None = doc(None, "math test rows (e.g. MATH-500, AIME 2024), same formats",
                                         null="hold out eval_fraction of dataset_path instead")
@@ -79,6 +80,23 @@ class TaskConfig:
     seed: int = doc(0, "data order and the held-out split")
     reward_timeout_s: int = doc(5, "math-verify limit per parse and per comparison, whole seconds (signal.alarm); "
                                    "a pathological answer then scores 0 instead of stalling the actor", unit="s")
+    reward_workers: int = doc(1, "math grading processes; each completion is a job, started by an idle worker. "
+                                 "Raise it when grading cannot keep up (tools/bench_grading.py measures "
+                                 "completions per second per worker count)")
+    question_field: str | None = doc(None, "name of the question field in the data rows (any case)",
+                                     null="question, else problem")
+    answer_field: str | None = doc(None, "name of the gold answer field in the data rows (any case)",
+                                   null="answer")
+    credit_truncated: bool = doc(False, "grade completions cut at actor.sampling.max_new_tokens too, and reward a "
+                                        "correct final answer in one as if it had finished (the original "
+                                        "PipelineRL's option); false = a truncated completion scores 0")
+    overlong_buffer_tokens: int = doc(
+        0, "overlong penalty: a completion whose length reaches into the last N tokens before "
+           "actor.sampling.max_new_tokens loses overlong_penalty x (how far into that zone it reaches) / N, "
+           "so the full penalty at the limit and none before the zone (DAPO's soft overlong punishment, "
+           "rescaled to 0/1 rewards). 0 = off", unit="tokens")
+    overlong_penalty: float = doc(0.5, "the penalty at the length limit when overlong_buffer_tokens > 0; below 1 so "
+                                       "that a correct answer always outscores a wrong one")
 
     def __post_init__(self) -> None:
         check_choice(self.name, ("addition", "math"), "task.name")
@@ -87,3 +105,7 @@ class TaskConfig:
         check(0.0 < self.eval_fraction < 1.0, "task.eval_fraction", "must be in (0, 1)")
         check(isinstance(self.reward_timeout_s, int) and self.reward_timeout_s >= 1, "task.reward_timeout_s",
               "must be a whole number of seconds >= 1")
+        check_positive(self.reward_workers, "task.reward_workers")
+        check(self.overlong_buffer_tokens >= 0, "task.overlong_buffer_tokens", "must be >= 0 (0 = no penalty)")
+        check(0.0 <= self.overlong_penalty < 1.0, "task.overlong_penalty",
+              "must be in [0, 1): a correct answer must keep a positive reward (success is reward > 0)")

@@ -1,19 +1,23 @@
 """Math word problems scored by math-verify on the answer in the completion's last \\boxed{}.
 
-Grading runs in a worker process: math-verify's own timeouts use signal.alarm, which works only in a
-process's main thread, so the worker can enforce them whichever thread of the actor asks; and a hang
-that defeats the alarm (C code) is cut by the parent's backstop, which kills and restarts the worker.
+Grading runs in worker processes (pipelinerl/tasks/grading.py): math-verify's own timeouts use
+signal.alarm, which works only in a process's main thread, so a worker can enforce them whichever
+thread of the actor asks; and a hang that defeats the alarm (C code) is cut by the pool's per-job
+timeout, which kills and replaces that one worker. Data files are read by pipelinerl/tasks/data.py.
 """
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import threading
+from collections import Counter
 from pathlib import Path
 
 from pipelinerl.config import TaskConfig
 from pipelinerl.tasks.base import PromptItem, Task, split_held_out
+from pipelinerl.tasks.data import load_rows
+from pipelinerl.tasks.grading import GradingPool
+
+OUTCOMES = ("correct", "wrong", "no_answer", "truncated", "timeout")
 
 # Appended to every question: the reward reads only the last \boxed{} of the completion.
 MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -48,98 +52,89 @@ def grade_completion(gold: str, completion: str, timeout_s: int) -> str:
 
 
 def _import_math_verify() -> None:
-    import math_verify  # noqa: F401  (pay the import before the first timed job)
+    import math_verify  # noqa: F401  (pay the import before the worker says it is ready)
 
 
-class MathGrader:
-    """A one-process grading pool with a per-sample backstop; thread-safe."""
-
-    def __init__(self, timeout_s: int):
-        self.timeout_s = timeout_s
-        self._pool = None
-        self._lock = threading.Lock()
-
-    def grade(self, gold: str, completion: str) -> str:
-        """Outcome of grade_completion, or 'timeout' when the worker did not answer in time."""
-        with self._lock:
-            if self._pool is None:
-                self._pool = multiprocessing.get_context("spawn").Pool(1, initializer=_import_math_verify)
-            job = self._pool.apply_async(grade_completion, (gold, completion, self.timeout_s))
-        # Two parses and one comparison, each bounded by timeout_s inside the worker, plus room for a
-        # fresh worker's start-up on a loaded machine.
-        try:
-            return job.get(timeout=3 * self.timeout_s + 30)
-        except multiprocessing.TimeoutError:
-            self.close()
-            return "timeout"
-
-    def close(self) -> None:
-        with self._lock:
-            if self._pool is not None:
-                self._pool.terminate()
-                self._pool.join()
-                self._pool = None
+def job_timeout_s(reward_timeout_s: int) -> float:
+    """The pool's backstop per completion: two parses and one comparison, each bounded by
+    reward_timeout_s inside the worker, plus a second for the pipe."""
+    return 3 * reward_timeout_s + 1.0
 
 
-def _question_answer(row, where: str) -> tuple[str, str]:
-    """A {question|problem, answer} row (any key case), or an Open-Reasoner-Zero [human, assistant] pair."""
-    if isinstance(row, list) and len(row) == 2 and isinstance(row[1].get("ground_truth"), dict):
-        return str(row[0]["value"]), str(row[1]["ground_truth"]["value"])
-    if isinstance(row, dict):
-        lower = {str(k).lower(): v for k, v in row.items()}
-        question = lower.get("question", lower.get("problem"))
-        if question is not None and lower.get("answer") is not None:
-            return str(question), str(lower["answer"])
-    raise ValueError(f"{where}: expected a {{question, answer}} row (or problem/answer, or an "
-                     f"Open-Reasoner-Zero pair), got {str(row)[:200]!r}")
+def overlong_penalty(num_tokens: int, max_new_tokens: int, buffer_tokens: int, penalty: float) -> float:
+    """What a completion of num_tokens loses for reaching into the last buffer_tokens before the limit:
+    0 before that zone, rising linearly to `penalty` at max_new_tokens."""
+    if buffer_tokens <= 0:
+        return 0.0
+    if buffer_tokens > max_new_tokens:
+        raise ValueError(f"task.overlong_buffer_tokens={buffer_tokens} exceeds actor.sampling.max_new_tokens="
+                         f"{max_new_tokens}; make the buffer a part of the limit")
+    into_zone = num_tokens - (max_new_tokens - buffer_tokens)
+    return penalty * min(max(into_zone, 0), buffer_tokens) / buffer_tokens
 
 
-def load_rows(path: str | Path) -> list[tuple[str, str]]:
-    """(question, answer) rows from a .jsonl, .json (a list) or .parquet file."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"math data file {str(path)!r} does not exist (set task.dataset_path)")
-    if path.suffix == ".jsonl":
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        rows = [json.loads(line) for line in lines]
-    elif path.suffix == ".json":
-        rows = json.loads(path.read_text())
-    elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(path).to_pylist()
-    else:
-        raise ValueError(f"{str(path)!r}: use a .jsonl, .json or .parquet file")
-    return [_question_answer(row, f"{path.name} row {i}") for i, row in enumerate(rows)]
-
-
-def _items(path: str) -> list[PromptItem]:
+def _items(path: str, cfg: TaskConfig) -> list[PromptItem]:
     name = Path(path).name
     return [PromptItem(id=f"{name}:{i}", prompt=question + MATH_INSTRUCTION, answer=answer)
-            for i, (question, answer) in enumerate(load_rows(path))]
+            for i, (question, answer) in enumerate(load_rows(path, cfg.question_field, cfg.answer_field))]
 
 
 class MathTask(Task):
     name = "math"
 
     def __init__(self, cfg: TaskConfig):
-        items = _items(cfg.dataset_path)
+        items = _items(cfg.dataset_path, cfg)
         if cfg.eval_dataset_path:
-            train_items, eval_items = items, _items(cfg.eval_dataset_path)
+            train_items, eval_items = items, _items(cfg.eval_dataset_path, cfg)
         else:
             train_items, eval_items = split_held_out(items, cfg.eval_fraction, cfg.seed)
         super().__init__(train_items, eval_items, cfg.seed)
-        self.grader = MathGrader(cfg.reward_timeout_s)
+        self.cfg = cfg
+        self.grader = GradingPool(cfg.reward_workers, job_timeout_s(cfg.reward_timeout_s), grade_completion,
+                                  initializer=_import_math_verify)
+        self._counts: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()
 
     def outcome(self, item: PromptItem, completion_text: str, finished: bool) -> str:
-        """'correct' | 'wrong' | 'no_answer' | 'truncated' | 'timeout' (for logging)."""
-        if not finished:
-            return "truncated"
-        return self.grader.grade(item.answer, completion_text)
+        """'correct' | 'wrong' | 'no_answer' | 'truncated' | 'timeout', counted for outcome_counts().
+        A truncated completion is graded only under task.credit_truncated, and is then 'correct' when its
+        answer is; otherwise it stays 'truncated'."""
+        if finished or self.cfg.credit_truncated:
+            result = self.grader.grade(item.answer, completion_text, self.cfg.reward_timeout_s)
+            if not finished and result != "correct":
+                result = "truncated"
+        else:
+            result = "truncated"
+        with self._counts_lock:
+            self._counts[result] += 1
+        return result
 
-    def reward(self, item: PromptItem, completion_text: str, finished: bool) -> float:
-        """1 for a verified-correct final answer in a finished completion, else 0 (no shaping, seed 000)."""
-        return 1.0 if self.outcome(item, completion_text, finished) == "correct" else 0.0
+    def reward(self, item: PromptItem, completion_text: str, finished: bool, *, num_tokens: int | None = None,
+               max_new_tokens: int | None = None) -> float:
+        """1 for a verified-correct final answer (in a finished completion, or a truncated one under
+        task.credit_truncated), else 0; minus the overlong penalty when task.overlong_buffer_tokens > 0,
+        which needs the completion's length and the limit, both in tokens."""
+        reward = 1.0 if self.outcome(item, completion_text, finished) == "correct" else 0.0
+        if self.cfg.overlong_buffer_tokens > 0:
+            if num_tokens is None or max_new_tokens is None:
+                raise ValueError("task.overlong_buffer_tokens is set but the caller gave no num_tokens / "
+                                 "max_new_tokens: this actor cannot apply the overlong penalty; set it to 0")
+            reward -= overlong_penalty(num_tokens, max_new_tokens, self.cfg.overlong_buffer_tokens,
+                                       self.cfg.overlong_penalty)
+        return reward
+
+    def is_success(self, reward: float) -> bool:
+        """Correct answers score above 0 even after the largest overlong penalty (task.overlong_penalty < 1),
+        wrong ones at most 0."""
+        return reward > 0.0
+
+    def outcome_counts(self, reset: bool = False) -> dict[str, int]:
+        """How many completions ended in each outcome since the last reset (all five keys, for logging)."""
+        with self._counts_lock:
+            counts = {name: self._counts[name] for name in OUTCOMES}
+            if reset:
+                self._counts.clear()
+        return counts
 
     def close(self) -> None:
         self.grader.close()
