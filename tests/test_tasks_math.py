@@ -94,3 +94,47 @@ def test_separate_eval_file(tmp_path):
 def test_last_boxed_balances_braces():
     assert last_boxed("a \\boxed{\\frac{1}{2}} b") == "\\frac{1}{2}"
     assert last_boxed("\\boxed{1} \\boxed{{2}}") == "{2}" and last_boxed("none") is None
+
+
+def test_outcome_counts_include_truncated_and_reset(task):
+    task.outcome_counts(reset=True)
+    item = item_with(task, "4")
+    for text, finished in [("\\boxed{4}", True), ("\\boxed{5}", True), ("4", True), ("\\boxed{4}", False)]:
+        task.reward(item, text, finished)
+    assert task.outcome_counts(reset=True) == {"correct": 1, "wrong": 1, "no_answer": 1, "truncated": 1,
+                                               "timeout": 0}
+    assert sum(task.outcome_counts().values()) == 0
+
+
+def test_credit_truncated_and_overlong_penalty_by_hand(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in ROWS))
+    cfg = TaskConfig(name="math", dataset_path=str(path), credit_truncated=True, overlong_buffer_tokens=20,
+                     overlong_penalty=0.5)
+    options = get_task(cfg)
+    try:
+        item = item_with(options, "4")
+
+        def reward(text, finished, n):
+            return options.reward(item, text, finished, num_tokens=n, max_new_tokens=100)
+
+        # The zone is tokens 80..100; the penalty is 0.5 x (tokens past 80) / 20.
+        assert reward("\\boxed{4}", True, 70) == 1.0  # before the zone
+        assert reward("\\boxed{4}", True, 90) == 1.0 - 0.5 * 10 / 20  # 0.75
+        assert reward("\\boxed{5}", True, 95) == 0.0 - 0.5 * 15 / 20  # -0.375
+        assert reward("\\boxed{4}", False, 100) == 1.0 - 0.5  # truncated but correct: credited, full penalty
+        assert reward("\\boxed{5}", False, 100) == -0.5
+        assert options.outcome(item, "\\boxed{4}", finished=False) == "correct"
+        assert options.outcome(item, "\\boxed{5}", finished=False) == "truncated"
+        assert options.is_success(0.5) and not options.is_success(0.0) and not options.is_success(-0.375)
+        with pytest.raises(ValueError, match="num_tokens"):
+            options.reward(item, "\\boxed{4}", True)  # an actor that does not pass the length
+    finally:
+        options.close()
+
+
+def test_reward_options_are_checked():
+    with pytest.raises(ValueError, match="overlong_penalty"):
+        TaskConfig(overlong_penalty=1.0)
+    with pytest.raises(ValueError, match="reward_workers"):
+        TaskConfig(reward_workers=0)
