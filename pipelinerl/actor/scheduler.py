@@ -104,9 +104,12 @@ class Actor:
 
     async def score(self, group_id: str, item: PromptItem, prompt_ids: list[int], completions: list[Completion],
                     metadata: dict) -> list[Rollout]:
-        """Stream rows of one group, with rewards. Rewards run off the event loop: the math task's
-        math-verify may take up to task.reward_timeout_s."""
-        rewards = await asyncio.to_thread(lambda: [self.task.reward(item, c.text, c.finished) for c in completions])
+        """Stream rows of one group, with rewards. Rewards run off the event loop, one thread per completion
+        (the math task's grading pool then grades them side by side)."""
+        limit = self.cfg.actor.sampling.max_new_tokens
+        rewards = await asyncio.gather(*[
+            asyncio.to_thread(self.task.reward, item, c.text, c.finished, num_tokens=len(c.token_ids),
+                              max_new_tokens=limit) for c in completions])
         return [Rollout(run_id=self.cfg.run_dir, group_id=group_id, sample_id=f"{group_id}/{k}/{uuid.uuid4().hex[:12]}",
                         prompt_token_ids=prompt_ids, completion_token_ids=c.token_ids, behaviour_logprobs=c.logprobs,
                         versions=c.versions, reference_logprobs=c.reference_logprobs, reward=reward,
@@ -153,7 +156,9 @@ class Actor:
             self.tb.log(self.version, {"actor/reward": sum(rewards) / len(rewards),
                                        "actor/success": sum(map(self.task.is_success, rewards)) / len(rewards),
                                        "actor/tokens_per_s": w["tokens"] / dt, "actor/samples_per_s": w["samples"] / dt,
-                                       "actor/groups_in_flight": len(self.in_flight)})
+                                       "actor/groups_in_flight": len(self.in_flight),
+                                       **{f"actor/outcome/{k}": v
+                                          for k, v in self.task.outcome_counts(reset=True).items()}})
         self.window = {"rewards": [], "tokens": 0, "samples": 0, "t0": time.monotonic()}
 
     async def run(self) -> None:

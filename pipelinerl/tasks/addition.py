@@ -28,6 +28,7 @@ class AdditionTask(Task):
         train_items, eval_items = split_held_out(items, cfg.eval_fraction, cfg.seed)
         super().__init__(train_items, eval_items, cfg.seed)
 
-    def reward(self, item: PromptItem, completion_text: str, finished: bool) -> float:
+    def reward(self, item: PromptItem, completion_text: str, finished: bool, *, num_tokens: int | None = None,
+               max_new_tokens: int | None = None) -> float:
         """1 only for the exact answer followed by EOS; a truncated or padded answer scores 0."""
         return 1.0 if finished and completion_text == item.answer else 0.0

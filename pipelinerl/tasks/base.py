@@ -52,9 +52,15 @@ class Task(abc.ABC):
             position = (epoch + 1) * n
 
     @abc.abstractmethod
-    def reward(self, item: PromptItem, completion_text: str, finished: bool) -> float:
+    def reward(self, item: PromptItem, completion_text: str, finished: bool, *, num_tokens: int | None = None,
+               max_new_tokens: int | None = None) -> float:
         """Reward of one completion. completion_text excludes the EOS token; finished is True when the
-        model ended it (EOS), False when it was cut at the length limit."""
+        model ended it (EOS), False when it was cut at the length limit; num_tokens of max_new_tokens is
+        its length, for tasks whose reward depends on it (the math task's overlong penalty)."""
+
+    def outcome_counts(self, reset: bool = False) -> dict[str, int]:
+        """Completions per grading outcome since the last reset (the actor logs them); none by default."""
+        return {}
 
     def is_success(self, reward: float) -> bool:
         """Whether a completion with this reward solved its prompt: what the actor's `actor/success` and
