@@ -61,6 +61,7 @@ def test_overrides_apply_with_types():
         (["model.tiny.num_attention_heads=8"], "head_dim = 16"),
         (["trainer.lr_schedule=cosine", "trainer.max_steps=null"], "set max_steps"),
         (["task.name=math"], "config `task.dataset_path`"),
+        (["task.overlong_buffer_tokens=100"], "config `task.overlong_buffer_tokens`: got 100: the penalty zone"),
         (["lr=1"], "unknown key `lr`"),
         (["trainer.lr"], "is not of the form key=value"),
     ],

@@ -47,6 +47,9 @@ class Config:
               "actor.sampling.temperature", f"got {self.actor.sampling.temperature}; the reference servers' "
               "log-probs (rl.kl_coef > 0, DPO against the reference) are of the untempered model, while the "
               "trainer scores the tempered one: sample at 1.0, or drop the reference term")
+        check(self.task.overlong_buffer_tokens <= self.actor.sampling.max_new_tokens, "task.overlong_buffer_tokens",
+              f"got {self.task.overlong_buffer_tokens}: the penalty zone must fit in actor.sampling.max_new_tokens "
+              f"({self.actor.sampling.max_new_tokens})")
         check_choice(self.mode, ("pipeline", "conventional"), "mode")
         if self.mode == "conventional":
             self._check_conventional()
