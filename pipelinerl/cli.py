@@ -135,6 +135,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+def cmd_eval(args: argparse.Namespace) -> None:
+    from pipelinerl.evaluate import run_eval
+
+    run_eval(args.target, args.overrides, config=args.config, step=args.step, sets=args.sets, samples=args.samples,
+             temperature=args.temperature, greedy=not args.no_greedy, out=args.out)
+
+
 def cmd_slurm(args: argparse.Namespace) -> None:
     from pipelinerl.launch.slurm import main as slurm_main
 
@@ -208,6 +215,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help='print {"gpu_memory_gb", "fits", "roles": {role: {"per_gpu_gb", "items"}}} instead of a table')
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("eval", help="evaluate a checkpoint on the task's held-out items with its own servers: pass@k, "
+                                    "mean length, truncation rate; a JSON report and a table")
+    p.add_argument("target", metavar="CHECKPOINT_OR_RUN_DIR",
+                   help="a run directory (its latest checkpoint, or --step) or an HF model folder (a checkpoint's hf/)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides, e.g. actor.eval_samples=500 actor.sampling.max_new_tokens=4096 (also "
+                        "after the options)")
+    p.add_argument("--config", default=None,
+                   help="config file (default: the run's config.yaml; required for a model folder outside a run)")
+    p.add_argument("--step", type=int, default=None, help="with a run directory: the checkpoint of this step")
+    p.add_argument("--sets", nargs="+", default=["default"], metavar="NAME",
+                   help="eval sets; for now only `default`, the task's held-out split")
+    p.add_argument("--samples", type=int, default=0,
+                   help="sampled completions per item (pass@k for k = 1, 2, 4, ... up to it); 0 = greedy only")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="temperature of the sampled completions (default actor.sampling.temperature)")
+    p.add_argument("--no-greedy", action="store_true", help="skip the greedy (n = 1, temperature 0) evaluation")
+    p.add_argument("--out", default=None,
+                   help="JSON report path (default RUN_DIR/eval/step_<K>.json, or ./eval_report.json outside a run)")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("slurm", add_help=False,
                        help="Slurm: script | launch | servers | submit (`pipelinerl slurm --help`)")
