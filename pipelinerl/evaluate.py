@@ -135,12 +135,6 @@ def server_roles(cfg: Config, config_path: Path, target: Target) -> list:
     return roles
 
 
-def prompt_ids(tokenizer, item) -> list[int]:
-    """The chat-templated prompt tokens of an item, as the actor sends them."""
-    encoded = tokenizer.apply_chat_template(item.messages, add_generation_prompt=True, tokenize=True)
-    return list(encoded["input_ids"])
-
-
 def grade(task, item, completions, max_new_tokens: int):
     """An ItemOutcome: each completion's task.reward and task.is_success."""
     from pipelinerl.eval_metrics import ItemOutcome
@@ -165,7 +159,7 @@ async def sample_modes(cfg: Config, task, tokenizer, modes: dict[str, tuple[bool
     limits = httpx.Limits(max_connections=cfg.actor.max_groups_in_flight)
 
     async def one(http, item, greedy: bool, n: int):
-        ids = prompt_ids(tokenizer, item)
+        ids = item.token_ids(tokenizer)
         async with gate:
             completions = await client.complete(http, ids, greedy, n)
         # Off the event loop: a task's grading may block (the math task's worker pool).

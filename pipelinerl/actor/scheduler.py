@@ -75,8 +75,7 @@ class Actor:
         return samples, groups
 
     def prompt_ids(self, item: PromptItem) -> list[int]:
-        encoded = self.tokenizer.apply_chat_template(item.messages, add_generation_prompt=True, tokenize=True)
-        return list(encoded["input_ids"])
+        return item.token_ids(self.tokenizer)
 
     async def run_group(self, http: httpx.AsyncClient, index: int, item: PromptItem) -> list[Rollout]:
         prompt_ids = self.prompt_ids(item)

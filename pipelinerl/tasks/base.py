@@ -21,6 +21,11 @@ class PromptItem:
         """The prompt as chat messages (single user turn), for /v1/chat/completions."""
         return [{"role": "user", "content": self.prompt}]
 
+    def token_ids(self, tokenizer) -> list[int]:
+        """The chat-templated prompt tokens, with the generation prompt: what the servers complete."""
+        encoded = tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True)
+        return list(encoded["input_ids"])
+
 
 class Task(abc.ABC):
     """A data set split into train and held-out items, and a reward. Subclasses fill both lists."""
