@@ -52,10 +52,13 @@ def run_pipelinerl(config: Path, run_dir: Path, model_dir: Path, max_steps: int,
 
 @pytest.fixture(scope="session")
 def conventional_g2_run(tmp_path_factory, tiny_model_dir) -> Path:
-    """Conventional RL, G = 2, on 3 trainer ranks: three batches of B = 96 samples, six optimizer steps."""
+    """Conventional RL, G = 2, on 3 trainer ranks: three batches of B = 96 samples, six optimizer steps.
+    One-token completions earn no reward by construction (the addition task rewards only an answer of
+    at least two digits followed by EOS), so every advantage is 0 and no step moves the weights: the KL
+    analysis's zero-KL reference. An untrained model's 24-token samples did hit an answer now and then."""
     run_dir = tmp_path_factory.mktemp("conv_g2") / "run"
     return run_pipelinerl(CONVENTIONAL, run_dir, tiny_model_dir, 6, 18610, "conventional.steps_per_batch=2",
-                          "trainer.num_gpus=3")
+                          "trainer.num_gpus=3", "actor.sampling.max_new_tokens=1")
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,7 @@ def test_target_logprobs_equal_the_trainers_at_each_step(conventional_g2_run):
 
 
 def test_kl_is_zero_for_a_run_whose_weights_did_not_change(conventional_g2_run, tiny_model_dir):
-    """The untrained tiny model never earns a reward, so every advantage is 0 and no step moves the
+    """The run's one-token completions never earn a reward, so every advantage is 0 and no step moves the
     weights: the target equals the behaviour policy at every lag, up to vLLM vs transformers noise."""
     base = load_file(tiny_model_dir / "model.safetensors")
     moved = load_file(conventional_g2_run / "checkpoints" / "step_00000006" / "hf" / "model.safetensors")
