@@ -331,131 +331,6 @@ def plan_trainer(cfg_path: Path, gpu_memory_gb: float) -> dict | str:
                            f"{(out.stdout + out.stderr).strip()[-500:]}") from None
 
 
-# ---- step 4: a vLLM server, one update, per-token versions, lag-0 log-prob agreement --------------------
-
-def start_server(cfg_path: Path, run_dir: Path, port: int, timeout_s: float):
-    """`pipelinerl serve` under a Supervisor (its own process group); the URL once it announces itself."""
-    from pipelinerl.inference.rundir import list_servers
-    from pipelinerl.launch.procs import Role, Supervisor
-
-    sup = Supervisor()
-    sup.start(Role("server", [sys.executable, "-m", "pipelinerl.cli", "serve", str(cfg_path), "--port", str(port)],
-                   run_dir / "server.log", env={"HF_HUB_OFFLINE": "1"}))
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not (urls := list_servers(run_dir)):
-            sup.check()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the server did not announce itself within {timeout_s:.0f} s; log: "
-                                   f"{run_dir / 'server.log'}")
-            time.sleep(0.5)
-    except BaseException:
-        sup.stop_all()
-        raise
-    return sup, urls[0]
-
-
-def perturbed_model(model_dir: Path, seed: int):
-    """The served model's weights plus noise: an update the server can only reproduce by loading it."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from pipelinerl.trainer.model import enable_chunked_logprobs
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    enable_chunked_logprobs(model)
-    return model
-
-
-def update_and_sample(cfg, url: str, model, prompts: list[list[int]]) -> tuple[dict, list]:
-    """Broadcast `model` as version 1 (the project's WeightBroadcaster, gloo), then sample each prompt
-    through the actor's completions client; returns the broadcast's reply and the completions."""
-    import asyncio
-
-    import httpx
-
-    from pipelinerl.actor.client import CompletionsClient
-    from pipelinerl.inference.rundir import run_token
-    from pipelinerl.launch.procs import free_port
-    from pipelinerl.weights import TensorMeta, WeightBroadcaster, dtype_name
-
-    sender = WeightBroadcaster([url], "gloo", "127.0.0.1", free_port(), cfg.inference.weight_update_timeout_s,
-                               int(cfg.trainer.broadcast_bucket_mb * 2**20), run_token(cfg.run_dir), checksums=True)
-    try:
-        sender.connect()
-        named = list(model.named_parameters())
-        reply = sender.broadcast(1, [TensorMeta(n, dtype_name(p.dtype), list(p.shape)) for n, p in named],
-                                 (p.detach() for _, p in named))
-    finally:
-        sender.close()
-    client = CompletionsClient(cfg.actor, cfg.run_dir, reference=False)
-
-    async def sample():
-        async with httpx.AsyncClient() as http:
-            return [c for p in prompts for c in await client.complete(http, p, greedy=False, n=2)]
-
-    return reply, asyncio.run(sample())
-
-
-def trainer_logprobs(model, prompt: list[int], completion: list[int], cfg) -> list[float]:
-    """The trainer's completion log-probs (completion_forward, chunked, at the sampling temperature)."""
-    import torch
-
-    from pipelinerl.trainer.model import completion_logprobs
-    from pipelinerl.trainer.packing import Sample, pack
-
-    (mb,) = pack([Sample(prompt, completion, index=0)], len(prompt) + len(completion))
-    with torch.no_grad():
-        return completion_logprobs(model, mb, torch.device("cpu"), cfg.actor.sampling.temperature,
-                                   cfg.trainer.logprob_chunk_tokens).tolist()
-
-
-def server_check(model_dir: Path, workdir: Path, args) -> Row:
-    from pipelinerl.config import load_config
-    from pipelinerl.launch.procs import free_port
-    from pipelinerl.tiny_model import build_tokenizer
-
-    run_dir = workdir / "server_run"
-    cfg_path = write_config(workdir / "server.yaml", model_dir, run_dir, args,
-                            ("model.dtype=float32", "inference.max_model_len=256",
-                             "actor.sampling.max_new_tokens=32", "actor.sampling.temperature=0.7"))
-    cfg = load_config(cfg_path)
-    start = time.monotonic()
-    sup, url = start_server(cfg_path, run_dir, free_port(), cfg.inference.startup_timeout_s)
-    ready_s = time.monotonic() - start
-    try:
-        model = perturbed_model(model_dir, seed=1)
-        tok = build_tokenizer()
-        prompts = [list(tok(text).input_ids) for text in ("12+34=", "7*8=", "99-1=")]
-        reply, completions = update_and_sample(cfg, url, model, prompts)
-        deltas, versions = [], set()
-        for i, c in enumerate(completions):
-            ours = trainer_logprobs(model, prompts[i // 2], c.token_ids, cfg)
-            deltas += [abs(a - b) for a, b in zip(ours, c.logprobs, strict=True)]
-            versions.update(c.versions)
-    finally:
-        sup.stop_all()
-    mean_d, max_d = statistics.fmean(deltas), max(deltas)
-    numbers = (f"ready {ready_s:.0f} s; update {reply['bytes'] / 1e6:.2f} MB in {reply['total_s']:.2f} s; "
-               f"{len(deltas)} tokens, versions {sorted(versions)}; lag-0 |dlogprob| mean {mean_d:.1e} "
-               f"max {max_d:.1e} (float32, T={cfg.actor.sampling.temperature})")
-    values = {"ready_s": ready_s, "update_s": reply["total_s"], "tokens": len(deltas),
-              "versions": sorted(versions), "mean_abs_diff": mean_d, "max_abs_diff": max_d}
-    if versions != {1}:
-        return Row("server: update + versions + lag-0 log-probs", f"FAILED: token versions {sorted(versions)}, "
-                   "expected all 1", numbers, values)
-    if max_d > args.max_logprob_diff:
-        return Row("server: update + versions + lag-0 log-probs",
-                   f"FAILED: max |dlogprob| {max_d:.1e} > {args.max_logprob_diff}", numbers, values)
-    return Row("server: update + versions + lag-0 log-probs", "ok", numbers, values)
-
-
-# ---- the table ------------------------------------------------------------------------------------------
-
 def trainer_rows(shape: str, workdir: Path, args) -> list[Row]:
     """Steps 1-3 for one model shape."""
     model_dir = workdir / f"model_{shape}"
@@ -527,6 +402,8 @@ def run_checks(args) -> list[Row]:
         rows.append(Row(step, "skipped: vllm not importable"))
     else:
         try:
+            from gpu_check_server import server_check
+
             rows.append(server_check(workdir / "model_tiny", workdir, args))
         except Exception as err:  # noqa: BLE001 - one failed step is a row, the table still prints
             rows.append(Row(step, f"FAILED: {type(err).__name__}: {str(err)[-500:]}"))
