@@ -105,6 +105,6 @@ def connect_broadcaster(server):
     from pipelinerl.weights import WeightBroadcaster
 
     b = WeightBroadcaster([server["url"]], "gloo", "127.0.0.1", next(GROUP_PORTS), GROUP_TIMEOUT_S,
-                          bucket_bytes=1 << 16, token=server["token"], checksums=True)
+                          bucket_bytes=1 << 16, token=server["token"], checksum_every=1)
     b.connect()
     return b

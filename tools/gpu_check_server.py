@@ -63,7 +63,7 @@ def update_and_sample(cfg, url: str, model, prompts: list[list[int]]) -> tuple[d
     from pipelinerl.weights import TensorMeta, WeightBroadcaster, dtype_name
 
     sender = WeightBroadcaster([url], "gloo", "127.0.0.1", free_port(), cfg.inference.weight_update_timeout_s,
-                               int(cfg.trainer.broadcast_bucket_mb * 2**20), run_token(cfg.run_dir), checksums=True)
+                               int(cfg.trainer.broadcast_bucket_mb * 2**20), run_token(cfg.run_dir), checksum_every=1)
     try:
         sender.connect()
         named = list(model.named_parameters())

@@ -47,7 +47,17 @@ class TrainerConfig:
                                      null="this host's address on the route to the first server")
     broadcast_port: int = doc(29511, "TCP port of the weight-update group's store on trainer rank 0")
     broadcast_bucket_mb: float = doc(256.0, "weights are broadcast in buckets of at most this size", unit="MiB")
-    broadcast_checksums: bool = doc(False, "debug: servers check a per-tensor checksum after each update")
+    broadcast_checksum_every: int = doc(
+        0, "every N-th version the servers check each updated tensor's CRC32 before loading it (a mismatch is "
+           "logged, and in delta mode the update is resent dense at once); 0 = never, 1 = every update (a debug "
+           "option: CRC32 runs on the CPU at about 1 GB/s)", unit="versions")
+    broadcast_delta: str = doc(
+        "off", "auto: after the first update, send each tensor as a delta (the positions and new values of its "
+               "changed elements, compared bit by bit: lossless) when that is smaller than the tensor, to servers "
+               "that hold the previous version; off: every tensor whole. At RL learning rates most bf16 weights do "
+               "not change in a step, so auto sends a few percent of the bytes "
+               "(tools/bench_weight_update.py). Costs one host-RAM copy of the model on trainer rank 0 and on "
+               "every server worker, and the whole gather happens before the send (no overlap)")
     data_timeout_s: float = doc(1500.0, "fail, naming the stream and cursor, if a step's data does not arrive "
                                         "within this long; must be < dist_timeout_s (the other ranks wait in a "
                                         "collective meanwhile)", unit="s")
@@ -71,6 +81,8 @@ class TrainerConfig:
         check_positive(self.adam_eps, "trainer.adam_eps")
         check_positive(self.grad_clip, "trainer.grad_clip", allow_null=True)
         check_positive(self.broadcast_bucket_mb, "trainer.broadcast_bucket_mb")
+        check(self.broadcast_checksum_every >= 0, "trainer.broadcast_checksum_every", "must be >= 0 (0 = never)")
+        check_choice(self.broadcast_delta, ("auto", "off"), "trainer.broadcast_delta")
         check_positive(self.data_timeout_s, "trainer.data_timeout_s")
         check_choice(self.attn_implementation, ("sdpa", "flash_attention_2"), "trainer.attn_implementation")
         check_positive(self.dist_timeout_s, "trainer.dist_timeout_s")

@@ -88,7 +88,7 @@ async def _answer(call) -> JSONResponse:
     try:
         return JSONResponse(await call)
     except UpdateError as err:
-        return JSONResponse({"error": str(err)}, status_code=err.status)
+        return JSONResponse({"error": str(err), **err.details}, status_code=err.status)
 
 
 def control_router(updater: WeightUpdater, token: str) -> APIRouter:

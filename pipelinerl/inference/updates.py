@@ -44,11 +44,12 @@ class UpdatableEngine(Protocol):
 
 
 class UpdateError(Exception):
-    """A control request that failed; `status` is the HTTP status the route answers with."""
+    """A control request that failed; `status` is the HTTP status the route answers with, `details` more
+    fields of its JSON body."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, **details):
         super().__init__(message)
-        self.status = status
+        self.status, self.details = status, details
 
 
 class _Metrics:
@@ -77,6 +78,7 @@ class WeightUpdater:
         self.on_broken, self.broken = on_broken, False
         self.kv_on_update, self.num_ranks, self.version = kv_on_update, engine.num_ranks, version
         self.group_ready = False
+        self.delta_base: int | None = None  # the version the workers keep as the base of delta updates
         self.busy = False  # one control operation at a time; the routes answer 409 meanwhile
         self.updates = 0
         self.pause_total_s = 0.0
@@ -90,7 +92,7 @@ class WeightUpdater:
     def status(self) -> dict:
         return {"version": self.version, "num_ranks": self.num_ranks, "group_ready": self.group_ready,
                 "updating": self.busy, "updates": self.updates, "pause_total_s": self.pause_total_s,
-                "last_pause_s": self.last_pause_s, "kv_on_update": self.kv_on_update,
+                "last_pause_s": self.last_pause_s, "kv_on_update": self.kv_on_update, "delta_base": self.delta_base,
                 "update_staging": self.staging, "dtype": self.dtype, "tensors": self.expected}
 
     async def init_group(self, body: object) -> dict:
@@ -113,6 +115,9 @@ class WeightUpdater:
     async def update(self, body: object) -> dict:
         req = _parsed(parse_update_request, body)
         self._check_tensors(req)
+        if req.base_version is not None and req.base_version != self.delta_base:
+            raise UpdateError(412, f"the update is a delta against version {req.base_version}, but this server's "
+                                   f"delta base is {self.delta_base}: send it dense")
         if not self.group_ready:
             raise UpdateError(409, "no weight-update group: POST /init_process_group first")
         self._claim("start a weight update")
@@ -150,10 +155,14 @@ class WeightUpdater:
         try:
             await self.engine.receive(req)
         except Exception as err:
+            self.delta_base = None  # the workers drop their base on any failure
             await self._resume_after_failure(t0)
+            again = "" if self.group_ready else "; POST /init_process_group again before the next update"
+            log.warning("weight update to version %d failed, resumed on version %d: %s", req.version, self.version,
+                        err)
             raise UpdateError(504, f"weight update to version {req.version} failed: {err}. Resumed on the "
-                                   f"old weights (version {self.version}); POST /init_process_group "
-                                   "again before the next update") from err
+                                   f"old weights (version {self.version}){again}",
+                              group_ready=self.group_ready, version=self.version) from err
         t_received = time.monotonic()
         try:
             await self.engine.load(req.version)
@@ -166,12 +175,13 @@ class WeightUpdater:
                                    "loaded, so this server stops; restart it (it starts from the latest "
                                    "checkpoint)") from err
         t_loaded = time.monotonic()
+        self.delta_base = req.version if req.keep_base else None
         await self.engine.resume()
         t_resumed = time.monotonic()
         self._account(req.version, t_resumed - t0)
         workers = await self.engine.worker_timings()
-        return {"version": self.version, "pause_s": t_paused - t0, "receive_s": t_received - t_paused,
-                "load_s": t_loaded - t_received, "resume_s": t_resumed - t_loaded,
+        return {"version": self.version, "delta_base": self.delta_base, "pause_s": t_paused - t0,
+                "receive_s": t_received - t_paused, "load_s": t_loaded - t_received, "resume_s": t_resumed - t_loaded,
                 "paused_s": t_resumed - t0, "workers": workers}
 
     async def _resume_after_failure(self, t0: float) -> None:

@@ -65,7 +65,8 @@ class ServerBroadcaster:
         sender = WeightBroadcaster(
             urls, backend, broadcast_address(cfg, urls[0]), cfg.trainer.broadcast_port,
             cfg.inference.weight_update_timeout_s, int(cfg.trainer.broadcast_bucket_mb * 2**20),
-            run_token(cfg.run_dir, cfg.inference.auth_token), checksums=cfg.trainer.broadcast_checksums)
+            run_token(cfg.run_dir, cfg.inference.auth_token), checksum_every=cfg.trainer.broadcast_checksum_every,
+            delta=cfg.trainer.broadcast_delta == "auto")
         sender.connect()
         self._sender = sender
         log.info("weight-update group open with %d server(s): %s", len(urls), ", ".join(urls))

@@ -4,10 +4,12 @@ wire.py       the wire format (request bodies, bucket layout, checksums): what b
 collective.py the private process group both sides join, and deadline-bounded waits on it
 sender.py     the trainer's side (rank 0): WeightBroadcaster
 receiver.py   the server's side: receive_staged
+delta.py      delta updates: only the elements that changed (DeltaEncoder on the trainer, DeltaBase on a server)
 """
 
 from pipelinerl.dtypes import dtype_name, torch_dtype
 from pipelinerl.weights.collective import broadcast_async, open_group, wait_work
+from pipelinerl.weights.delta import Delta, DeltaBase, DeltaEncoder, changed_positions
 from pipelinerl.weights.receiver import receive_staged
 from pipelinerl.weights.sender import WeightBroadcaster
 from pipelinerl.weights.wire import (
@@ -16,6 +18,7 @@ from pipelinerl.weights.wire import (
     Bucket,
     InitRequest,
     TensorMeta,
+    UpdateRejected,
     UpdateRequest,
     WeightTransferError,
     parse_init_request,
@@ -23,18 +26,24 @@ from pipelinerl.weights.wire import (
     plan_buckets,
     tensor_checksum,
     update_body,
+    wire_parts,
 )
 
 __all__ = [
     "ALIGN_BYTES",
     "HTTP_MARGIN_S",
     "Bucket",
+    "Delta",
+    "DeltaBase",
+    "DeltaEncoder",
     "InitRequest",
     "TensorMeta",
+    "UpdateRejected",
     "UpdateRequest",
     "WeightBroadcaster",
     "WeightTransferError",
     "broadcast_async",
+    "changed_positions",
     "dtype_name",
     "open_group",
     "parse_init_request",
@@ -45,4 +54,5 @@ __all__ = [
     "torch_dtype",
     "update_body",
     "wait_work",
+    "wire_parts",
 ]

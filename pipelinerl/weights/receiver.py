@@ -1,5 +1,5 @@
-"""Server side of a weight update: receive the buckets into staging (host or device memory) and check their
-checksums."""
+"""Server side of a weight update: receive the buckets into staging (host or device memory), resolve the
+deltas against the worker's base and check the checksums."""
 
 from __future__ import annotations
 
@@ -7,43 +7,47 @@ import torch
 
 from pipelinerl.dtypes import torch_dtype
 from pipelinerl.weights.collective import broadcast_async, wait_work
-from pipelinerl.weights.wire import UpdateRequest, WeightTransferError, plan_buckets, tensor_checksum
+from pipelinerl.weights.delta import Delta, DeltaBase
+from pipelinerl.weights.wire import UpdateRequest, plan_buckets, wire_parts
 
 
 def receive_staged(group, req: UpdateRequest, device: torch.device, deadline: float, peer: str,
-                   staging: str = "host") -> list[tuple[str, torch.Tensor]]:
-    """Server side: receive every bucket, return (name, tensor) pairs; nothing is loaded here, so a receive
-    that fails part-way leaves the served model untouched (the caller drops the list).
+                   staging: str = "host", base: DeltaBase | None = None) -> list[tuple[str, torch.Tensor]]:
+    """Server side: receive every bucket, return the update's (name, full tensor) pairs; nothing is loaded
+    here, so a receive that fails part-way leaves the served model untouched (the caller drops the list).
 
     Each bucket lands on `device`. staging="host" copies it to host memory before the next bucket (pinned
     when `device` is a GPU, for the later host->device load): one bucket of device memory, the full model
     of host RAM. staging="device" keeps the buckets where they landed: no device->host->device round trip,
     but the full model in device memory. On CPU both are the same: the bucket buffers are the staging
-    memory and the tensors are views into them (inference.update_staging).
+    memory and the tensors are views into them (inference.update_staging). Deltas (delta.py) are applied to
+    `base` once every byte has arrived; a request with deltas and no base fails.
     """
     assert staging in ("host", "device"), staging
-    staged: list[tuple[str, torch.Tensor]] = []
-    buckets = plan_buckets(req.tensors, req.bucket_bytes)
+    staged: list[tuple[str, torch.Tensor | Delta]] = []
+    parts = wire_parts(req)
+    buckets = plan_buckets(parts, req.bucket_bytes)
+    index = None
     for k, bucket in enumerate(buckets):
         buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-        wait_work(broadcast_async(group, buf), deadline, f"bucket {k + 1}/{len(buckets)} from {peer}")
+        if bucket.nbytes:  # a bucket of unchanged tensors' empty deltas is not sent (sender.py skips it too)
+            wait_work(broadcast_async(group, buf), deadline, f"bucket {k + 1}/{len(buckets)} from {peer}")
         if staging == "host" and buf.device.type != "cpu":
             host = torch.empty(bucket.nbytes, dtype=torch.uint8, pin_memory=True)
             buf = host.copy_(buf)
         for i, off in zip(bucket.indexes, bucket.offsets):
-            meta = req.tensors[i]
-            view = buf[off:off + meta.nbytes].view(torch_dtype(meta.dtype)).view(meta.shape)
-            staged.append((meta.name, view))
+            part = parts[i]
+            meta = req.tensors[part.tensor]
+            view = buf[off:off + part.nbytes].view(torch_dtype(part.dtype))
+            if part.kind == "dense":
+                staged.append((meta.name, view.view(meta.shape)))
+            elif part.kind == "index":
+                index = view
+            else:
+                staged.append((meta.name, Delta(index, view)))
+    sums = None
     if req.checksums:
-        _check_checksums(group, staged, device, deadline, peer)
-    return staged
-
-
-def _check_checksums(group, staged, device, deadline: float, peer: str) -> None:
-    sums = torch.empty(len(staged), dtype=torch.int64, device=device)
-    wait_work(broadcast_async(group, sums), deadline, f"the checksum tensor from {peer}")
-    bad = [name for (name, t), s in zip(staged, sums.cpu().tolist()) if tensor_checksum(t) != s]
-    if bad:
-        raise WeightTransferError(f"checksum mismatch on {len(bad)} tensor(s) from {peer}: {bad[:5]}")
-
-
+        got = torch.empty(len(req.tensors), dtype=torch.int64, device=device)
+        wait_work(broadcast_async(group, got), deadline, f"the checksum tensor from {peer}")
+        sums = got.cpu().tolist()
+    return (base if base is not None else DeltaBase()).resolve(req, staged, sums, peer)

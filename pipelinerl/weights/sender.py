@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -12,43 +13,58 @@ import torch
 
 from pipelinerl.dtypes import dtype_name
 from pipelinerl.weights.collective import broadcast_async, open_group, wait_work
+from pipelinerl.weights.delta import Delta, DeltaEncoder
 from pipelinerl.weights.wire import (
     HTTP_MARGIN_S,
     InitRequest,
+    Part,
     TensorMeta,
     UpdateRequest,
     WeightTransferError,
+    itemsize,
     plan_buckets,
     tensor_checksum,
     update_body,
+    wire_parts,
 )
+
+log = logging.getLogger(__name__)
 
 
 class WeightBroadcaster:
     """Trainer side (rank 0): opens the group with every server and broadcasts each new version.
 
+    With `delta` (trainer.broadcast_delta), tensors are sent as deltas against the previous version
+    (delta.py) whenever every server holds that version as its base, and the servers keep a base. Every
+    `checksum_every`-th version (0: never) the servers check each resulting tensor's CRC32 before loading.
     After a failed round the group is unusable (some servers may still wait inside a collective until
-    their timeout); `broadcast` then refuses until `connect` is called again.
+    their timeout); `broadcast` then refuses until `connect` is called again. One exception: a round whose
+    every byte arrived but that a server rejected (a checksum mismatch; the group stays usable) is resent
+    dense at once when the weights are at hand (delta mode keeps them).
     """
 
     def __init__(self, server_urls: list[str], backend: str, master_addr: str, master_port: int,
-                 timeout_s: float, bucket_bytes: int, token: str | None, checksums: bool = False):
+                 timeout_s: float, bucket_bytes: int, token: str | None, checksum_every: int = 0,
+                 delta: bool = False):
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
         if not server_urls:
             raise ValueError("no inference servers to broadcast to (RUN_DIR/servers/ is empty?)")
         self.server_urls = [u.rstrip("/") for u in server_urls]
         self.backend, self.master_addr, self.master_port = backend, master_addr, master_port
-        self.timeout_s, self.bucket_bytes, self.checksums = timeout_s, bucket_bytes, checksums
+        self.timeout_s, self.bucket_bytes, self.checksum_every = timeout_s, bucket_bytes, checksum_every
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._pool = ThreadPoolExecutor(max_workers=len(server_urls) + 1, thread_name_prefix="weights")
         self._group = None
         self._status: dict[str, dict] = {}
+        self._bases: dict[str, int | None] = {}  # each server's delta base version (None: none)
+        self._encoder = DeltaEncoder() if delta else None
         self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
 
     def connect(self) -> None:
         """POST /init_process_group to every server while opening the group as rank 0."""
         self._status = {url: self._request(url, "/status") for url in self.server_urls}
+        self._bases = {url: s.get("delta_base") for url, s in self._status.items()}
         ranks = [s["num_ranks"] for s in self._status.values()]
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         world = 1 + sum(ranks)
@@ -67,30 +83,86 @@ class WeightBroadcaster:
         posts.join(deadline)
 
     def broadcast(self, version: int, metas: list[TensorMeta], tensors: Iterable[torch.Tensor]) -> dict:
-        """One update round; returns timings and every server's reply. Raises WeightTransferError."""
+        """One update round; returns timings, bytes and every server's reply. Raises WeightTransferError."""
         if self._group is None:
             raise WeightTransferError("not connected: call connect() (again, after a failed round)")
-        req = UpdateRequest(version, self.bucket_bytes, list(metas), self.checksums)
-        self._check_metas(req.tensors)
+        metas = list(metas)
+        self._check_metas(metas)
+        checksums = self.checksum_every > 0 and version % self.checksum_every == 0
+        if self._encoder is None:
+            sums: list[int] = []
+            req = UpdateRequest(version, self.bucket_bytes, metas, checksums)
+            return self._round(req, _checksummed(tensors, sums) if checksums else tensors, sums)
+        try:
+            return self._delta_broadcast(version, metas, tensors, checksums)
+        except BaseException:
+            self._encoder.version = None  # the base holds weights that not every server may have
+            raise
+
+    def _delta_broadcast(self, version: int, metas: list[TensorMeta], tensors: Iterable[torch.Tensor],
+                         checksums: bool) -> dict:
+        """Encode every tensor first (the whole gather, before any server is asked), then send."""
+        enc = self._encoder
+        base = enc.version if enc.version is not None and all(b == enc.version for b in self._bases.values()) \
+            else None
+        started = time.monotonic()
+        pieces, changed, compared = [], 0, 0
+        it = iter(tensors)
+        for meta in metas:
+            piece, k = enc.encode(meta, _next_checked(it, meta), base is not None)
+            pieces.append(piece)
+            if k >= 0:
+                changed, compared = changed + k, compared + meta.nbytes // itemsize(meta.dtype)
+        if next(it, None) is not None:
+            raise ValueError(f"the tensors iterable yields more than the {len(metas)} metas")
+        encode_s = time.monotonic() - started
+        nnz = [p.values.numel() if isinstance(p, Delta) else -1 for p in pieces] if base is not None else None
+        sums = [tensor_checksum(enc.base[m.name]) for m in metas] if checksums else []
+        req = UpdateRequest(version, self.bucket_bytes, metas, checksums, base, nnz, keep_base=True)
+        try:
+            result = self._round(req, _part_tensors(pieces), sums, may_resend=True)
+        except UpdateRejectedByServers as err:
+            log.warning("weight update %d rejected: %s; resending it dense, with checksums", version, err)
+            dense = UpdateRequest(version, self.bucket_bytes, metas, True, keep_base=True)
+            result = self._round(dense, (enc.base[m.name] for m in metas),
+                                 [tensor_checksum(enc.base[m.name]) for m in metas])
+            result["resent_dense"] = 1
+        enc.version = version
+        dense_bytes = sum(m.nbytes for m in metas)
+        return {**result, "encode_s": encode_s, "dense_bytes": dense_bytes,
+                "delta_tensors": sum(k >= 0 for k in (nnz or [])),
+                "changed_fraction": changed / compared if compared else float("nan")}
+
+    def _round(self, req: UpdateRequest, parts: Iterable[torch.Tensor], sums: list[int],
+               may_resend: bool = False) -> dict:
+        """Post `req` to every server, broadcast its parts (then the checksums), collect the replies. With
+        `may_resend`, a round every server received but some rejected keeping their group raises
+        UpdateRejectedByServers with the group still open."""
         started = time.monotonic()
         deadline = started + self.timeout_s
         posts = self._post_all("/request_weight_update", dict.fromkeys(self.server_urls, update_body(req)))
         try:
-            send_s, sums = self._send_buckets(req, tensors, deadline, posts)
-            if self.checksums:
+            send_s = self._send_buckets(req, parts, deadline, posts)
+            if req.checksums:
                 self._send(torch.tensor(sums, dtype=torch.int64, device=self._device), deadline, posts,
                            "the checksum tensor")
-            replies = posts.join(deadline + HTTP_MARGIN_S)
+            replies, errors = posts.settle(deadline + HTTP_MARGIN_S)
         except BaseException:
             self._group = None  # the collective sequence is broken; servers fall back on their own
             raise
-        bad = {url: r.get("version") for url, r in replies.items() if r.get("version") != version}
+        if errors:
+            if may_resend and all(err.body.get("group_ready") for err in errors.values()):
+                raise UpdateRejectedByServers(errors)
+            self._group = None
+            raise next(iter(errors.values()))
+        bad = {url: r.get("version") for url, r in replies.items() if r.get("version") != req.version}
         if bad:
-            raise WeightTransferError(f"servers acknowledged other versions than {version}: {bad}")
-        total = time.monotonic() - started
-        nbytes = sum(m.nbytes for m in req.tensors)
-        return {"version": version, "bytes": nbytes, "total_s": total, "broadcast_s": send_s,
-                "gbps": nbytes / max(send_s, 1e-9) / 1e9, "servers": replies}
+            self._group = None
+            raise WeightTransferError(f"servers acknowledged other versions than {req.version}: {bad}")
+        self._bases = {url: r.get("delta_base") for url, r in replies.items()}
+        nbytes = sum(p.nbytes for p in wire_parts(req))
+        return {"version": req.version, "bytes": nbytes, "total_s": time.monotonic() - started,
+                "broadcast_s": send_s, "gbps": nbytes / max(send_s, 1e-9) / 1e9, "servers": replies}
 
     def _check_metas(self, metas: list[TensorMeta]) -> None:
         """Check against what each server serves before any collective starts: a server that rejects
@@ -108,19 +180,20 @@ class WeightBroadcaster:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _send_buckets(self, req: UpdateRequest, tensors: Iterable[torch.Tensor], deadline: float,
-                      posts: Replies) -> tuple[float, list[int]]:
-        """Pack and send bucket by bucket; two buffers let packing overlap the previous send."""
+                      posts: Replies) -> float:
+        """Pack and send bucket by bucket, the request's parts in order; two buffers let packing overlap the
+        previous send. Returns the seconds spent sending (and waiting for sends)."""
+        parts = wire_parts(req)
         it: Iterator[torch.Tensor] = iter(tensors)
-        sums: list[int] = []
         in_flight: list = []
         send_s = 0.0
-        for k, bucket in enumerate(plan_buckets(req.tensors, req.bucket_bytes)):
+        for k, bucket in enumerate(plan_buckets(parts, req.bucket_bytes)):
             buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device)
             for i, off in zip(bucket.indexes, bucket.offsets):
-                t = _next_checked(it, req.tensors[i])
+                t = _next_checked(it, req.tensors[parts[i].tensor], parts[i])
                 buf[off:off + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
-                if self.checksums:
-                    sums.append(tensor_checksum(t))
+            if not bucket.nbytes:  # only empty deltas: nothing to send (receiver.py skips it too)
+                continue
             t0 = time.monotonic()
             if len(in_flight) == 2:
                 work, _, label = in_flight.pop(0)
@@ -129,11 +202,11 @@ class WeightBroadcaster:
             in_flight.append((broadcast_async(self._group, buf), buf, f"bucket {k + 1}"))
             send_s += time.monotonic() - t0
         if next(it, None) is not None:
-            raise ValueError(f"the tensors iterable yields more than the {len(req.tensors)} metas")
+            raise ValueError(f"the tensors iterable yields more than the {len(parts)} parts of the update")
         t0 = time.monotonic()
         for work, _, label in in_flight:
             self._wait(work, deadline, posts, label)
-        return send_s + time.monotonic() - t0, sums
+        return send_s + time.monotonic() - t0
 
     def _send(self, tensor: torch.Tensor, deadline: float, posts: Replies, what: str) -> None:
         self._wait(broadcast_async(self._group, tensor), deadline, posts, what)
@@ -150,6 +223,14 @@ class WeightBroadcaster:
         return Replies({url: self._pool.submit(self._request, url, path, body) for url, body in bodies.items()})
 
 
+class UpdateRejectedByServers(WeightTransferError):
+    """Every server received the round, some rejected it (wire.UpdateRejected) and kept their group."""
+
+    def __init__(self, errors: dict[str, WeightTransferError]):
+        super().__init__("; ".join(str(err) for err in errors.values()))
+        self.errors = errors
+
+
 class Replies:
     """The servers' pending replies to one request each (the HTTP side of a round, beside the collective)."""
 
@@ -163,13 +244,22 @@ class Replies:
             if fut.done():
                 fut.result()  # raises WeightTransferError naming the URL
 
-    def join(self, deadline: float) -> dict[str, dict]:
-        replies = {}
+    def settle(self, deadline: float) -> tuple[dict[str, dict], dict[str, WeightTransferError]]:
+        """Every server's reply or error; TimeoutError naming the first server still silent at `deadline`."""
+        replies, errors = {}, {}
         for url, fut in self.futures.items():
             try:
                 replies[url] = fut.result(timeout=max(deadline - time.monotonic(), 0.0))
             except TimeoutError:
                 raise TimeoutError(f"timed out waiting for the reply of {url}") from None
+            except WeightTransferError as err:
+                errors[url] = err
+        return replies, errors
+
+    def join(self, deadline: float) -> dict[str, dict]:
+        replies, errors = self.settle(deadline)
+        if errors:
+            raise next(iter(errors.values()))
         return replies
 
     def pending(self) -> str:
@@ -186,15 +276,40 @@ def http_json(url: str, path: str, body: dict | None, headers: dict, read_timeou
     except httpx.HTTPError as err:
         raise WeightTransferError(f"{method} {url}{path} failed: {err}") from err
     if resp.status_code != 200:
-        raise WeightTransferError(f"{method} {url}{path} -> HTTP {resp.status_code}: {resp.text[:500]}")
+        try:
+            body = resp.json()
+        except ValueError:
+            body = {}
+        raise WeightTransferError(f"{method} {url}{path} -> HTTP {resp.status_code}: {resp.text[:500]}",
+                                  resp.status_code, body if isinstance(body, dict) else {})
     return resp.json()
 
 
-def _next_checked(it: Iterator[torch.Tensor], meta: TensorMeta) -> torch.Tensor:
+def _next_checked(it: Iterator[torch.Tensor], meta: TensorMeta, part: Part | None = None) -> torch.Tensor:
+    """The next tensor: the whole tensor `meta` describes, or a delta's `part` of it (flat)."""
     t = next(it, None)
+    what = meta.name if part is None or part.kind == "dense" else f"{meta.name}'s delta {part.kind}"
     if t is None:
-        raise ValueError(f"the tensors iterable ended before {meta.name!r}")
-    if dtype_name(t.dtype) != meta.dtype or list(t.shape) != meta.shape:
-        raise ValueError(f"tensor for {meta.name!r} is {dtype_name(t.dtype)} {list(t.shape)}, "
-                         f"but its meta says {meta.dtype} {meta.shape}")
+        raise ValueError(f"the tensors iterable ended before {what!r}")
+    dtype, shape = (meta.dtype, meta.shape) if part is None or part.kind == "dense" else (part.dtype, [part.numel])
+    if dtype_name(t.dtype) != dtype or list(t.shape) != shape:
+        raise ValueError(f"tensor for {what!r} is {dtype_name(t.dtype)} {list(t.shape)}, "
+                         f"but the update says {dtype} {shape}")
     return t
+
+
+def _checksummed(tensors: Iterable[torch.Tensor], sums: list[int]) -> Iterator[torch.Tensor]:
+    """The tensors, unchanged, appending each one's CRC32 to `sums` as it passes."""
+    for t in tensors:
+        sums.append(tensor_checksum(t))
+        yield t
+
+
+def _part_tensors(pieces: list[torch.Tensor | Delta]) -> Iterator[torch.Tensor]:
+    """A delta-mode round's parts in wire order (wire_parts): a dense tensor, or a delta's index then values."""
+    for piece in pieces:
+        if isinstance(piece, Delta):
+            yield piece.index
+            yield piece.values
+        else:
+            yield piece

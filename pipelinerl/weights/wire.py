@@ -6,9 +6,12 @@ Defined once here, imported by the trainer (sender.py) and by the server's worke
    (TCPStore master) while every server joins as ranks ``rank_offset .. rank_offset + num_ranks - 1``
    (one rank per vLLM worker, so tensor parallelism needs no special case).
 2. ``POST /request_weight_update`` with an :class:`UpdateRequest` body, then rank 0 broadcasts the
-   tensors in ``tensors`` order packed into buckets (:func:`plan_buckets`: greedy, in order, each tensor
-   at a 64-byte-aligned offset, a bucket never exceeds ``bucket_bytes`` unless one tensor alone does).
-   With ``checksums`` one more int64 tensor follows: the CRC32 of every tensor's bytes.
+   request's parts (:func:`wire_parts`, in ``tensors`` order) packed into buckets (:func:`plan_buckets`:
+   greedy, in order, each part at a 64-byte-aligned offset, a bucket never exceeds ``bucket_bytes`` unless
+   one part alone does). A tensor is one dense part, or, with ``nnz[i] >= 0``, a delta against the
+   weights of ``base_version`` (delta.py): the flat positions of its ``nnz[i]`` changed elements, then
+   their new values. With ``checksums`` one more int64 tensor follows: the CRC32 of every resulting
+   tensor's bytes (after any delta is applied).
 """
 
 from __future__ import annotations
@@ -25,7 +28,18 @@ HTTP_MARGIN_S = 30.0  # an HTTP reply may take this long beyond the collective's
 
 
 class WeightTransferError(RuntimeError):
-    """A weight-update round failed; the message names the peer (server URL or trainer address)."""
+    """A weight-update round failed; the message names the peer (server URL or trainer address). From an
+    HTTP reply: its `status` and JSON `body` ({"error": ..., "group_ready": ...} from a server)."""
+
+    def __init__(self, message: str, status: int | None = None, body: dict | None = None):
+        super().__init__(message)
+        self.status, self.body = status, body or {}
+
+
+class UpdateRejected(WeightTransferError):
+    """Every byte arrived, but the update cannot be applied: a resulting tensor's CRC32 differs from the
+    trainer's, or its deltas are against another base. Nothing is loaded and the group stays usable (every
+    collective of the round completed), so the trainer may resend dense at once."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +52,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * torch.empty((), dtype=torch_dtype(self.dtype)).element_size()
+        return _numel(self.shape) * itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -61,13 +75,35 @@ class UpdateRequest:
     bucket_bytes: int  # bucket size the trainer packs with (both sides run plan_buckets)
     tensors: list[TensorMeta]  # every tensor about to be broadcast, in broadcast order
     checksums: bool = False  # a CRC32 tensor follows the buckets; the server checks before loading
+    base_version: int | None = None  # the version the deltas apply to; None: every tensor is dense
+    nnz: list[int] | None = None  # per tensor: -1 dense, else a delta of this many changed elements
+    keep_base: bool = False  # the server keeps the resulting weights as the base of the next deltas
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor on the wire, or one half of a tensor's delta."""
+
+    tensor: int  # position in UpdateRequest.tensors
+    kind: str  # "dense" (the whole tensor) | "index" (flat positions of changed elements) | "values" (theirs)
+    dtype: str
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
 class Bucket:
-    indexes: list[int]  # positions in the tensor list
-    offsets: list[int]  # byte offset of each tensor inside the bucket
+    indexes: list[int]  # positions in the list of parts (or tensors) packed
+    offsets: list[int]  # byte offset of each inside the bucket
     nbytes: int
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a WIRE_DTYPES name."""
+    return torch.empty((), dtype=torch_dtype(dtype)).element_size()
 
 
 def _numel(shape: list[int]) -> int:
@@ -105,13 +141,23 @@ def parse_update_request(body: object) -> UpdateRequest:
     _require(not unknown, f"unknown body keys {sorted(unknown)}")
     _require(_is_int(body.get("version")), "version must be an integer")
     _require(_is_int(body.get("bucket_bytes")) and body["bucket_bytes"] > 0, "bucket_bytes must be > 0")
-    _require(isinstance(body.get("checksums", False), bool), "checksums must be true or false")
+    for flag in ("checksums", "keep_base"):
+        _require(isinstance(body.get(flag, False), bool), f"{flag} must be true or false")
     raw = body.get("tensors")
     _require(isinstance(raw, list) and len(raw) > 0, "tensors must be a non-empty list")
     metas = [_parse_meta(i, t) for i, t in enumerate(raw)]
     names = [m.name for m in metas]
     _require(len(set(names)) == len(names), "tensor names must be unique")
-    return UpdateRequest(body["version"], body["bucket_bytes"], metas, body.get("checksums", False))
+    base, nnz = body.get("base_version"), body.get("nnz")
+    _require(base is None or _is_int(base), "base_version must be an integer or null")
+    _require((base is None) == (nnz is None), "base_version and nnz come together (a delta needs both)")
+    if nnz is not None:
+        _require(isinstance(nnz, list) and len(nnz) == len(metas), "nnz must have one entry per tensor")
+        for i, (k, m) in enumerate(zip(nnz, metas)):
+            _require(_is_int(k) and -1 <= k <= _numel(m.shape),
+                     f"nnz[{i}] must be -1 (dense) or a count of changed elements in 0..{_numel(m.shape)}")
+    return UpdateRequest(body["version"], body["bucket_bytes"], metas, body.get("checksums", False), base,
+                         nnz, body.get("keep_base", False))
 
 
 def _parse_meta(i: int, t: object) -> TensorMeta:
@@ -132,17 +178,35 @@ def update_body(req: UpdateRequest) -> dict:
     return {**asdict(req), "tensors": [asdict(m) for m in req.tensors]}
 
 
-def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
-    """Greedy in-order packing; both sides call this, so they cut the stream at the same places."""
+def index_dtype(numel: int) -> str:
+    """The dtype of a delta's flat positions into a tensor of `numel` elements."""
+    return "int32" if numel <= 2**31 - 1 else "int64"
+
+
+def wire_parts(req: UpdateRequest) -> list[Part]:
+    """What rank 0 broadcasts, in order: each tensor whole, or its delta's positions then values."""
+    parts = []
+    for i, meta in enumerate(req.tensors):
+        numel, k = _numel(meta.shape), -1 if req.nnz is None else req.nnz[i]
+        if k < 0:
+            parts.append(Part(i, "dense", meta.dtype, numel))
+        else:
+            parts += [Part(i, "index", index_dtype(numel), k), Part(i, "values", meta.dtype, k)]
+    return parts
+
+
+def plan_buckets(items: list[Part] | list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
+    """Greedy in-order packing of anything with `nbytes`; both sides call this, so they cut the stream at the
+    same places."""
     buckets, indexes, offsets, used = [], [], [], 0
-    for i, meta in enumerate(metas):
+    for i, item in enumerate(items):
         start = -(-used // ALIGN_BYTES) * ALIGN_BYTES
-        if indexes and start + meta.nbytes > bucket_bytes:
+        if indexes and start + item.nbytes > bucket_bytes:
             buckets.append(Bucket(indexes, offsets, used))
             indexes, offsets, start = [], [], 0
         indexes.append(i)
         offsets.append(start)
-        used = start + meta.nbytes
+        used = start + item.nbytes
     if indexes:
         buckets.append(Bucket(indexes, offsets, used))
     return buckets

@@ -35,7 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from pipelinerl.inference.vllm_glue import ENGINE_NAME
-from pipelinerl.weights import InitRequest, open_group, parse_update_request, receive_staged
+from pipelinerl.weights import DeltaBase, InitRequest, UpdateRejected, open_group, parse_update_request, receive_staged
 
 
 @dataclass
@@ -55,6 +55,9 @@ class StagedUpdateInfo(WeightTransferUpdateInfo):
     bucket_bytes: int
     tensors: list = field(default_factory=list)
     checksums: bool = False
+    base_version: int | None = None
+    nnz: list | None = None
+    keep_base: bool = False
 
 
 class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
@@ -68,6 +71,7 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
         self.request: InitRequest | None = None
         self.staging = "host"
         self.staged: list[tuple[str, torch.Tensor]] | None = None
+        self.base = DeltaBase()  # the weights delta updates apply to (weights/delta.py), when the trainer sends them
         self.timings: dict[str, float] = {}
 
     @property
@@ -101,10 +105,14 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
         started = time.monotonic()
         try:
             self.staged = receive_staged(self.group, req, device, started + self.request.timeout_s, self.peer,
-                                         self.staging)
+                                         self.staging, self.base)
+        except UpdateRejected:
+            self.staged = None  # every collective completed: the group stays usable, the base is dropped
+            raise
         except BaseException:
             # A collective that failed half-way leaves the group unusable: the trainer must re-init.
             self.staged = None
+            self.base.drop()
             self.shutdown()
             raise
         self.timings = {"receive_s": time.monotonic() - started}

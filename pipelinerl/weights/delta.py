@@ -1,0 +1,127 @@
+"""Delta weight updates (trainer.broadcast_delta): send only the elements that changed, losslessly.
+
+At RL learning rates most 16-bit weights are bit-identical from one optimizer step to the next (an Adam
+step of ~1e-6 is below half the bf16 spacing, |w|/256, of most weights), so a tensor's delta -- the flat
+positions of its changed elements and their new values -- is a few percent of the tensor. Exact by
+construction:
+
+- elements are compared bit by bit (as integers), so every change is sent, -0.0 and NaN payloads included;
+- a delta applies only to the version it was computed from (UpdateRequest.base_version): the trainer sends
+  deltas only when every server reports that version as its base, and a server refuses any other;
+- a tensor whose delta would not be smaller is sent dense.
+
+DeltaEncoder (trainer rank 0) keeps the weights of the last broadcast; DeltaBase (each server worker) keeps
+the same weights, applies a delta to them and hands the full tensors to the load. Both in host memory: one
+copy of the model each (per tensor-parallel worker on a server, since each receives full tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipelinerl.dtypes import torch_dtype
+from pipelinerl.weights.wire import (
+    TensorMeta,
+    UpdateRejected,
+    UpdateRequest,
+    index_dtype,
+    itemsize,
+    tensor_checksum,
+)
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass
+class Delta:
+    """A tensor's change: new `values` at flat positions `index` (int32, or int64 past 2**31 elements)."""
+
+    index: torch.Tensor
+    values: torch.Tensor
+
+
+def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Flat positions (int64) where `new` differs bit-wise from `old`: same shape, dtype and device."""
+    view = _INT_VIEW[new.element_size()]
+    return (old.reshape(-1).view(view) != new.reshape(-1).view(view)).nonzero().squeeze(1)
+
+
+def delta_nbytes(meta: TensorMeta, changed: int) -> int:
+    """Wire bytes of a delta of `changed` elements of the tensor `meta` describes."""
+    numel = meta.nbytes // itemsize(meta.dtype)
+    return changed * (itemsize(index_dtype(numel)) + itemsize(meta.dtype))
+
+
+class DeltaEncoder:
+    """Trainer side: the weights of the last broadcast, and the per-tensor choice of dense or delta.
+
+    `version` is the version the base holds once every server confirmed it; the caller sets it after a
+    successful round and clears it after a failed one (the base then holds weights no server may have).
+    """
+
+    def __init__(self) -> None:
+        self.base: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+
+    def encode(self, meta: TensorMeta, t: torch.Tensor, delta: bool) -> tuple[torch.Tensor | Delta, int]:
+        """What to send for `t`: the base's updated copy (dense) or a Delta, and the number of changed
+        elements (-1 when not compared). The base takes the new weights either way."""
+        base = self.base.get(meta.name)
+        if base is None or base.shape != t.shape or base.dtype != t.dtype:
+            base = self.base[meta.name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            delta = False
+        changed = -1
+        if delta:
+            positions = changed_positions(base.to(t.device, non_blocking=True), t)
+            changed = positions.numel()
+            if delta_nbytes(meta, changed) < meta.nbytes:
+                values = t.reshape(-1)[positions]
+                base.view(-1)[positions.cpu()] = values.cpu()
+                return Delta(positions.to(torch_dtype(index_dtype(t.numel()))), values), changed
+        base.copy_(t)
+        return base, changed
+
+
+class DeltaBase:
+    """Server side, one per worker: the weights of `version` that deltas apply to (host memory)."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+
+    def drop(self) -> None:
+        self.tensors, self.version = {}, None
+
+    def resolve(self, req: UpdateRequest, staged: list[tuple[str, torch.Tensor | Delta]], sums: list[int] | None,
+                peer: str) -> list[tuple[str, torch.Tensor]]:
+        """The update's full tensors: each delta applied to the base (in place), each checked against its
+        CRC32 in `sums` when given. The base then holds `req.version` if the request keeps it; it is dropped
+        otherwise, and on UpdateRejected (a CRC differs, or the deltas are against another base): the next
+        update must be dense."""
+        try:
+            if req.base_version is not None and req.base_version != self.version:
+                raise UpdateRejected(f"the update from {peer} is a delta against version {req.base_version}, "
+                                     f"but this server's delta base is {self.version}")
+            full = [(name, self._apply(name, x)) for name, x in staged]
+            if sums is not None:
+                bad = [name for (name, t), s in zip(full, sums) if tensor_checksum(t) != s]
+                if bad:
+                    raise UpdateRejected(f"checksum mismatch on {len(bad)} tensor(s) from {peer}: {bad[:5]}")
+        except BaseException:
+            self.drop()
+            raise
+        if req.keep_base:
+            self.tensors.update((name, t if t.device.type == "cpu" else t.cpu()) for name, t in full)
+            self.version = req.version
+        else:
+            self.drop()
+        return full
+
+    def _apply(self, name: str, x: torch.Tensor | Delta) -> torch.Tensor:
+        if not isinstance(x, Delta):
+            return x
+        base = self.tensors[name]
+        base.view(-1)[x.index.to("cpu", torch.int64)] = x.values.cpu()
+        return base
