@@ -1,5 +1,6 @@
-"""Evaluation metrics of `pipelinerl eval`, pure: per-item outcomes in, pass@k, mean length, truncation rate
-and the printed table out. No I/O, no servers (pipelinerl/evaluate.py runs them).
+"""Evaluation metrics of the actor's eval sets and `pipelinerl eval`, pure: per-item outcomes in, pass@k, mean
+length, truncation rate, TensorBoard scalars and the printed table out. No I/O, no servers
+(pipelinerl/actor/evals.py samples and grades the outcomes).
 
 pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code"):
 with n samples of a prompt of which c succeed, the chance that k drawn without replacement include a
@@ -40,9 +41,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def ks_for(n: int) -> list[int]:
-    """The k reported for n samples a prompt: the powers of two up to n (1, 2, 4, ...)."""
+    """The k reported for n samples a prompt: the powers of two up to n (1, 2, 4, ...) and n itself."""
     assert n >= 1, n
-    return [2 ** i for i in range(n.bit_length()) if 2 ** i <= n]
+    return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n})
 
 
 def summarize(items: list[ItemOutcome]) -> dict:
@@ -63,6 +64,15 @@ def summarize(items: list[ItemOutcome]) -> dict:
         "mean_length": sum(lengths) / len(lengths),
         "truncation_rate": 1.0 - sum(finished) / len(finished),
     }
+
+
+def scalars(name: str, summary: dict) -> dict[str, float]:
+    """The actor's TensorBoard scalars of one eval set's summary: eval/<name>/pass@1, pass@<n> (n: the set's
+    samples per prompt), mean_length (tokens) and truncation_rate."""
+    n, pass_at = summary["n"], summary["pass@k"]
+    return {f"eval/{name}/pass@1": pass_at["1"], f"eval/{name}/pass@{n}": pass_at[str(n)],
+            f"eval/{name}/mean_length": summary["mean_length"],
+            f"eval/{name}/truncation_rate": summary["truncation_rate"]}
 
 
 def mode_report(items: list[ItemOutcome], temperature: float) -> dict:

@@ -11,14 +11,20 @@ What is evaluated (resolve_target):
 How: the policy servers are started by the launcher's pieces (launch/commands.py's `serve` command line,
 launch/procs.py's Supervisor, launch/local.py's wait_for_servers) with a scratch run directory of their own
 (a fresh temporary folder: discovery files, auth token, logs) on free ports from inference.base_port, so a
-live run on the same machine is never disturbed. The first actor.eval_samples held-out items of the task
-are sampled through the actor's CompletionsClient, greedy (n = 1) and/or at --temperature with n =
---samples, and graded with task.reward / task.is_success. The JSON report (pass@k, mean length,
-truncation rate, every item's outcomes; eval_metrics.py) is written atomically and printed as a table.
-The scratch folder is deleted on success and kept (its path logged) when a server fails.
+live run on the same machine is never disturbed. The eval sets of `--sets a,b` (default: `default`) are read
+before any server starts (a missing file is an error naming the set), sampled through the actor's
+CompletionsClient and graded with task.reward / task.is_success, exactly as the actor evaluates them
+(pipelinerl/actor/evals.py). The JSON report (per set and mode: pass@k, mean length, truncation rate, every
+item's outcomes; eval_metrics.py) is written atomically and printed as a table. The scratch folder is
+deleted on success and kept (its path logged) when a server fails.
 
-Eval sets: the task config has no named eval sets yet, so the only set is `default`, the task's held-out
-split (task.eval_dataset_path, or task.eval_fraction of the data).
+Eval sets:
+  - `default`: the first actor.eval_samples items of the task's held-out split (task.eval_dataset_path, or
+    task.eval_fraction of the data), greedy (n = 1, unless --no-greedy) and/or sampled at --temperature
+    (default actor.sampling.temperature) with n = --samples;
+  - a name of task.eval_sets: that set as the config defines it (its file, max_prompts, samples per prompt
+    and temperature; the report's mode is `greedy` at temperature 0, else `sampled`). Override a definition
+    like any key, e.g. task.eval_sets.aime24.samples=32.
 """
 
 from __future__ import annotations
@@ -32,10 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelinerl.config import Config, ConfigError, load_config, save_config
+from pipelinerl.config.actor import DEFAULT_EVAL_SET
 
 log = logging.getLogger(__name__)
-
-DEFAULT_SET = "default"  # the task's held-out split
 
 
 @dataclass(frozen=True)
@@ -135,94 +140,98 @@ def server_roles(cfg: Config, config_path: Path, target: Target) -> list:
     return roles
 
 
-def grade(task, item, completions, max_new_tokens: int):
-    """An ItemOutcome: each completion's task.reward and task.is_success."""
-    from pipelinerl.eval_metrics import ItemOutcome
+def check_request(sets: list[str], samples: int, greedy: bool) -> list[str]:
+    """The set names asked for (`--sets a,b` or `--sets a b`, in order, once each); a ConfigError for flags
+    that cannot run. --samples and --no-greedy say how the `default` set is sampled."""
+    names = list(dict.fromkeys(name for arg in sets for name in arg.split(",") if name))
+    if not names:
+        raise ConfigError("--sets names no eval set")
+    if samples < 0:
+        raise ConfigError(f"--samples must be >= 0 (0: no sampled evaluation); got {samples}")
+    if DEFAULT_EVAL_SET in names and not greedy and not samples:
+        raise ConfigError("nothing to evaluate on the `default` set: --no-greedy needs --samples N")
+    if DEFAULT_EVAL_SET not in names and (samples or not greedy):
+        raise ConfigError(f"--samples and --no-greedy choose how the `{DEFAULT_EVAL_SET}` set is sampled; a named set "
+                          "is sampled as its task.eval_sets entry says: add `default` to --sets or drop them")
+    return names
 
-    rewards = [task.reward(item, c.text, c.finished, num_tokens=len(c.token_ids), max_new_tokens=max_new_tokens)
-               for c in completions]
-    return ItemOutcome(item.id, [c.text for c in completions], rewards, [task.is_success(r) for r in rewards],
-                       [len(c.token_ids) for c in completions], [c.finished for c in completions])
+
+def eval_suites(cfg: Config, task, names: list[str], samples: int, greedy: bool) -> list:
+    """The suites of `--sets`: `default` greedy and/or sampled (`samples` completions per item at
+    actor.sampling.temperature), a named set as task.eval_sets defines it, its file read now (before any
+    server starts)."""
+    from pipelinerl.actor.evals import held_out_suite, named_suite
+
+    unknown = [n for n in names if n != DEFAULT_EVAL_SET and n not in cfg.task.eval_sets]
+    if unknown:
+        raise ConfigError(f"unknown eval set(s) {unknown}: this config's sets are "
+                          f"{[DEFAULT_EVAL_SET, *cfg.task.eval_sets]} (`default` is the task's held-out split; "
+                          "the others are task.eval_sets)")
+    suites = []
+    for name in names:
+        if name != DEFAULT_EVAL_SET:
+            try:
+                suites.append(named_suite(cfg, task, name))
+            except ValueError as err:  # a missing or malformed file: a user error, not a traceback
+                raise ConfigError(str(err)) from None
+            continue
+        if not cfg.actor.eval_samples:
+            raise ConfigError("actor.eval_samples is 0: set it to the number of held-out items to evaluate")
+        suites += [held_out_suite(cfg, task, 1, 0.0)] if greedy else []
+        suites += [held_out_suite(cfg, task, samples, cfg.actor.sampling.temperature)] if samples else []
+    return suites
 
 
-async def sample_modes(cfg: Config, task, tokenizer, modes: dict[str, tuple[bool, int]]) -> tuple[dict, int]:
-    """({mode: [ItemOutcome per eval item]}, the servers' policy version) for modes {name: (greedy, n)}."""
+async def sample_suites(cfg: Config, task, tokenizer, suites: list) -> tuple[list[list], int]:
+    """([ItemOutcome per item] per suite, the servers' policy version); at most actor.max_groups_in_flight
+    requests at once."""
     import httpx
 
     from pipelinerl.actor.client import CompletionsClient
+    from pipelinerl.actor.evals import sample_suite
 
-    items = task.eval_items[: cfg.actor.eval_samples]
-    if not items:
-        raise ConfigError("actor.eval_samples is 0: set it to the number of held-out items to evaluate")
     client = CompletionsClient(cfg.actor, cfg.run_dir, reference=False)
     gate = asyncio.Semaphore(cfg.actor.max_groups_in_flight)
     limits = httpx.Limits(max_connections=cfg.actor.max_groups_in_flight)
-
-    async def one(http, item, greedy: bool, n: int):
-        ids = item.token_ids(tokenizer)
-        async with gate:
-            completions = await client.complete(http, ids, greedy, n)
-        # Off the event loop: a task's grading may block (the math task's worker pool).
-        return await asyncio.to_thread(grade, task, item, completions, cfg.actor.sampling.max_new_tokens)
-
     async with httpx.AsyncClient(limits=limits) as http:
         version = await client.serving_version(http)
-        out = {mode: await asyncio.gather(*(one(http, i, greedy, n) for i in items))
-               for mode, (greedy, n) in modes.items()}
-    return out, version
+        sampled = await asyncio.gather(*(sample_suite(client, http, task, tokenizer, suite,
+                                                      cfg.actor.sampling.max_new_tokens, gate) for suite in suites))
+    return [[s.outcome for s in items] for items in sampled], version
 
 
-def build_report(target: Target, cfg: Config, outcomes: dict, version: int) -> dict:
+def build_report(target: Target, cfg: Config, suites: list, outcomes: list[list], version: int) -> dict:
     """The JSON report: where the weights came from and, per set and mode, the metrics and outcomes."""
     from pipelinerl.eval_metrics import mode_report
 
-    temperatures = {"greedy": 0.0, "sampled": cfg.actor.sampling.temperature}
+    sets: dict[str, dict] = {}
+    for suite, items in zip(suites, outcomes):
+        sets.setdefault(suite.name, {})[suite.mode] = mode_report(items, suite.temperature)
     return {"model": target.model, "policy_version": version, "step": target.step, "config": str(target.config),
-            "task": cfg.task.name, "max_new_tokens": cfg.actor.sampling.max_new_tokens,
-            "sets": {DEFAULT_SET: {mode: mode_report(items, temperatures[mode]) for mode, items in outcomes.items()}}}
-
-
-def check_request(sets: list[str], samples: int, greedy: bool) -> dict[str, tuple[bool, int]]:
-    """The modes asked for, {name: (greedy, n)}; a ValueError-like ConfigError for what cannot run."""
-    unknown = [s for s in sets if s != DEFAULT_SET]
-    if unknown:
-        raise ConfigError(f"unknown eval set(s) {unknown}: the task config has no named eval sets yet; the one set "
-                          f"is `{DEFAULT_SET}` (the task's held-out split)")
-    if samples < 0:
-        raise ConfigError(f"--samples must be >= 0 (0: no sampled evaluation); got {samples}")
-    modes = ({"greedy": (True, 1)} if greedy else {}) | ({"sampled": (False, samples)} if samples else {})
-    if not modes:
-        raise ConfigError("nothing to evaluate: --no-greedy needs --samples N")
-    return modes
+            "task": cfg.task.name, "max_new_tokens": cfg.actor.sampling.max_new_tokens, "sets": sets}
 
 
 def run_eval(target_arg: str, overrides: list[str], *, config: str | None = None, step: int | None = None,
-             sets: list[str] = (DEFAULT_SET,), samples: int = 0, temperature: float | None = None,
+             sets: list[str] = (DEFAULT_EVAL_SET,), samples: int = 0, temperature: float | None = None,
              greedy: bool = True, out: str | None = None) -> dict:
     """Entry point of `pipelinerl eval`: serve the target, sample, grade, write and print the report."""
     from pipelinerl.atomic import write_file
     from pipelinerl.eval_metrics import format_table
-    from pipelinerl.launch.local import wait_for_servers
-    from pipelinerl.launch.procs import RoleFailed, Supervisor
+    from pipelinerl.tasks import get_task
 
-    modes = check_request(list(sets), samples, greedy)
+    names = check_request(list(sets), samples, greedy)
     target = resolve_target(target_arg, step, config, overrides)
     scratch = Path(tempfile.mkdtemp(prefix="pipelinerl-eval-"))
     cfg = eval_config(target, overrides, scratch, temperature)
-    save_config(cfg, scratch / "config.yaml")
-    log.info("evaluating %s (policy version %d); servers' scratch run directory %s", target.model, target.version,
-             scratch)
-    sup = Supervisor()
+    task = get_task(cfg.task)
     try:
-        for role in server_roles(cfg, scratch / "config.yaml", target):
-            sup.start(role)
-        urls = wait_for_servers(cfg, sup)
-        log.info("servers healthy: %s", ", ".join(urls))
-        report = _sample_and_report(cfg, target, modes)
-    except RoleFailed as err:
-        raise SystemExit(f"pipelinerl eval: {err} (scratch run directory kept: {scratch})") from None
+        suites = eval_suites(cfg, task, names, samples, greedy)  # the sets' files, read before any server starts
+        report = _serve_and_sample(cfg, target, task, suites)
+    except ConfigError:
+        shutil.rmtree(scratch, ignore_errors=True)  # nothing was started: nothing to keep
+        raise
     finally:
-        sup.stop_all()
+        task.close()
     shutil.rmtree(scratch, ignore_errors=True)
     path = Path(out) if out is not None else target.default_report()
     write_file(path, json.dumps(report, indent=1))
@@ -231,16 +240,29 @@ def run_eval(target_arg: str, overrides: list[str], *, config: str | None = None
     return report
 
 
-def _sample_and_report(cfg: Config, target: Target, modes: dict[str, tuple[bool, int]]) -> dict:
+def _serve_and_sample(cfg: Config, target: Target, task, suites: list) -> dict:
+    """Start the servers on cfg.run_dir (the scratch folder), sample every suite, stop them; the report."""
     from transformers import AutoTokenizer
 
-    from pipelinerl.tasks import get_task
+    from pipelinerl.launch.local import wait_for_servers
+    from pipelinerl.launch.procs import RoleFailed, Supervisor
 
-    task = get_task(cfg.task)
+    scratch = Path(cfg.run_dir)
+    save_config(cfg, scratch / "config.yaml")
+    log.info("evaluating %s (policy version %d) on %s; servers' scratch run directory %s", target.model,
+             target.version, ", ".join(dict.fromkeys(s.name for s in suites)), scratch)
+    sup = Supervisor()
     try:
-        outcomes, version = asyncio.run(sample_modes(cfg, task, AutoTokenizer.from_pretrained(target.model), modes))
+        for role in server_roles(cfg, scratch / "config.yaml", target):
+            sup.start(role)
+        urls = wait_for_servers(cfg, sup)
+        log.info("servers healthy: %s", ", ".join(urls))
+        tokenizer = AutoTokenizer.from_pretrained(target.model)
+        outcomes, version = asyncio.run(sample_suites(cfg, task, tokenizer, suites))
+    except RoleFailed as err:
+        raise SystemExit(f"pipelinerl eval: {err} (scratch run directory kept: {scratch})") from None
     finally:
-        task.close()
+        sup.stop_all()
     if version != target.version:
         raise RuntimeError(f"the eval servers report policy version {version}, expected {target.version}")
-    return build_report(target, cfg, outcomes, version)
+    return build_report(target, cfg, suites, outcomes, version)

@@ -132,6 +132,84 @@ def test_the_scheduler_throttles_by_lag_and_writes_groups_in_start_order(tmp_pat
         actor.close()
 
 
+def _scalars(folder: Path) -> dict[str, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: acc.Scalars(tag)[-1].value for tag in acc.Tags()["scalars"]}
+
+
+def _choice(k: int, text: str, length: int, finished: bool) -> dict:
+    return {"index": k, "text": text, "token_ids": [5] * length, "logprobs": {"token_logprobs": [-0.5] * length},
+            "policy_versions": [3] * length, "finish_reason": "stop" if finished else "length"}
+
+
+def test_the_actor_evaluates_every_set_and_logs_pass_at_k(tmp_path, tiny_model_dir):
+    """The held-out split (greedy, 2 items) and a named set (3 items x 4 samples at T = 1) against a fake
+    server whose answers are scripted per prompt: the scalars equal the hand-computed pass@1, pass@4, mean
+    length and truncation rate, and every completion reaches the `eval` topic tagged with its set."""
+    sums = tmp_path / "sums.jsonl"
+    sums.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n"
+                            for q, a in (("12+34=", "64"), ("25+25=", "05"), ("99+99=", "891"))))
+    cfg = _config(tmp_path / "run", tiny_model_dir, tmp_path / "actor.yaml", "actor.eval_every_steps=1",
+                  "actor.eval_samples=2", f"task.eval_sets.sums.path={sums}", "task.eval_sets.sums.samples=4",
+                  "task.eval_sets.sums.temperature=0.7")
+    (tmp_path / "run" / SERVERS_DIR).mkdir(parents=True)
+    (tmp_path / "run" / SERVERS_DIR / "h_1").write_text("http://h:1\n")
+    actor = Actor(cfg, "probe")
+    default, named = actor.eval_suites
+    # (correct?, length, finished) per completion; a wrong answer is "0", a cut-off one ends at the limit (12)
+    script = {default.items[0].id: [(True, 3, True)], default.items[1].id: [(False, 12, False)],
+              "sums.jsonl:0": [(False, 2, True)] * 4,  # c = 0
+              "sums.jsonl:1": [(True, 3, True), (False, 12, False), (False, 2, True), (False, 12, False)],  # c = 1
+              "sums.jsonl:2": [(True, 4, True), (True, 4, True), (False, 12, False), (True, 4, True)]}  # c = 3
+    by_prompt = {tuple(actor.prompt_ids(i)): i for i in default.items + named.items}
+    requests = []
+
+    def complete(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        item = by_prompt[tuple(body["prompt"])]
+        requests.append((item.id, body["n"], body["temperature"]))
+        return httpx.Response(200, json={"choices": [_choice(k, item.answer if ok else "0", length, finished)
+                                                     for k, (ok, length, finished) in enumerate(script[item.id])]})
+
+    async def evaluate() -> dict:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(complete)) as http:
+            return await actor.evaluate(http, 3)
+
+    try:
+        returned = asyncio.run(evaluate())
+    finally:
+        actor.close()
+    assert sorted(requests) == sorted([(default.items[0].id, 1, 0.0), (default.items[1].id, 1, 0.0)]
+                                      + [(f"sums.jsonl:{k}", 4, 0.7) for k in range(3)])
+    lengths = [x for cs in script.values() for (_, x, _) in cs]
+    expected = {"eval/default/pass@1": 0.5, "eval/success": 0.5, "eval/default/mean_length": 15 / 2,
+                "eval/default/truncation_rate": 0.5,
+                "eval/sums/pass@1": (0 / 4 + 1 / 4 + 3 / 4) / 3,  # mean success
+                "eval/sums/pass@4": (0 + 1 + 1) / 3,  # 1 - C(4 - c, 4) / C(4, 4): a prompt with any success
+                "eval/sums/mean_length": sum(lengths[2:]) / 12, "eval/sums/truncation_rate": 3 / 12}
+    assert returned == pytest.approx(expected)
+    assert _scalars(tmp_path / "run" / "tb" / "probe") == pytest.approx(expected)
+    reader = StreamReader(cfg.run_dir, "eval", cfg.streams)
+    groups = [g.to_pylist() for g in reader.read_groups(max_groups=5, timeout_s=5.0)]
+    tags = sorted((json.loads(g[0]["metadata"])["eval_set"], json.loads(g[0]["metadata"])["prompt_id"], len(g))
+                  for g in groups)
+    assert tags == sorted([("default", default.items[0].id, 1), ("default", default.items[1].id, 1)]
+                          + [("sums", f"sums.jsonl:{k}", 4) for k in range(3)])
+    rewards = {json.loads(g[0]["metadata"])["prompt_id"]: [r["reward"] for r in g] for g in groups}
+    assert rewards["sums.jsonl:1"] == [1.0, 0.0, 0.0, 0.0] and rewards[default.items[1].id] == [0.0]
+
+
+def test_a_missing_eval_file_stops_the_actor_at_start_naming_the_set(tmp_path, tiny_model_dir):
+    gone = tmp_path / "aime24.jsonl"
+    cfg = _config(tmp_path / "run", tiny_model_dir, tmp_path / "actor.yaml", "actor.eval_every_steps=5",
+                  f"task.eval_sets.aime24={gone}")
+    with pytest.raises(ValueError, match=rf"'{gone}' does not exist \(set task.eval_sets.aime24.path\)"):
+        Actor(cfg, "probe")
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, tiny_model_dir):
     run_dir = tmp_path_factory.mktemp("actor") / "run"

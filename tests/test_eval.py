@@ -14,6 +14,7 @@ from pipelinerl.config import ConfigError
 from pipelinerl.eval_metrics import ItemOutcome, format_table, ks_for, mode_report, pass_at_k, summarize
 
 REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "tests" / "data"
 PORT = 18880
 
 
@@ -47,7 +48,7 @@ def test_pass_at_k_matches_enumeration(n):
 
 
 def test_ks_for():
-    assert ks_for(1) == [1] and ks_for(4) == [1, 2, 4] and ks_for(6) == [1, 2, 4] and ks_for(16)[-1] == 16
+    assert ks_for(1) == [1] and ks_for(4) == [1, 2, 4] and ks_for(6) == [1, 2, 4, 6] and ks_for(16)[-1] == 16
 
 
 def _item(id_: str, successes: list[bool], lengths: list[int], finished: list[bool]) -> ItemOutcome:
@@ -78,7 +79,7 @@ def test_summary_and_table_on_synthetic_outcomes():
 
 def test_resolve_target_run_dir_and_model_folder(tmp_path):
     from pipelinerl.config import load_config, save_config
-    from pipelinerl.evaluate import check_request, resolve_target
+    from pipelinerl.evaluate import resolve_target
 
     run = tmp_path / "run"
     save_config(load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={run}"]), run / "config.yaml")
@@ -104,11 +105,53 @@ def test_resolve_target_run_dir_and_model_folder(tmp_path):
     with pytest.raises(ConfigError, match="--config"):
         resolve_target(loose)
     assert resolve_target(loose, config="c.yaml").version == 0
-    with pytest.raises(ConfigError, match="no named eval sets"):
-        check_request(["aime24"], 0, True)
-    with pytest.raises(ConfigError, match="--no-greedy"):
+
+
+def test_sets_requested_and_built_from_the_config(tmp_path):
+    """`--sets a,b` (or a b): the held-out split greedy and/or sampled, a named set as task.eval_sets says;
+    unknown names and a missing file are errors naming what exists."""
+    from pipelinerl.config import load_config
+    from pipelinerl.evaluate import check_request, eval_suites
+    from pipelinerl.tasks import get_task
+
+    assert check_request(["default,sums", "sums"], 4, True) == ["default", "sums"]
+    with pytest.raises(ConfigError, match="--no-greedy needs --samples"):
         check_request(["default"], 0, False)
-    assert check_request(["default"], 4, True) == {"greedy": (True, 1), "sampled": (False, 4)}
+    with pytest.raises(ConfigError, match="add `default` to --sets"):
+        check_request(["sums"], 4, True)
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml",
+                      [f"run_dir={tmp_path}", "actor.eval_samples=5", "actor.sampling.temperature=0.9",
+                       f"task.eval_sets.sums.path={DATA / 'addition_eval.jsonl'}", "task.eval_sets.sums.samples=3",
+                       "task.eval_sets.sums.temperature=0.5", "task.eval_sets.sums.max_prompts=4",
+                       f"task.eval_sets.gone={tmp_path / 'gone.jsonl'}"])
+    task = get_task(cfg.task)
+    suites = eval_suites(cfg, task, ["default", "sums"], 2, True)
+    assert [(s.name, s.mode, len(s.items), s.samples, s.temperature) for s in suites] == [
+        ("default", "greedy", 5, 1, 0.0), ("default", "sampled", 5, 2, 0.9), ("sums", "sampled", 4, 3, 0.5)]
+    assert suites[0].items == task.eval_items[:5]
+    rows = [json.loads(line) for line in (DATA / "addition_eval.jsonl").read_text().splitlines()[:4]]
+    assert [(i.prompt, i.answer) for i in suites[2].items] == [(r["question"], r["answer"]) for r in rows]
+    with pytest.raises(ConfigError, match=r"unknown eval set\(s\) \['aime24'\].*\['default', 'sums', 'gone'\]"):
+        eval_suites(cfg, task, ["aime24"], 0, True)
+    with pytest.raises(ConfigError, match=r"gone.jsonl' does not exist \(set task.eval_sets.gone.path\)"):
+        eval_suites(cfg, task, ["gone"], 0, True)
+
+
+def test_the_report_has_a_section_per_set_and_mode(tmp_path):
+    from pipelinerl.actor.evals import EvalSuite
+    from pipelinerl.config import load_config
+    from pipelinerl.evaluate import Target, build_report
+
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={tmp_path}"])
+    suites = [EvalSuite("default", [], 1, 0.0), EvalSuite("aime24", [], 2, 0.6)]
+    outcomes = [[_item("a", [True], [2], [True])], [_item("b", [True, False], [3, 8], [True, False])]]
+    report = build_report(Target("m", 3, 3, Path("c.yaml"), None), cfg, suites, outcomes, 3)
+    assert {name: list(modes) for name, modes in report["sets"].items()} == {"default": ["greedy"],
+                                                                             "aime24": ["sampled"]}
+    aime = report["sets"]["aime24"]["sampled"]
+    assert aime["temperature"] == 0.6 and aime["pass@k"] == {"1": 0.5, "2": 1.0} and aime["truncation_rate"] == 0.5
+    assert format_table(report).splitlines()[3].split() == ["aime24", "sampled", "2", "1", "0.500", "1.000", "5.5",
+                                                            "0.500"]
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """The math task: loaders for the usual formats and math-verify rewards on real-looking answers."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +139,25 @@ def test_reward_options_are_checked():
         TaskConfig(overlong_penalty=1.0)
     with pytest.raises(ValueError, match="reward_workers"):
         TaskConfig(reward_workers=0)
+
+
+def test_named_eval_sets_of_the_math_task(tmp_path, task):
+    """tests/data/math_eval.jsonl's {Problem, Answer} rows read with the default field names, worded like
+    training prompts and graded by math-verify; a set with its own field names; max_prompts."""
+    from pipelinerl.actor.evals import named_suite
+    from pipelinerl.config import load_config
+
+    data = Path(__file__).parent / "data"
+    (tmp_path / "own.jsonl").write_text(json.dumps({"prompt": "What is 2+2?", "solution": "4"}) + "\n")
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "tiny_cpu.yaml", [
+        f"run_dir={tmp_path}", "task.name=math", f"task.dataset_path={tmp_path / 'own.jsonl'}",
+        "task.question_field=prompt", "task.answer_field=solution",
+        f"task.eval_sets.mine.path={data / 'math_eval.jsonl'}", "task.eval_sets.mine.question_field=problem",
+        "task.eval_sets.mine.answer_field=answer", "task.eval_sets.mine.max_prompts=3",
+        f"task.eval_sets.own={tmp_path / 'own.jsonl'}"])
+    suite = named_suite(cfg, task, "mine")
+    assert [i.id for i in suite.items] == ["math_eval.jsonl:0", "math_eval.jsonl:1", "math_eval.jsonl:2"]
+    assert suite.items[0].prompt == "What is 7 times 8?" + MATH_INSTRUCTION and suite.items[2].answer == "\\frac{5}{6}"
+    assert task.reward(suite.items[2], "so \\boxed{5/6}", True) == 1.0
+    assert [(i.prompt, i.answer) for i in named_suite(cfg, task, "own").items] == [
+        ("What is 2+2?" + MATH_INSTRUCTION, "4")]  # null field names: the task's

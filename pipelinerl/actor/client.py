@@ -77,16 +77,17 @@ class CompletionsClient:
         self.pool = ServerPool(run_dir)
         self.reference_pool = ServerPool(run_dir, folder=REFERENCE_SERVERS_DIR) if reference else None
 
-    async def complete(self, http: httpx.AsyncClient, prompt_ids: list[int], greedy: bool,
-                       n: int = 1) -> list[Completion]:
-        """n completions of one prompt in one request (the server shares the prompt's prefill). The log-probs
-        are those of the distribution sampled (the servers' processed log-probs: tempered, EOS suppressed
-        below min_tokens)."""
+    async def complete(self, http: httpx.AsyncClient, prompt_ids: list[int], greedy: bool, n: int = 1,
+                       temperature: float | None = None) -> list[Completion]:
+        """n completions of one prompt in one request (the server shares the prompt's prefill), sampled at
+        `temperature` (None: actor.sampling.temperature) unless greedy. The log-probs are those of the
+        distribution sampled (the servers' processed log-probs: tempered, EOS suppressed below min_tokens)."""
         s = self.cfg.sampling
+        temperature = s.temperature if temperature is None else temperature
         # No "model": servers of one run may serve different folders (a resumed run serves the latest
         # checkpoint's), and vLLM then uses the one model it serves.
         body = {"prompt": prompt_ids, "max_tokens": s.max_new_tokens, "n": n,
-                "temperature": 0.0 if greedy else s.temperature, "top_p": 1.0 if greedy else s.top_p,
+                "temperature": 0.0 if greedy else temperature, "top_p": 1.0 if greedy else s.top_p,
                 "min_tokens": 0 if greedy else s.min_new_tokens,
                 "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True}
         return [_parse_choice(c) for c in await self._post_completions(http, self.pool, body)]

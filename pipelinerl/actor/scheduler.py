@@ -24,7 +24,11 @@ import uuid
 import httpx
 
 from pipelinerl.actor.client import Completion, CompletionsClient
+from pipelinerl.actor.evals import actor_suites, sample_suite
 from pipelinerl.config import Config
+from pipelinerl.config.actor import DEFAULT_EVAL_SET
+from pipelinerl.eval_metrics import scalars as eval_scalars
+from pipelinerl.eval_metrics import summarize
 from pipelinerl.streams import EVAL_TOPIC, ROLLOUT_TOPIC, Rollout
 from pipelinerl.tasks import PromptItem, get_task
 
@@ -45,6 +49,8 @@ class Actor:
         self.writer = StreamWriter(cfg.run_dir, ROLLOUT_TOPIC, actor_id, cfg.streams)
         self.eval_writer = StreamWriter(cfg.run_dir, EVAL_TOPIC, actor_id, cfg.streams)
         self.tb = Scalars(cfg.run_dir, actor_id)
+        # Built now, so a missing eval file stops the start (not the first evaluation, hours in).
+        self.eval_suites = actor_suites(cfg, self.task) if cfg.actor.eval_every_steps else []
         self.version = 0  # the version every server serves (the oldest any reports; -1: none answered)
         self.started_samples, self.next_prompt = self._resume_position()
         self.in_flight: dict[asyncio.Task, int] = {}  # group task -> its prompt number
@@ -109,6 +115,11 @@ class Actor:
         rewards = await asyncio.gather(*[
             asyncio.to_thread(self.task.reward, item, c.text, c.finished, num_tokens=len(c.token_ids),
                               max_new_tokens=limit) for c in completions])
+        return self.rollouts(group_id, item, prompt_ids, completions, rewards, metadata)
+
+    def rollouts(self, group_id: str, item: PromptItem, prompt_ids: list[int], completions: list[Completion],
+                 rewards: list[float], metadata: dict) -> list[Rollout]:
+        """Stream rows of one group of graded completions."""
         return [Rollout(run_id=self.cfg.run_dir, group_id=group_id, sample_id=f"{group_id}/{k}/{uuid.uuid4().hex[:12]}",
                         prompt_token_ids=prompt_ids, completion_token_ids=c.token_ids, behaviour_logprobs=c.logprobs,
                         versions=c.versions, reference_logprobs=c.reference_logprobs, reward=reward,
@@ -128,24 +139,28 @@ class Actor:
             return self.version >= self.started_samples // c.batch_size * c.steps_per_batch
         return a.max_lag is None or self.started_samples // S <= self.version + a.max_lag
 
-    async def evaluate(self, http: httpx.AsyncClient, version: int) -> float:
-        """pass@1 on the first eval_samples held-out prompts; every completion goes to the `eval` topic."""
-        items = self.task.eval_items[: self.cfg.actor.eval_samples]
-        greedy = self.cfg.actor.eval_greedy
-        prompts = [self.prompt_ids(i) for i in items]
-        results = [c for cs in await asyncio.gather(*[self.client.complete(http, p, greedy) for p in prompts])
-                   for c in cs]
-        rows = []
-        for item, prompt_ids, completion in zip(items, prompts, results):
-            rows += await self.score(f"{self.actor_id}/eval{version}/{item.id}", item, prompt_ids, [completion],
-                                     {"eval_version": version, "greedy": greedy})
-        for row in rows:
-            self.eval_writer.write_group([row])
+    async def evaluate(self, http: httpx.AsyncClient, version: int) -> dict[str, float]:
+        """Every eval suite (actor_suites) on the servers' weights of `version`: each item's completions go to the
+        `eval` topic as one group tagged with its set; per set, pass@1, pass@<samples>, mean length and
+        truncation rate go to TensorBoard (and the `default` set's pass@1 as `eval/success` too)."""
+        limit = self.cfg.actor.sampling.max_new_tokens
+        results = await asyncio.gather(*[sample_suite(self.client, http, self.task, self.tokenizer, suite, limit)
+                                         for suite in self.eval_suites])
+        scalars = {}
+        for suite, sampled in zip(self.eval_suites, results):
+            for s in sampled:
+                self.eval_writer.write_group(self.rollouts(
+                    f"{self.actor_id}/eval{version}/{suite.name}/{s.item.id}", s.item, s.prompt_ids, s.completions,
+                    s.outcome.rewards, {"eval_version": version, "eval_set": suite.name,
+                                        "temperature": suite.temperature}))
+            scalars |= eval_scalars(suite.name, summarize([s.outcome for s in sampled]))
         self.eval_writer.flush()
-        success = sum(self.task.is_success(r.reward) for r in rows) / len(rows)
-        self.tb.log(version, {"eval/success": success})
-        log.info("version %d: held-out %s success %.3f", version, "greedy" if greedy else "sampled", success)
-        return success
+        if f"eval/{DEFAULT_EVAL_SET}/pass@1" in scalars:  # read by launch/summary.py and tools/report.py
+            scalars["eval/success"] = scalars[f"eval/{DEFAULT_EVAL_SET}/pass@1"]
+        self.tb.log(version, scalars)
+        passes = (f"{suite.name} {scalars[f'eval/{suite.name}/pass@1']:.3f}" for suite in self.eval_suites)
+        log.info("version %d: eval pass@1 %s", version, ", ".join(passes))
+        return scalars
 
     def log_window(self) -> None:
         w = self.window
@@ -168,7 +183,7 @@ class Actor:
             while True:
                 self.version = await self.client.serving_version(http)
                 every = self.cfg.actor.eval_every_steps
-                if every and self.version // every > evaluated and self.client.has_servers():
+                if self.eval_suites and self.version // every > evaluated and self.client.has_servers():
                     evaluated = self.version // every
                     self.evals.add(asyncio.create_task(self.evaluate(http, self.version)))
                 while self.may_start():

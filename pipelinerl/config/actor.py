@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 
-from pipelinerl.config.fields import check, check_choice, check_positive, doc, section
+from pipelinerl.config.fields import ConfigError, check, check_choice, check_positive, doc, section
+
+DEFAULT_EVAL_SET = "default"  # the task's held-out split (actor.eval_samples, actor.eval_greedy); reserved
 
 
 @dataclass
@@ -51,8 +55,10 @@ class ActorConfig:
                                    unit="s")
     max_retries: int = doc(3, "retries of one request before the actor fails with the server's error")
     eval_every_steps: int = doc(20, "held-out evaluation every N trainer versions; 0 = never", unit="versions")
-    eval_samples: int = doc(200, "held-out prompts per evaluation (one completion each: pass@1)")
-    eval_greedy: bool = doc(True, "greedy (temperature 0) evaluation; false = sampled like training")
+    eval_samples: int = doc(200, "prompts of the `default` eval set (the task's held-out split) per evaluation, one "
+                                 "completion each (pass@1); 0 = no `default` set (task.eval_sets still run)")
+    eval_greedy: bool = doc(True, "the `default` set's completions are greedy (temperature 0); false = sampled "
+                                  "like training")
     sampling: SamplingConfig = section(SamplingConfig)
 
     def __post_init__(self) -> None:
@@ -63,6 +69,59 @@ class ActorConfig:
         check(self.max_retries >= 0, "actor.max_retries", "must be >= 0")
         check(self.eval_every_steps >= 0, "actor.eval_every_steps", "must be >= 0 (0 disables evaluation)")
         check(self.eval_samples >= 0, "actor.eval_samples", "must be >= 0")
+
+
+@dataclass
+class EvalSetConfig:
+    """One named eval set (an entry of task.eval_sets): a file of problems and how each is sampled."""
+
+    path: str = doc("", "{question, answer} rows: a .jsonl/.json/.parquet file or a `datasets` folder, read like "
+                        "task.dataset_path (a relative path is from the working directory); a missing file stops the "
+                        "actor's or `pipelinerl eval`'s start naming the set")
+    samples: int = doc(1, "completions per prompt: the set reports pass@1 (mean success) and pass@<samples> "
+                          "(the unbiased estimator)")
+    temperature: float = doc(0.0, "sampling temperature; 0 = greedy (then samples must be 1)")
+    max_prompts: int | None = doc(None, "evaluate the file's first N rows", null="every row")
+    question_field: str | None = doc(None, "question field of this file's rows", null="task.question_field")
+    answer_field: str | None = doc(None, "gold answer field of this file's rows", null="task.answer_field")
+
+    def validate(self, name: str) -> None:
+        """The checks of __post_init__, named by the set's key (the set does not know its name)."""
+        key = f"task.eval_sets.{name}"
+        check(isinstance(self.path, str) and bool(self.path), f"{key}.path", "set it to the set's data file")
+        check(isinstance(self.samples, int) and self.samples >= 1, f"{key}.samples",
+              f"got {self.samples!r}; must be a whole number >= 1")
+        check(isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 2, f"{key}.temperature",
+              f"got {self.temperature!r}; must be in [0, 2] (0 = greedy)")
+        check(self.samples == 1 or self.temperature > 0, f"{key}.samples",
+              f"got {self.samples} greedy completions per prompt, which would all be the same: set "
+              f"{key}.temperature > 0 to sample them, or samples: 1")
+        check(self.max_prompts is None or (isinstance(self.max_prompts, int) and self.max_prompts >= 1),
+              f"{key}.max_prompts", f"got {self.max_prompts!r}; must be >= 1, or null for every row")
+        self.temperature = float(self.temperature)
+
+
+def parse_eval_set(name: str, value) -> EvalSetConfig:
+    """One task.eval_sets entry, short form (a path) or long form (a mapping of EvalSetConfig's fields)."""
+    key = f"task.eval_sets.{name}"
+    check(re.fullmatch(r"[A-Za-z0-9_.-]+", str(name)) is not None, key,
+          "a set name is letters, digits, `_`, `.` or `-` (it becomes the TensorBoard tag eval/<name>/...)")
+    check(name != DEFAULT_EVAL_SET, key, f"`{DEFAULT_EVAL_SET}` is the task's held-out split, set by "
+          "actor.eval_samples and actor.eval_greedy; give this set another name")
+    if isinstance(value, EvalSetConfig):
+        parsed = value
+    elif isinstance(value, str):
+        parsed = EvalSetConfig(path=value)
+    elif isinstance(value, dict):
+        known = {f.name for f in dataclasses.fields(EvalSetConfig)}
+        unknown = sorted(set(map(str, value)) - known)
+        check(not unknown, key, f"unknown key(s) {unknown}; a set's keys are {', '.join(sorted(known))}")
+        parsed = EvalSetConfig(**value)
+    else:
+        raise ConfigError(f"config `{key}`: got {value!r}; give a data file path or a mapping "
+                          "{path, samples, temperature, max_prompts}")
+    parsed.validate(name)
+    return parsed
 
 
 @dataclass
@@ -77,6 +136,12 @@ class TaskConfig:
     eval_dataset_path: str | None = doc(None, "math test rows (e.g. MATH-500, AIME 2024), same formats",
                                         null="hold out eval_fraction of dataset_path instead")
     eval_fraction: float = doc(0.06, "share of the data held out for evaluation (never trained on)")
+    # A plain dict, not dict[str, EvalSetConfig]: omegaconf would refuse the short form (name -> path).
+    eval_sets: dict = doc({}, "named eval sets, evaluated beside the held-out split (`default`) every "
+                              "actor.eval_every_steps and by `pipelinerl eval --sets`: name -> data file path, or "
+                              "name -> {path, samples (per prompt), temperature (0 = greedy), max_prompts, "
+                              "question_field, answer_field} (EvalSetConfig); a null entry drops a set. Logged as "
+                              "eval/<name>/pass@1, pass@<samples>, mean_length, truncation_rate")
     seed: int = doc(0, "data order and the held-out split")
     reward_timeout_s: int = doc(5, "math-verify limit per parse and per comparison, whole seconds (signal.alarm); "
                                    "a pathological answer then scores 0 instead of stalling the actor", unit="s")
@@ -109,3 +174,7 @@ class TaskConfig:
         check(self.overlong_buffer_tokens >= 0, "task.overlong_buffer_tokens", "must be >= 0 (0 = no penalty)")
         check(0.0 <= self.overlong_penalty < 1.0, "task.overlong_penalty",
               "must be in [0, 1): a correct answer must keep a positive reward (success is reward > 0)")
+        check(isinstance(self.eval_sets, dict), "task.eval_sets", "must be a mapping of set name -> path or set")
+        # Normalised here, the one place: the long form of every set (a saved config round-trips).
+        self.eval_sets = {name: parse_eval_set(name, value) for name, value in self.eval_sets.items()
+                          if value is not None}

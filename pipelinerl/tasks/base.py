@@ -6,6 +6,9 @@ import abc
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+
+from pipelinerl.tasks.data import load_rows
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,18 @@ class Task(abc.ABC):
             for index in order[offset:]:
                 yield self.train_items[index]
             position = (epoch + 1) * n
+
+    def prompt_text(self, question: str) -> str:
+        """The user message of a question read from a data file; as is by default."""
+        return question
+
+    def file_items(self, path: str, question_field: str | None = None, answer_field: str | None = None,
+                   setting: str = "task.dataset_path") -> list[PromptItem]:
+        """The (question, answer) rows of a data file (tasks/data.py) as this task's items, ids `<file>:<row>`;
+        `setting` names the config key of the path in the error for a missing file."""
+        name = Path(path).name
+        return [PromptItem(id=f"{name}:{i}", prompt=self.prompt_text(question), answer=answer)
+                for i, (question, answer) in enumerate(load_rows(path, question_field, answer_field, setting))]
 
     @abc.abstractmethod
     def reward(self, item: PromptItem, completion_text: str, finished: bool, *, num_tokens: int | None = None,

@@ -60,12 +60,13 @@ def _question_answer(row, where: str, question_fields: tuple[str, ...],
     return str(question), str(answer)
 
 
-def load_rows(path: str | Path, question_field: str | None = None,
-              answer_field: str | None = None) -> list[tuple[str, str]]:
-    """(question, answer) rows of `path`; a field name of None means the defaults above."""
+def load_rows(path: str | Path, question_field: str | None = None, answer_field: str | None = None,
+              setting: str = "task.dataset_path") -> list[tuple[str, str]]:
+    """(question, answer) rows of `path`; a field name of None means the defaults above. `setting` is the config
+    key that named the file, for the error when it is missing."""
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"math data file {str(path)!r} does not exist (set task.dataset_path)")
+        raise ValueError(f"data file {str(path)!r} does not exist (set {setting})")
     question_fields = (question_field,) if question_field else DEFAULT_QUESTION_FIELDS
     answer_fields = (answer_field,) if answer_field else DEFAULT_ANSWER_FIELDS
     return [_question_answer(row, f"{path.name} row {i}", question_fields, answer_fields)

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from pathlib import Path
 
 from pipelinerl.config import TaskConfig
 from pipelinerl.tasks.base import PromptItem, Task, split_held_out
-from pipelinerl.tasks.data import load_rows
 from pipelinerl.tasks.grading import GradingPool
 
 OUTCOMES = ("correct", "wrong", "no_answer", "truncated", "timeout")
@@ -73,19 +71,14 @@ def overlong_penalty(num_tokens: int, max_new_tokens: int, buffer_tokens: int, p
     return penalty * min(max(into_zone, 0), buffer_tokens) / buffer_tokens
 
 
-def _items(path: str, cfg: TaskConfig) -> list[PromptItem]:
-    name = Path(path).name
-    return [PromptItem(id=f"{name}:{i}", prompt=question + MATH_INSTRUCTION, answer=answer)
-            for i, (question, answer) in enumerate(load_rows(path, cfg.question_field, cfg.answer_field))]
-
-
 class MathTask(Task):
     name = "math"
 
     def __init__(self, cfg: TaskConfig):
-        items = _items(cfg.dataset_path, cfg)
+        items = self.file_items(cfg.dataset_path, cfg.question_field, cfg.answer_field)
         if cfg.eval_dataset_path:
-            train_items, eval_items = items, _items(cfg.eval_dataset_path, cfg)
+            train_items, eval_items = items, self.file_items(cfg.eval_dataset_path, cfg.question_field,
+                                                             cfg.answer_field, "task.eval_dataset_path")
         else:
             train_items, eval_items = split_held_out(items, cfg.eval_fraction, cfg.seed)
         super().__init__(train_items, eval_items, cfg.seed)
@@ -94,6 +87,9 @@ class MathTask(Task):
                                   initializer=_import_math_verify)
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
+
+    def prompt_text(self, question: str) -> str:
+        return question + MATH_INSTRUCTION
 
     def outcome(self, item: PromptItem, completion_text: str, finished: bool) -> str:
         """'correct' | 'wrong' | 'no_answer' | 'truncated' | 'timeout', counted for outcome_counts().
