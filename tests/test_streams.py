@@ -182,6 +182,34 @@ def test_segments_roll_by_bytes(tmp_path):
     assert len(_segment_groups(tmp_path)) >= 2
 
 
+def test_a_failed_background_publish_is_raised_and_nothing_after_it_is_published(tmp_path, monkeypatch):
+    """Segments publish in a background thread; a failure surfaces on the next call and the stream
+    stays a gap-free prefix of what was written."""
+    import pipelinerl.streams.writer as writer_module
+
+    real_publish = writer_module.publish
+
+    def fail_segment_1(wdir, seq, batches, fsync):
+        if seq == 1:
+            raise OSError("disk full")
+        return real_publish(wdir, seq, batches, fsync)
+
+    monkeypatch.setattr(writer_module, "publish", fail_segment_1)
+    w = StreamWriter(tmp_path, TOPIC, "w0", cfg_(segment_max_rows=4))  # one group of G=4 per segment
+    w.write_group(expected_group("w0", 0))
+    w.flush()
+    w.write_group(expected_group("w0", 1))  # sealed; its publish fails in the background
+    with pytest.raises(RuntimeError, match="failed to publish") as err:
+        w.flush()
+    assert isinstance(err.value.__cause__, OSError)
+    with pytest.raises(RuntimeError, match="failed to publish"):
+        w.write_group(expected_group("w0", 2))
+    with pytest.raises(RuntimeError, match="failed to publish"):
+        w.close()
+    assert w.segments_published == 1 and [s.seq for s in list_segments(tmp_path / "streams" / TOPIC / "w0")] == [0]
+    assert ids_of(read_all(StreamReader(tmp_path, TOPIC, cfg_()))) == [r["sample_id"] for r in expected_group("w0", 0)]
+
+
 def test_an_idle_writer_publishes_after_segment_max_seconds(tmp_path):
     """The actor may sit in the lag throttle waiting for the trainer, which waits for these samples."""
     w = StreamWriter(tmp_path, TOPIC, "w0", cfg_(segment_max_rows=1000, segment_max_seconds=0.2))

@@ -1,11 +1,15 @@
-"""Rollout stream throughput against the disk's raw sequential throughput, in the same run.
+"""Rollout stream throughput against the disk's raw sequential throughput and against JSON lines, in one run.
 
 Writes realistic rollouts (prompt + thousands of completion tokens per sample, groups of G) through
-StreamWriter, reads them back through StreamReader, then writes and reads the same number of bytes as
-one plain sequential file (fsynced too). Prints MB/s of both and the ratio (target: stream >= 50 % of
-raw). By default both reads come from the page cache (the data was just written): the ratio then
-measures the stream's CPU overhead (validation, encoding, CRC-32, decoding) against a memcpy-speed read.
-`--cold` evicts the files first, so both reads come from the disk, as for a trainer on another node.
+StreamWriter, reads them back through StreamReader; writes and reads the same samples as JSON lines (the
+original PipelineRL's file stream: one JSON object per sample and line, parsed back line by line; here
+with the standard library's json, fsynced at the end); then writes and reads as many bytes as the
+stream's segments as one plain sequential file (fsynced too). Prints MB/s of each (of the Arrow
+segments' bytes, so the three are comparable), the ratios (target: stream >= 50 % of raw, and ahead of
+JSON lines) and the machine's load average. By default the reads come from the page cache (the data was
+just written): the ratio then measures the stream's CPU overhead (validation, encoding, CRC-32, decoding)
+against a memcpy-speed read. `--cold` evicts the files first, so the reads come from the disk, as for a
+trainer on another node.
 
     python tools/bench_streams.py [--samples 2048] [--input numpy|lists] [--cold] [--dir /path/on/disk]
 """
@@ -13,6 +17,7 @@ measures the stream's CPU overhead (validation, encoding, CRC-32, decoding) agai
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -103,6 +108,28 @@ def bench_raw(path: Path, size: int, cold: bool) -> tuple[float, float]:
     return t_write, time.perf_counter() - written
 
 
+def bench_jsonl(path: Path, groups: list[list[dict]], cold: bool) -> tuple[float, float]:
+    """The original PipelineRL's format: one JSON object per sample and line (numpy as lists), flushed per
+    group, fsynced at the end; read back line by line into dicts of lists."""
+    start = time.perf_counter()
+    with open(path, "w") as f:
+        for rows in groups:
+            for row in rows:
+                f.write(json.dumps({k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in row.items()}))
+                f.write("\n")
+            f.flush()
+        os.fsync(f.fileno())
+    t_write = time.perf_counter() - start
+    if cold:
+        evict(path)
+    written = time.perf_counter()
+    with open(path) as f:
+        tokens = sum(len(json.loads(line)["completion_token_ids"]) for line in f)
+    t_read = time.perf_counter() - written
+    assert tokens == sum(len(r["completion_token_ids"]) for rows in groups for r in rows)
+    return t_write, t_read
+
+
 def report(name: str, size: int, t_write: float, t_read: float) -> float:
     mb = size / 1e6
     both = mb / (t_write + t_read)
@@ -119,7 +146,7 @@ def main() -> None:
     parser.add_argument("--input", choices=("numpy", "lists"), default="numpy")
     parser.add_argument("--segment-rows", type=int, default=StreamsConfig.segment_max_rows,
                         help="streams.segment_max_rows (larger segments: fewer fsyncs)")
-    parser.add_argument("--repeats", type=int, default=3, help="best of N runs of each")
+    parser.add_argument("--repeats", type=int, default=3, help="best of N runs of stream and raw (JSON lines: 1)")
     parser.add_argument("--cold", action="store_true",
                         help="evict the written files from the page cache before reading them back")
     parser.add_argument("--dir", default=None, help="folder on the disk to measure (default: a temp folder)")
@@ -128,11 +155,13 @@ def main() -> None:
     groups = make_groups(args)
     base = Path(tempfile.mkdtemp(prefix="bench_streams_", dir=args.dir))
     try:
-        stream, raw = [], []
+        stream, raw, jsonl = [], [], []
         for rep in range(args.repeats):
             stream.append(bench_stream(base / f"run{rep}", groups, cfg, args.cold))
             size = stream[-1][2]
             raw.append(bench_raw(base / f"raw{rep}.bin", size, args.cold))
+            if rep == 0:  # once: 20-30x slower than the others, so its noise does not matter
+                jsonl.append(bench_jsonl(base / "run.jsonl", groups, args.cold))
             shutil.rmtree(base / f"run{rep}")
             (base / f"raw{rep}.bin").unlink()
     finally:
@@ -141,16 +170,20 @@ def main() -> None:
     print(f"{args.samples} samples, {tokens:,} tokens, {size / 1e6:.0f} MB of segments, input as {args.input}, "
           f"segment_max_rows={cfg.segment_max_rows}, fsync={cfg.fsync}, best of {args.repeats}, "
           f"{'cold' if args.cold else 'page-cached'} reads, disk: {base.parent}")
+    print("load average (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+          + f" on {os.cpu_count()} CPUs")
     best = min(stream, key=lambda t: t[0] + t[1])
     s = report("stream", size, *best[:2])
+    j = report("jsonl", size, *jsonl[0])
     r = report("raw", size, *min(raw, key=lambda t: t[0] + t[1]))
     print(f"ratio    stream / raw write+read = {100 * s / r:.0f} %  (target >= 50 %)")
+    print(f"ratio    jsonl / raw write+read = {100 * j / r:.0f} %;  stream / jsonl = {s / j:.1f}x  (target > 1)")
     start = time.perf_counter()
     for rows in groups:
         group_batch(rows)
     convert = time.perf_counter() - start
     print(f"of the stream's {best[0]:.2f} s of writing, {convert:.2f} s is validating rows and converting them to "
-          f"Arrow (in the actor); without it write+read would be {size / 1e6 / (best[0] - convert + best[1]):.0f} MB/s")
+          "Arrow (in the actor); segments are encoded, checksummed and fsynced in the background meanwhile")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,9 +33,13 @@ Row = Rollout | Mapping[str, Any]
 class StreamWriter:
     """Appends rollout groups to RUN_DIR/streams/<topic>/<writer_id>/.
 
-    A segment is published when it reaches `segment_max_rows` rows or `segment_max_bytes` bytes, or
-    when its oldest group has waited `segment_max_seconds` (a background thread checks this, so an
-    actor idling in the lag throttle cannot hold back the samples the trainer needs to advance).
+    A segment is sealed when it reaches `segment_max_rows` rows or `segment_max_bytes` bytes, or when
+    its oldest group has waited `segment_max_seconds` (so an actor idling in the lag throttle cannot hold
+    back the samples the trainer needs to advance). A background thread publishes sealed segments in
+    sequence order (encoding, CRC-32 and fsync release the GIL: the actor keeps converting the next
+    groups meanwhile); at most one sealed segment waits, so a slow disk slows `write_group` down instead
+    of filling memory. A failed publish is raised by the next `write_group`, `flush` or `close`, and
+    nothing after it is published: the stream stays a gap-free prefix of what was written.
     A group always lands in one segment; a single group larger than the limits makes one large segment.
     `writer_id` must be unique among live writers; a restarted writer with the same id continues the
     sequence numbers and deletes the temporary file its dead predecessor left behind.
@@ -48,20 +53,20 @@ class StreamWriter:
             log.warning("removing unpublished temporary segment %s left by a previous writer", stale)
             stale.unlink(missing_ok=True)
         self._seq = highest_seq(self.dir) + 1
-        self._batches: list[pa.RecordBatch] = []
+        self._batches: list[pa.RecordBatch] = []  # the segment being filled
         self._rows = 0
         self._bytes = 0
         self._oldest: float | None = None  # monotonic time the oldest buffered group arrived
-        self._lock = threading.Lock()
+        self._sealed: deque[tuple[int, list[pa.RecordBatch]]] = deque()  # (seq, groups) to publish, in order
+        self._cond = threading.Condition()  # guards every field above and below
         self._error: BaseException | None = None  # a failed background publish, re-raised on write
+        self._stop = False
         self._closed = False
         self.segments_published = 0
         self.rows_published = 0
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._timer = threading.Thread(target=self._publish_when_due, name=f"stream-writer-{writer_id}",
-                                       daemon=True)
-        self._timer.start()
+        self._thread = threading.Thread(target=self._publish_in_background, name=f"stream-writer-{writer_id}",
+                                        daemon=True)
+        self._thread.start()
 
     def write(self, row: Row) -> None:
         """One sample as a group of its own (prefer `write_group`: the trainer needs whole groups)."""
@@ -71,37 +76,42 @@ class StreamWriter:
         """Validate and buffer the G attempts of one prompt. A bad row raises ValueError and the group
         is refused whole; what was buffered before stays."""
         batch = group_batch(rows)  # outside the lock: conversion is the costly part
-        with self._lock:
+        with self._cond:
             self._check_usable()
             limit = self.cfg
             if self._batches and (self._rows + batch.num_rows > limit.segment_max_rows
                                   or self._bytes + batch.nbytes > limit.segment_max_bytes):
-                self._publish_locked()
+                self._seal_locked()
             self._batches.append(batch)
             self._rows += batch.num_rows
             self._bytes += batch.nbytes
             if self._oldest is None:
                 self._oldest = time.monotonic()
-                self._wake.set()  # the timer thread now has a deadline to keep
+                self._cond.notify_all()  # the background thread now has a deadline to keep
             if self._rows >= limit.segment_max_rows or self._bytes >= limit.segment_max_bytes:
-                self._publish_locked()
+                self._seal_locked()
 
     def flush(self) -> None:
-        """Publish what is buffered now."""
-        with self._lock:
+        """Publish what is buffered now, and wait until it is published."""
+        with self._cond:
             self._check_usable()
             if self._batches:
-                self._publish_locked()
+                self._seal_locked()
+            self._cond.wait_for(lambda: not self._sealed or self._error is not None)
+            self._check_usable()
 
     def close(self) -> None:
         """Publish what is buffered and stop the background thread."""
         if self._closed:
             return
-        self._stop.set()
-        self._wake.set()
-        self._timer.join()
-        self.flush()
-        self._closed = True
+        try:
+            self.flush()
+        finally:
+            with self._cond:
+                self._stop = True
+                self._cond.notify_all()
+            self._thread.join()
+            self._closed = True
 
     def __enter__(self) -> Self:
         return self
@@ -115,29 +125,49 @@ class StreamWriter:
         if self._error is not None:
             raise RuntimeError(f"stream writer {self.dir} failed to publish a segment") from self._error
 
-    def _publish_locked(self) -> None:
-        """Caller holds the lock. On failure the buffer is kept, so nothing is lost silently."""
-        publish(self.dir, self._seq, self._batches, self.cfg.fsync)
+    def _seal_locked(self) -> None:
+        """Caller holds the lock. Hands the buffer to the background thread once the previous sealed
+        segment is published (the caller waits for that)."""
+        self._cond.wait_for(lambda: not self._sealed or self._error is not None)
+        self._check_usable()
+        self._sealed.append((self._seq, self._batches))
         self._seq += 1
-        self.segments_published += 1
-        self.rows_published += self._rows
         self._batches, self._rows, self._bytes, self._oldest = [], 0, 0, None
+        self._cond.notify_all()
 
     def _due_in(self) -> float:
-        """Seconds until the buffered groups must be published (the full period when empty)."""
+        """Seconds until the buffered groups must be sealed (the full period when empty)."""
         if self._oldest is None:
             return self.cfg.segment_max_seconds
         return self._oldest + self.cfg.segment_max_seconds - time.monotonic()
 
-    def _publish_when_due(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(max(0.005, self._due_in()))
-            self._wake.clear()
-            with self._lock:
-                if not self._batches or self._due_in() > 0 or self._error is not None:
-                    continue
-                try:
-                    self._publish_locked()
-                except Exception as err:
-                    log.exception("stream writer %s: background publish failed", self.dir)
-                    self._error = err
+    def _publish_in_background(self) -> None:
+        """Publish sealed segments in order until closed; the first failure stops it (see the class)."""
+        while (job := self._next_sealed()) is not None:
+            seq, batches = job
+            try:
+                publish(self.dir, seq, batches, self.cfg.fsync)  # the lock is free: writes go on meanwhile
+            except Exception as err:
+                log.exception("stream writer %s: publishing segment %d failed", self.dir, seq)
+                with self._cond:
+                    self._error = err  # the segment stays sealed: nothing is lost silently
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._sealed.popleft()
+                self.segments_published += 1
+                self.rows_published += sum(b.num_rows for b in batches)
+                self._cond.notify_all()
+
+    def _next_sealed(self) -> tuple[int, list[pa.RecordBatch]] | None:
+        """The oldest sealed segment, once there is one (sealing the buffer when it is due); None once
+        the writer is closed and everything sealed is published."""
+        with self._cond:
+            while not self._sealed:
+                if self._stop:
+                    return None
+                if self._batches and self._due_in() <= 0:
+                    self._seal_locked()  # nothing sealed: it does not wait
+                else:
+                    self._cond.wait(max(0.005, self._due_in()) if self._batches else None)
+            return self._sealed[0]
