@@ -101,10 +101,11 @@ def broadcaster(server):
 
 
 def connect_broadcaster(server):
-    """A gloo weight-update group with the one test server."""
+    """A gloo weight-update group with the one test server, in delta mode (a tensor goes dense whenever its
+    delta is not smaller, as between unrelated weight sets), every update checksummed."""
     from pipelinerl.weights import WeightBroadcaster
 
     b = WeightBroadcaster([server["url"]], "gloo", "127.0.0.1", next(GROUP_PORTS), GROUP_TIMEOUT_S,
-                          bucket_bytes=1 << 16, token=server["token"], checksum_every=1)
+                          bucket_bytes=1 << 16, token=server["token"], checksum_every=1, delta=True)
     b.connect()
     return b

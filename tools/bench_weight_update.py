@@ -8,7 +8,13 @@
    oneDNN linears, re-packed on each load), and offline vLLM with that default vs the alternative
    (linears replaced by plain `F.linear`, so `load_weights` could copy into them directly).
 
-Usage: python tools/bench_weight_update.py [--out DIR] [--rounds 5] [--port 18400]
+With --delta instead: delta vs dense updates (trainer.broadcast_delta) of bfloat16 models trained as
+DeepSpeed's bf16 mode does (float32 master weights, AdamW on a real LM loss, bf16 on the wire), at lr 1e-6
+and 1e-5, for the tiny model and a larger random-init one: after each optimizer step the same weights go
+once as a delta and once dense (forced), to a real bf16 server; per step the fraction of elements that
+changed, the bytes, the trainer's time (the diff included) and the server's pause (receive and load).
+
+Usage: python tools/bench_weight_update.py [--out DIR] [--rounds 5] [--port 18400] [--delta [--steps 4]]
 """
 
 from __future__ import annotations
@@ -44,14 +50,18 @@ from pipelinerl.weights import (
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
 SHAPE = TinyModelConfig(hidden_size=512, num_layers=4, num_attention_heads=8, num_key_value_heads=2,
                         intermediate_size=1536, max_position_embeddings=512)
+DELTA_SHAPES = {"tiny": TinyModelConfig(),
+                "larger": TinyModelConfig(hidden_size=1024, num_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                                          intermediate_size=2816, max_position_embeddings=512)}
+DELTA_LRS = (1e-6, 1e-5)
 BUCKET_BYTES = 32 << 20
 BATCH, NEW_TOKENS = 16, 128
 
 
-def build_model(out: Path):
+def build_model(out: Path, shape: TinyModelConfig = SHAPE):
     from pipelinerl.tiny_model import build_tiny_model
 
-    model, _ = build_tiny_model(out, SHAPE)
+    model, _ = build_tiny_model(out, shape)
     return model
 
 
@@ -79,10 +89,10 @@ def raw_gloo_gbps(metas: list[TensorMeta], port: int, rounds: int) -> float:
     return sum(sizes) / statistics.median(times) / 1e9
 
 
-def start_server(model_dir: Path, run_dir: Path, port: int) -> subprocess.Popen:
+def start_server(model_dir: Path, run_dir: Path, port: int, *overrides: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", str(TINY_CONFIG), "--model", str(model_dir),
            "--port", str(port), "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3",
-           "inference.max_model_len=512"]
+           "inference.max_model_len=512", *overrides]
     with open(run_dir / "server.log", "w") as log:  # the server keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
@@ -148,16 +158,82 @@ def update_rounds(url: str, token: str, model, port: int, rounds: int) -> list[d
     return out
 
 
+def delta_rounds(url: str, token: str, model, port: int, steps: int) -> list[dict]:
+    """Per lr and optimizer step: the step's bf16 weights sent as a delta, then the same weights dense."""
+    torch.manual_seed(0)
+    params = list(model.named_parameters())
+    metas = [TensorMeta(n, "bfloat16", list(p.shape)) for n, p in params]
+    b = WeightBroadcaster([url], "gloo", "127.0.0.1", port, 300.0, BUCKET_BYTES, token, delta=True)
+    b.connect()
+    version, out = 0, []
+    try:
+        version += 1
+        b.broadcast(version, metas, [p.detach().bfloat16() for _, p in params])  # the first update is dense
+        for lr in DELTA_LRS:
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+            for step in range(steps):
+                ids = torch.randint(0, model.config.vocab_size, (4, 64))
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                wire = [p.detach().bfloat16() for _, p in params]
+                row = {"lr": lr, "step": step + 1}
+                for mode in ("delta", "dense"):
+                    version += 1
+                    r = b.broadcast(version, metas, wire, dense=mode == "dense")
+                    server = next(iter(r["servers"].values()))
+                    row[mode] = {"bytes": r["bytes"], "trainer_s": r["encode_s"] + r["total_s"],
+                                 "encode_s": r["encode_s"], "paused_s": server["paused_s"],
+                                 "receive_s": server["receive_s"], "load_s": server["load_s"]}
+                    if mode == "delta":
+                        row["changed_fraction"] = r["changed_fraction"]
+                out.append(row)
+    finally:
+        b.close()
+    return out
+
+
+def delta_bench(out: Path, port: int, steps: int) -> None:
+    print(f"load average {os.getloadavg()[0]:.2f} (2-core machine: above ~1 the timings are shared)")
+    header = (f"{'model':>7} {'params':>7} {'lr':>6} {'step':>4} {'changed':>8} {'delta/dense bytes':>17} "
+              f"{'trainer s delta/dense':>21} {'pause s delta/dense':>20} {'receive s d/D':>14} {'load s d/D':>12}")
+    rows = []
+    for name, shape in DELTA_SHAPES.items():
+        model_dir, run_dir = out / f"delta_{name}", out / f"delta_{name}_run"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        model = build_model(model_dir, shape).float().train()
+        proc = start_server(model_dir, run_dir, port, "model.dtype=bfloat16")
+        try:
+            url = list_servers(run_dir)[0]
+            for row in delta_rounds(url, run_token(run_dir), model, port + 2, steps):
+                rows.append((name, sum(p.numel() for p in model.parameters()), row))
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+    print(header)
+    for name, n, r in rows:
+        d, D = r["delta"], r["dense"]
+        print(f"{name:>7} {n / 1e6:6.1f}M {r['lr']:6.0e} {r['step']:>4} {r['changed_fraction']:8.2%} "
+              f"{d['bytes'] / D['bytes']:17.2%} {d['trainer_s']:10.3f}/{D['trainer_s']:<10.3f} "
+              f"{d['paused_s']:9.3f}/{D['paused_s']:<10.3f} {d['receive_s']:6.3f}/{D['receive_s']:<7.3f} "
+              f"{d['load_s']:5.3f}/{D['load_s']:<6.3f}")
+    (out / "delta.json").write_text(json.dumps([{"model": m, "params": n, **r} for m, n, r in rows], indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/bench_weight_update")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--port", type=int, default=18400)
+    ap.add_argument("--delta", action="store_true", help="delta vs dense updates of bf16 models instead")
+    ap.add_argument("--steps", type=int, default=4, help="optimizer steps per lr with --delta")
     ap.add_argument("--offline", choices=("stock", "flinear"), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.offline:
         return _offline(args.model, args.offline)
+    if args.delta:
+        return delta_bench(Path(args.out), args.port, args.steps)
     out = Path(args.out)
     run_dir = out / "run"
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -310,6 +310,10 @@ def _run(trainer: Trainer, data: StepData, cfg: Config, dist: DistInfo, state: L
                      pause_s=max((r["paused_s"] for r in timings.get("servers", {}).values()), default=0.0),
                      samples_per_s=cfg.trainer.samples_per_step / step_s, data_wait_fraction=read_s / step_s,
                      reward_mean=reward_sum / max(reward_count, 1))
+        if "dense_bytes" in timings:  # delta mode (trainer.broadcast_delta=auto): the bytes sent, of dense
+            stats["broadcast_bytes_fraction"] = timings["bytes"] / timings["dense_bytes"]
+        if "changed_fraction" in timings:  # of the elements compared (none in the first update)
+            stats["broadcast_changed_fraction"] = timings["changed_fraction"]
         logger.log(state.step, stats, token_log)
         stop = signals.requested()
         if stop or _checkpoint_due(cfg, state.step):

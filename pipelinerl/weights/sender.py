@@ -82,8 +82,10 @@ class WeightBroadcaster:
         self._group = opening.result()
         posts.join(deadline)
 
-    def broadcast(self, version: int, metas: list[TensorMeta], tensors: Iterable[torch.Tensor]) -> dict:
-        """One update round; returns timings, bytes and every server's reply. Raises WeightTransferError."""
+    def broadcast(self, version: int, metas: list[TensorMeta], tensors: Iterable[torch.Tensor],
+                  dense: bool = False) -> dict:
+        """One update round; returns timings, bytes and every server's reply. Raises WeightTransferError.
+        `dense`: every tensor whole this round, even in delta mode (whose base is still kept)."""
         if self._group is None:
             raise WeightTransferError("not connected: call connect() (again, after a failed round)")
         metas = list(metas)
@@ -94,17 +96,17 @@ class WeightBroadcaster:
             req = UpdateRequest(version, self.bucket_bytes, metas, checksums)
             return self._round(req, _checksummed(tensors, sums) if checksums else tensors, sums)
         try:
-            return self._delta_broadcast(version, metas, tensors, checksums)
+            return self._delta_broadcast(version, metas, tensors, checksums, dense)
         except BaseException:
             self._encoder.version = None  # the base holds weights that not every server may have
             raise
 
     def _delta_broadcast(self, version: int, metas: list[TensorMeta], tensors: Iterable[torch.Tensor],
-                         checksums: bool) -> dict:
+                         checksums: bool, dense: bool) -> dict:
         """Encode every tensor first (the whole gather, before any server is asked), then send."""
         enc = self._encoder
-        base = enc.version if enc.version is not None and all(b == enc.version for b in self._bases.values()) \
-            else None
+        shared = enc.version is not None and all(b == enc.version for b in self._bases.values())
+        base = enc.version if shared and not dense else None
         started = time.monotonic()
         pieces, changed, compared = [], 0, 0
         it = iter(tensors)
@@ -128,10 +130,11 @@ class WeightBroadcaster:
                                  [tensor_checksum(enc.base[m.name]) for m in metas])
             result["resent_dense"] = 1
         enc.version = version
-        dense_bytes = sum(m.nbytes for m in metas)
-        return {**result, "encode_s": encode_s, "dense_bytes": dense_bytes,
-                "delta_tensors": sum(k >= 0 for k in (nnz or [])),
-                "changed_fraction": changed / compared if compared else float("nan")}
+        result.update(encode_s=encode_s, dense_bytes=sum(m.nbytes for m in metas),
+                      delta_tensors=sum(k >= 0 for k in (nnz or [])))
+        if compared:
+            result["changed_fraction"] = changed / compared
+        return result
 
     def _round(self, req: UpdateRequest, parts: Iterable[torch.Tensor], sums: list[int],
                may_resend: bool = False) -> dict:
