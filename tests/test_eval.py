@@ -163,12 +163,16 @@ def test_eval_end_to_end_on_tiny_model(tmp_path, tiny_model_dir):
     cmd = [sys.executable, "-m", "pipelinerl.cli", "eval", str(tiny_model_dir), "--config",
            str(REPO / "configs" / "tiny_cpu.yaml"), "--samples", "4", "--temperature", "1.0", "--out", str(out),
            "actor.eval_samples=6", f"inference.base_port={PORT}", "inference.max_model_len=64",
-           f"model.path={tiny_model_dir}", "model.build_tiny_if_missing=false"]
+           f"model.path={tiny_model_dir}", "model.build_tiny_if_missing=false",
+           f"task.eval_sets.sums.path={DATA / 'addition_eval.jsonl'}", "task.eval_sets.sums.samples=3",
+           "task.eval_sets.sums.temperature=1.0", "task.eval_sets.sums.max_prompts=5",
+           "--sets", "default,sums"]  # last: the CLI's --sets takes every word after it
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     print(run.stdout)
     report = json.loads(out.read_text())
     assert report["model"] == str(tiny_model_dir) and report["policy_version"] == 0 and report["step"] is None
+    assert list(report["sets"]) == ["default", "sums"]
     modes = report["sets"]["default"]
     assert set(modes) == {"greedy", "sampled"}
     assert list(modes["greedy"]["pass@k"]) == ["1"] and list(modes["sampled"]["pass@k"]) == ["1", "2", "4"]
@@ -184,4 +188,14 @@ def test_eval_end_to_end_on_tiny_model(tmp_path, tiny_model_dir):
             assert o["rewards"] == [task.reward(items[o["id"]], t, f) for t, f in zip(o["texts"], o["finished"])]
             assert all(0 < x <= report["max_new_tokens"] for x in o["lengths"])
         assert 0.0 <= m["truncation_rate"] <= 1.0
-    assert "pass@4" in run.stdout and "sampled" in run.stdout
+    sums = report["sets"]["sums"]
+    assert list(sums) == ["sampled"] and sums["sampled"]["temperature"] == 1.0
+    assert sums["sampled"]["n"] == 3 and list(sums["sampled"]["pass@k"]) == ["1", "2", "3"]
+    rows = [json.loads(line) for line in (DATA / "addition_eval.jsonl").read_text().splitlines()[:5]]
+    outcomes = sums["sampled"]["outcomes"]
+    assert [o["id"] for o in outcomes] == [f"addition_eval.jsonl:{k}" for k in range(5)]
+    for o, row in zip(outcomes, rows):
+        assert o["rewards"] == [1.0 if f and t == row["answer"] else 0.0 for t, f in zip(o["texts"], o["finished"])]
+        assert o["successes"] == [r == 1.0 for r in o["rewards"]]
+    assert sums["sampled"]["pass@k"]["1"] == pytest.approx(sum(sum(o["successes"]) / 3 for o in outcomes) / 5)
+    assert "pass@4" in run.stdout and "sampled" in run.stdout and "sums" in run.stdout

@@ -62,7 +62,7 @@ def test_unknown_suffix_missing_file_and_datasets_folder(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_rows(tmp_path / "absent.jsonl")
     try:
-        from datasets import Dataset
+        from datasets import Dataset, DatasetDict
     except ImportError:  # not a dependency: a folder then fails with what to do instead
         (tmp_path / "hf").mkdir()
         with pytest.raises(ValueError, match="needs the `datasets` package.*to_parquet"):
@@ -70,3 +70,10 @@ def test_unknown_suffix_missing_file_and_datasets_folder(tmp_path):
         return
     Dataset.from_list(ROWS[:1]).save_to_disk(str(tmp_path / "hf"))
     assert load_rows(tmp_path / "hf", "q", "gold") == EXPECTED[:1]
+    with pytest.raises(ValueError, match=r"hf row 0: .*\['gold', 'q', 'source'\]"):
+        load_rows(tmp_path / "hf")
+    rows = [{**row, "gold": str(row["gold"])} for row in ROWS]  # one Arrow type per column
+    DatasetDict({"test": Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "splits"))
+    with pytest.raises(ValueError, match=r"holds the splits \['test'\]: give one split's folder"):
+        load_rows(tmp_path / "splits")
+    assert load_rows(tmp_path / "splits" / "test", "q", "gold") == EXPECTED

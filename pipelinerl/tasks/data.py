@@ -23,7 +23,11 @@ def _read(path: Path) -> list:
             raise ValueError(f"{str(path)!r} is a folder: reading a Hugging Face `datasets` folder needs the "
                              "`datasets` package, which this environment does not install; export it to "
                              ".parquet or .jsonl instead (Dataset.to_parquet)") from None
-        return load_from_disk(str(path)).to_list()
+        data = load_from_disk(str(path))
+        if not hasattr(data, "to_list"):  # a DatasetDict: one sub-folder per split
+            raise ValueError(f"{str(path)!r} holds the splits {sorted(data)}: give one split's folder, e.g. "
+                             f"{str(path / sorted(data)[0])!r}")
+        return data.to_list()
     if path.suffix == ".jsonl":
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if path.suffix == ".json":
