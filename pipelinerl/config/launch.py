@@ -44,7 +44,8 @@ class LaunchConfig:
     """Where the roles run."""
 
     backend: str = doc("local", "local (child processes of `pipelinerl run`) | slurm")
-    torch_threads: int | None = doc(None, "torch threads per CPU process", null="torch's default")
+    torch_threads: int | None = doc(None, "torch threads (OMP_NUM_THREADS) per process of a role without CPU cores of "
+                                          "its own; a pinned role takes its cores' count", null="torch's default")
     inference_gpus: str | None = doc(
         None, "GPU ids of a node the servers use, e.g. \"0-3\" (tensor_parallel_size contiguous ids per server). "
               "Locally, and on Slurm only with slurm.inference_nodes=0 (ids are positions in the step's "
@@ -57,6 +58,19 @@ class LaunchConfig:
         None, "memory of one GPU, for `pipelinerl plan` and the check `run` / the Slurm launcher make before "
               "starting anything (every role's per-GPU budget must fit in it)", unit="GB (10^9 bytes)",
         null="what nvidia-smi reports on the launching machine (its smallest GPU); no GPU there: no plan (CPU runs)")
+    inference_cpus: str | None = doc(
+        None, "CPU cores the servers own, e.g. \"0-7\": equal contiguous blocks, one per server slot (policy, then "
+              "reference), set as each server's CPU affinity and as vLLM-CPU's OMP binding "
+              "(VLLM_CPU_OMP_THREADS_BIND, one list per tensor-parallel worker). Local launcher only (on Slurm, "
+              "Slurm places cores: --cpus-per-task)",
+        null="with training_cpus set: the cores no other list names; with neither set: no pinning (every role "
+             "floats over every core)")
+    training_cpus: str | None = doc(
+        None, "CPU cores the trainer owns, e.g. \"8-15\", disjoint from inference_cpus; its ranks share them, "
+              "each with cores / ranks torch threads", null="the cores no other list names (see inference_cpus)")
+    actor_cpus: str | None = doc(None, "CPU cores of the actor, e.g. \"15\"; may share cores with the other roles "
+                                       "(it mostly waits on HTTP)",
+                                 null="the cores neither servers nor trainer own; none left: not pinned")
     slurm: SlurmConfig = section(SlurmConfig)
 
     def __post_init__(self) -> None:
@@ -71,3 +85,22 @@ class LaunchConfig:
                     parse_gpu_ids(getattr(self, name))
             except ValueError as err:
                 check(False, f"launch.{name}", str(err))
+        self._check_cpus()
+
+    def _check_cpus(self) -> None:
+        """The core lists' syntax and overlap; whether this machine has the cores is checked at launch."""
+        from pipelinerl.launch.placement import parse_cpu_ids
+
+        cores = {}
+        for name in ("inference_cpus", "training_cpus", "actor_cpus"):
+            if getattr(self, name) is None:
+                continue
+            check(self.backend == "local", f"launch.{name}", "is for the local launcher; on Slurm, Slurm places the "
+                  "cores (launch.slurm.cpus_per_task): unset it")
+            try:
+                cores[name] = set(parse_cpu_ids(getattr(self, name)))
+            except ValueError as err:
+                check(False, f"launch.{name}", str(err))
+        shared = cores.get("inference_cpus", set()) & cores.get("training_cpus", set())
+        check(not shared, "launch.training_cpus", f"shares core(s) {sorted(shared)} with launch.inference_cpus; "
+              "servers and trainer need disjoint cores")

@@ -17,9 +17,23 @@ def cli(python: str = sys.executable) -> list[str]:
     return [python, "-m", "pipelinerl.cli"]
 
 
-def threads_env(cfg: Config) -> dict[str, str]:
-    """The environment every role gets: OMP_NUM_THREADS from launch.torch_threads (null: torch's default)."""
-    return {} if cfg.launch.torch_threads is None else {"OMP_NUM_THREADS": str(cfg.launch.torch_threads)}
+def threads_env(cfg: Config, cores: int | None = None) -> dict[str, str]:
+    """The thread environment of a role: OMP_NUM_THREADS = `cores`, a pinned role's cores per process, else
+    launch.torch_threads (null: torch's default)."""
+    threads = cfg.launch.torch_threads if cores is None else cores
+    return {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
+
+
+def pinned_server_env(cfg: Config, cores: list[int]) -> dict[str, str]:
+    """A server on its own cores: vLLM-CPU binds each tensor-parallel worker's OpenMP threads to one of the
+    `|`-separated lists of VLLM_CPU_OMP_THREADS_BIND, and sets the worker's OMP_NUM_THREADS to its length.
+    Its default, `auto`, gives worker k the allowed cores of NUMA node k (none when the server's cores lie
+    on another node) less a few it reserves; explicit lists keep every worker inside the server's cores."""
+    from pipelinerl.launch.placement import format_ids, split_evenly
+
+    groups = split_evenly(cores, cfg.inference.tensor_parallel_size)
+    return {**threads_env(cfg, len(groups[0])),
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join(format_ids(group) for group in groups)}
 
 
 def reference_server_count(cfg: Config) -> int:

@@ -13,11 +13,14 @@ Placement (launch/placement.py): on a GPU machine the servers take launch.infere
 groups of contiguous GPUs) and the trainer ranks launch.training_gpus, disjoint; by default the first
 half of the GPUs serve and the second half train. The trainer role is `pipelinerl train --nproc N`: N
 ranks (trainer.num_gpus; gloo processes on CPU) that receive every stop signal together.
-`pipelinerl run --dry-run` prints the placement and every command.
+On any machine, launch.inference_cpus / training_cpus / actor_cpus give the roles CPU cores of their own
+(placement.split_cpus; applied as CPU affinity by procs.Supervisor, with vLLM's OMP binding and torch
+thread counts to match). `pipelinerl run --dry-run` prints the placement and every command.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -27,8 +30,15 @@ from pathlib import Path
 
 from pipelinerl.config import Config, ConfigError, save_config
 from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, list_servers
-from pipelinerl.launch.commands import cli, policy_server, reference_server, reference_server_count, threads_env
-from pipelinerl.launch.placement import Placement, split_node
+from pipelinerl.launch.commands import (
+    cli,
+    pinned_server_env,
+    policy_server,
+    reference_server,
+    reference_server_count,
+    threads_env,
+)
+from pipelinerl.launch.placement import CpuPlacement, Placement, format_ids, split_cpus, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
 from pipelinerl.plan import check_before_start
 
@@ -91,38 +101,45 @@ def machine_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
 
 
-def placement(cfg: Config, gpus: list[str]) -> Placement:
+def placement(cfg: Config, gpus: list[str], cores: list[int] | None = None) -> Placement:
     """This machine's split between the servers (policy, then reference) and the trainer ranks, in the
-    ids of `gpus` (so a launcher started under CUDA_VISIBLE_DEVICES=2,3 hands out 2 and 3)."""
+    ids of `gpus` (so a launcher started under CUDA_VISIBLE_DEVICES=2,3 hands out 2 and 3), and of the
+    `cores` the launcher may use (default: its own CPU affinity) when launch.*_cpus ask for it."""
+    launch, slots = cfg.launch, cfg.inference.num_servers + reference_server_count(cfg)
     try:
-        plan = split_node(len(gpus), cfg.launch.inference_gpus, cfg.launch.training_gpus,
-                          cfg.inference.num_servers + reference_server_count(cfg), cfg.inference.tensor_parallel_size,
-                          cfg.trainer.num_gpus)
+        plan = split_node(len(gpus), launch.inference_gpus, launch.training_gpus, slots,
+                          cfg.inference.tensor_parallel_size, cfg.trainer.num_gpus)
+        cpus = split_cpus(sorted(os.sched_getaffinity(0)) if cores is None else cores, launch.inference_cpus,
+                          launch.training_cpus, launch.actor_cpus, slots, cfg.inference.tensor_parallel_size)
     except ValueError as err:
         raise ConfigError(f"config `launch`: {err}") from None
     if plan.server_gpus is None:
-        return plan
+        return dataclasses.replace(plan, cpus=cpus)
     return Placement([[gpus[int(i)] for i in group] for group in plan.server_gpus],
-                     [gpus[int(i)] for i in plan.trainer_gpus], plan.trainer_ranks)
+                     [gpus[int(i)] for i in plan.trainer_gpus], plan.trainer_ranks, cpus)
 
 
 def _roles(cfg: Config, config_path: Path, where: Placement) -> tuple[list[Role], Role, Role]:
     """(servers: the policy servers, then any reference servers; trainer; actor)."""
-    logs, threads = Path(cfg.run_dir) / "logs", threads_env(cfg)
+    logs, cpus = Path(cfg.run_dir) / "logs", where.cpus or CpuPlacement([], [], None)
     model, version = serving_weights(cfg)
     servers = [policy_server(cfg, str(config_path), i, model, version) for i in range(cfg.inference.num_servers)]
     servers += [reference_server(cfg, str(config_path), i) for i in range(reference_server_count(cfg))]
     server_roles = []
     for slot, (name, argv) in enumerate(servers):
-        env = dict(threads)
+        cores = cpus.servers[slot] if cpus.servers else None
+        env = pinned_server_env(cfg, cores) if cores else threads_env(cfg)
         if where.server_gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(where.server_gpus[slot])
-        server_roles.append(Role(name, argv, logs / f"{name}.log", env))
+        server_roles.append(Role(name, argv, logs / f"{name}.log", env, cores))
     ranks = ["--nproc", str(where.trainer_ranks)]  # its port is picked when the ranks start, not minutes before
     if where.trainer_gpus is not None:
         ranks += ["--gpus", ",".join(where.trainer_gpus)]
-    trainer = Role("trainer", [*cli(), "train", str(config_path), *ranks], logs / "trainer.log", threads)
-    actor = Role("actor", [*cli(), "actor", str(config_path)], logs / "actor.log", threads)
+    trainer_cores = cpus.trainer or None
+    trainer = Role("trainer", [*cli(), "train", str(config_path), *ranks], logs / "trainer.log",
+                   threads_env(cfg, trainer_cores and max(1, len(trainer_cores) // where.trainer_ranks)), trainer_cores)
+    actor = Role("actor", [*cli(), "actor", str(config_path)], logs / "actor.log",
+                 threads_env(cfg, cpus.actor and len(cpus.actor)), cpus.actor)
     return server_roles, trainer, actor
 
 
@@ -134,9 +151,11 @@ def render(cfg: Config, config_path: Path, gpus: list[str]) -> str:
     servers, trainer, actor = _roles(cfg, config_path, where)
     lines = [f"# GPUs on this machine: {','.join(gpus) or 'none (CPU)'}",
              *(f"# {line}" for line in where.describe(len(servers)))]
+    lines += [f"# {line}" for line in where.cpus.describe()] if where.cpus else []
     for role in (*servers, trainer, actor):
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in role.env.items())
-        lines.append(f"# {role.name} (log {role.log_path})\n{env + ' ' if env else ''}{shlex.join(role.argv)}")
+        pin = f"taskset -c {format_ids(role.cpus)} " if role.cpus else ""  # what the launcher's affinity does
+        lines.append(f"# {role.name} (log {role.log_path})\n{env + ' ' if env else ''}{pin}{shlex.join(role.argv)}")
     return "\n".join(lines)
 
 

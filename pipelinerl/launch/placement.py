@@ -3,6 +3,9 @@ trainer ranks (one GPU each), disjoint. Pure: no torch, no processes; both launc
 
 The original PipelineRL's everyday shape is one 8-GPU node split between inference and training; a
 cluster job with separate inference and training nodes is the same split with one side empty.
+
+CPU cores (the local launcher only; on Slurm, Slurm places cores): `split_cpus` is the same split for
+the cores, the analogue of the seeds' inference/training GPU split on a CPU machine.
 """
 
 from __future__ import annotations
@@ -10,17 +13,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def parse_gpu_ids(spec: str) -> list[str]:
-    """`"0-3,6"` -> `["0", "1", "2", "3", "6"]` (as CUDA_VISIBLE_DEVICES takes them); ValueError on bad text."""
-    ids: list[str] = []
+def _parse_ids(spec: str, what: str) -> list[int]:
+    """`"0-3,6"` -> [0, 1, 2, 3, 6]; ValueError on bad text or a repeated id."""
+    ids: list[int] = []
     for part in str(spec).replace(" ", "").split(","):
         first, dash, last = part.partition("-")
         if not first.isdigit() or (dash and not last.isdigit()):
-            raise ValueError(f"bad GPU list {spec!r}: use ids and ranges like '0-3' or '0,1,4-7'")
-        ids += [str(i) for i in range(int(first), int(last if dash else first) + 1)]
+            raise ValueError(f"bad {what} list {spec!r}: use ids and ranges like '0-3' or '0,1,4-7'")
+        ids += range(int(first), int(last if dash else first) + 1)
     if len(set(ids)) != len(ids):
-        raise ValueError(f"GPU list {spec!r} names a GPU twice")
+        raise ValueError(f"{what} list {spec!r} names a {what} twice")
     return ids
+
+
+def parse_gpu_ids(spec: str) -> list[str]:
+    """`"0-3,6"` -> `["0", "1", "2", "3", "6"]` (as CUDA_VISIBLE_DEVICES takes them); ValueError on bad text."""
+    return [str(i) for i in _parse_ids(spec, "GPU")]
+
+
+def parse_cpu_ids(spec: str) -> list[int]:
+    """`"0-3,6"` -> [0, 1, 2, 3, 6] (as os.sched_setaffinity takes them); ValueError on bad text."""
+    return _parse_ids(spec, "CPU core")
+
+
+def format_ids(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5": the list syntax parse_cpu_ids, taskset and vLLM's CPU binding read."""
+    parts: list[str] = []
+    for i in ids:
+        if parts and parts[-1].split("-")[-1] == str(i - 1):
+            parts[-1] = f"{parts[-1].split('-')[0]}-{i}"
+        else:
+            parts.append(str(i))
+    return ",".join(parts)
+
+
+def split_evenly(ids: list[int], n: int) -> list[list[int]]:
+    """n contiguous blocks of `ids`, sizes differing by at most one (the first ones larger)."""
+    size, extra = divmod(len(ids), n)
+    bounds = [i * size + min(i, extra) for i in range(n + 1)]
+    return [ids[bounds[i]:bounds[i + 1]] for i in range(n)]
 
 
 def server_gpu_groups(gpus: list[str], num_servers: int, tensor_parallel_size: int) -> list[list[str]]:
@@ -33,12 +64,29 @@ def server_gpu_groups(gpus: list[str], num_servers: int, tensor_parallel_size: i
 
 
 @dataclass(frozen=True)
+class CpuPlacement:
+    """CPU cores of the roles on this machine, applied as CPU affinity (inherited by every process a role
+    starts). Servers and trainer own disjoint cores; the actor's cores may be shared."""
+
+    servers: list[list[int]]  # per server slot (policy, then reference): its cores
+    trainer: list[int]  # shared by the trainer ranks (each gets len // ranks torch threads)
+    actor: list[int] | None  # None: not pinned, it floats over every core (no core was left for it)
+
+    def describe(self) -> list[str]:
+        """One line per role, for --dry-run."""
+        lines = [f"server{i}: CPU cores {format_ids(cores)}" for i, cores in enumerate(self.servers)]
+        actor = f"CPU cores {format_ids(self.actor)}" if self.actor is not None else "every core (not pinned)"
+        return lines + [f"trainer: CPU cores {format_ids(self.trainer)}", f"actor: {actor}"]
+
+
+@dataclass(frozen=True)
 class Placement:
     """Where the roles of one node run. None = on CPU (no CUDA_VISIBLE_DEVICES set)."""
 
     server_gpus: list[list[str]] | None  # per server slot: its GPU ids
     trainer_gpus: list[str] | None  # the trainer ranks' GPUs; rank r uses trainer_gpus[r] (LOCAL_RANK r)
     trainer_ranks: int  # trainer processes on this node
+    cpus: CpuPlacement | None = None  # the roles' CPU cores (local launcher); None = not pinned
 
     def describe(self, num_servers: int) -> list[str]:
         """One line per role, for --dry-run."""
@@ -70,3 +118,36 @@ def split_node(node_gpus: int, inference_gpus: str | None, training_gpus: str | 
         raise ValueError(f"trainer.num_gpus={ranks} trainer ranks need {ranks} GPUs; launch.training_gpus has "
                          f"{len(training)} ({','.join(training)})")
     return Placement(server_gpu_groups(serving, num_servers, tensor_parallel_size), training[:ranks], ranks)
+
+
+def split_cpus(machine: list[int], inference: str | None, training: str | None, actor: str | None,
+               num_servers: int, tensor_parallel_size: int) -> CpuPlacement | None:
+    """The cores of `machine` (those the launcher may use) split between the roles; None when no list is
+    set (no pinning). A null list of the servers or the trainer takes the cores no other list names;
+    servers split theirs into equal contiguous blocks, one per slot."""
+    if inference is None and training is None:
+        if actor is not None:
+            raise ValueError("launch.actor_cpus is set without launch.inference_cpus / launch.training_cpus: "
+                             "set those too (CPU placement splits the machine between all roles)")
+        return None
+    named = {"launch.inference_cpus": inference, "launch.training_cpus": training, "launch.actor_cpus": actor}
+    lists = {key: parse_cpu_ids(spec) for key, spec in named.items() if spec is not None}
+    for key, ids in lists.items():
+        if missing := [i for i in ids if i not in machine]:
+            raise ValueError(f"{key} = {named[key]} names core(s) {format_ids(missing)} that this launcher may not "
+                             f"use; it has cores {format_ids(machine)}")
+    named_cores = {i for ids in lists.values() for i in ids}
+    rest = [i for i in machine if i not in named_cores]
+    serving = lists.get("launch.inference_cpus", rest)
+    training_cores = lists.get("launch.training_cpus", rest)
+    assert not set(serving) & set(training_cores), "LaunchConfig refuses overlapping inference/training cores"
+    need = {"launch.inference_cpus": (serving, num_servers * tensor_parallel_size, "one per server and tensor-parallel "
+                                      "worker, reference servers included"),
+            "launch.training_cpus": (training_cores, 1, "the trainer's")}
+    for key, (ids, least, why) in need.items():
+        if len(ids) < least:
+            given = format_ids(ids) or "none: the other lists name every core"
+            raise ValueError(f"{key} gives {len(ids)} core(s) ({given}); it needs at least {least} ({why})")
+    free = [i for i in machine if i not in serving and i not in training_cores]
+    actor_cores = lists.get("launch.actor_cpus", free or None)
+    return CpuPlacement(split_evenly(serving, num_servers), training_cores, actor_cores)

@@ -2,7 +2,8 @@
 
 Each role runs in its own process group (vLLM and DeepSpeed spawn grandchildren), so stopping a role
 signals the whole group. Children also get PR_SET_PDEATHSIG: if the launcher itself is killed with
-SIGKILL, the kernel sends them SIGTERM and nothing is orphaned.
+SIGKILL, the kernel sends them SIGTERM and nothing is orphaned. A role with CPU cores gets them as its CPU
+affinity before it execs, so every thread and process it starts inherits them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ def die_with_parent() -> None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _child_setup(cpus: list[int] | None):
+    """The preexec_fn of a role: die_with_parent, then (if given) its cores, a system call as well. Set here,
+    not on the pid after the start, where threads and children started meanwhile would keep the old mask."""
+    def setup() -> None:
+        die_with_parent()
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+    return setup
+
+
 @dataclass
 class Role:
     """One child process: what to run and where its output goes."""
@@ -40,6 +51,7 @@ class Role:
     argv: list[str]
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
+    cpus: list[int] | None = None  # CPU cores (affinity) of the role and all it starts; None: the launcher's
 
 
 class RoleFailed(RuntimeError):
@@ -62,7 +74,7 @@ class Supervisor:
         with open(role.log_path, "ab") as out:
             proc = subprocess.Popen(role.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env={**os.environ, **role.env}, start_new_session=True,
-                                    preexec_fn=die_with_parent)  # noqa: PLW1509 (see die_with_parent)
+                                    preexec_fn=_child_setup(role.cpus))  # noqa: PLW1509 (see die_with_parent)
         self.running[role.name] = (role, proc)
         log.info("started %s (pid %d), log %s", role.name, proc.pid, role.log_path)
         return proc
