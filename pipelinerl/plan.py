@@ -226,6 +226,9 @@ def trainer_plan(cfg: Config, shape: ModelShape, ranks: int, gpu_gb: float) -> R
              f"{'off' if t.gradient_checkpointing else 'on'})",
              f"forward/backward {fwd_bwd:.1f} GB and optimizer step {items['optimizer_step']:.1f} GB never coexist: "
              "the total counts the larger"]
+    if t.broadcast_delta == "auto":
+        notes.append(f"delta updates: rank 0 keeps the last broadcast weights, {shape.params * b / GB:.1f} GB of "
+                     "host RAM")
     role = RolePlan("trainer rank", items, total, notes)
     if total > gpu_gb:
         role.problems.append(f"trainer rank: {total:.1f} GB > {gpu_gb:g} GB; {_trainer_knobs(cfg)}")
@@ -283,6 +286,10 @@ def _server_checks(cfg: Config, shape: ModelShape, gpu_gb: float, role: RolePlan
         role.notes.append(f"host staging: {model_gb * tp:.1f} GB of host RAM per server ({model_gb:.1f} GB per "
                           f"TP worker: each receives full tensors), {model_gb * tp * inf.num_servers:.1f} GB "
                           f"per inference node")
+    if not reference and cfg.trainer.broadcast_delta == "auto":
+        role.notes.append(f"delta base: {model_gb * tp:.1f} GB of host RAM per server ({model_gb:.1f} GB per TP "
+                          "worker; host staging's dense tensors become the base, so a dense update needs up to "
+                          "twice that while it lands)")
     if role.per_gpu_gb > gpu_gb:
         most = math.floor(100 * (gpu_gb - outside) / gpu_gb) / 100
         what = ("prompt log-probs" if reference else f"update staging ({inf.update_staging})") + \

@@ -202,7 +202,7 @@ def delta_bench(out: Path, port: int, steps: int) -> None:
         model_dir, run_dir = out / f"delta_{name}", out / f"delta_{name}_run"
         run_dir.mkdir(parents=True, exist_ok=True)
         model = build_model(model_dir, shape).float().train()
-        proc = start_server(model_dir, run_dir, port, "model.dtype=bfloat16")
+        proc = start_server(model_dir, run_dir, port, "model.dtype=bfloat16", "inference.max_model_len=256")
         try:
             url = list_servers(run_dir)[0]
             for row in delta_rounds(url, run_token(run_dir), model, port + 2, steps):
