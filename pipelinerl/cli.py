@@ -138,7 +138,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from pipelinerl.evaluate import run_eval
 
-    run_eval(args.target, args.overrides, config=args.config, step=args.step, sets=args.sets, samples=args.samples,
+    run_eval(args.target, args.overrides, config=args.config, step=args.step, sets=[args.sets], samples=args.samples,
              temperature=args.temperature, greedy=not args.no_greedy, out=args.out)
 
 
@@ -226,8 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None,
                    help="config file (default: the run's config.yaml; required for a model folder outside a run)")
     p.add_argument("--step", type=int, default=None, help="with a run directory: the checkpoint of this step")
-    p.add_argument("--sets", nargs="+", default=["default"], metavar="NAME",
-                   help="eval sets; for now only `default`, the task's held-out split")
+    p.add_argument("--sets", default="default", metavar="A,B",
+                   help="comma-separated eval sets: `default` (the task's held-out split) and names of task.eval_sets")
     p.add_argument("--samples", type=int, default=0,
                    help="sampled completions per item (pass@k for k = 1, 2, 4, ... up to it); 0 = greedy only")
     p.add_argument("--temperature", type=float, default=None,

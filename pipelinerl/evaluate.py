@@ -141,7 +141,7 @@ def server_roles(cfg: Config, config_path: Path, target: Target) -> list:
 
 
 def check_request(sets: list[str], samples: int, greedy: bool) -> list[str]:
-    """The set names asked for (`--sets a,b` or `--sets a b`, in order, once each); a ConfigError for flags
+    """The set names asked for (`--sets a,b`, in order, once each); a ConfigError for flags
     that cannot run. --samples and --no-greedy say how the `default` set is sampled."""
     names = list(dict.fromkeys(name for arg in sets for name in arg.split(",") if name))
     if not names:

@@ -108,7 +108,7 @@ def test_resolve_target_run_dir_and_model_folder(tmp_path):
 
 
 def test_sets_requested_and_built_from_the_config(tmp_path):
-    """`--sets a,b` (or a b): the held-out split greedy and/or sampled, a named set as task.eval_sets says;
+    """`--sets a,b`: the held-out split greedy and/or sampled, a named set as task.eval_sets says;
     unknown names and a missing file are errors naming what exists."""
     from pipelinerl.config import load_config
     from pipelinerl.evaluate import check_request, eval_suites
@@ -162,11 +162,11 @@ def test_eval_end_to_end_on_tiny_model(tmp_path, tiny_model_dir):
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "pipelinerl.cli", "eval", str(tiny_model_dir), "--config",
            str(REPO / "configs" / "tiny_cpu.yaml"), "--samples", "4", "--temperature", "1.0", "--out", str(out),
-           "actor.eval_samples=6", f"inference.base_port={PORT}", "inference.max_model_len=64",
+           "--sets", "default,sums", "actor.eval_samples=6", f"inference.base_port={PORT}",
+           "inference.max_model_len=64",
            f"model.path={tiny_model_dir}", "model.build_tiny_if_missing=false",
            f"task.eval_sets.sums.path={DATA / 'addition_eval.jsonl'}", "task.eval_sets.sums.samples=3",
-           "task.eval_sets.sums.temperature=1.0", "task.eval_sets.sums.max_prompts=5",
-           "--sets", "default,sums"]  # last: the CLI's --sets takes every word after it
+           "task.eval_sets.sums.temperature=1.0", "task.eval_sets.sums.max_prompts=5"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     print(run.stdout)

@@ -98,6 +98,7 @@ def train_command(server, model_dir: Path, max_steps: int, *extra: str) -> list[
                  f"trainer.max_steps={max_steps}", "trainer.zero_stage=3", "trainer.lr=0.03", "trainer.warmup_steps=0",
                  "trainer.micro_batch_tokens=40", f"trainer.broadcast_port={free_port(19450)}",
                  "trainer.dist_timeout_s=120", "trainer.data_timeout_s=60", "trainer.broadcast_checksum_every=1",
+                 "trainer.broadcast_delta=auto",
                  "inference.weight_update_timeout_s=60", "checkpoints.every_steps=1", "checkpoints.keep_last=2", *extra]
     return [sys.executable, "-m", "pipelinerl.cli", "train", str(REPO / "configs" / "tiny_cpu.yaml"), *overrides,
             "--nproc", "2", "--master-port", str(free_port(19470))]
