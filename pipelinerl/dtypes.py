@@ -7,7 +7,7 @@ the config and the CLI use these names without loading torch.
 from __future__ import annotations
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")  # what `model.dtype` may be: training and serving
-WIRE_DTYPES = (*MODEL_DTYPES, "float64", "int64", "int32", "int8", "uint8")  # any tensor of an update
+WIRE_DTYPES = (*MODEL_DTYPES, "float64", "int64", "int32", "int16", "int8", "uint8")  # any tensor of an update
 
 
 def torch_dtype(name: str):

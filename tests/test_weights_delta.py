@@ -20,6 +20,7 @@ from pipelinerl.inference.server import control_router
 from pipelinerl.inference.updates import WeightUpdater
 from pipelinerl.launch.procs import free_port
 from pipelinerl.weights import (
+    Delta,
     DeltaBase,
     DeltaEncoder,
     TensorMeta,
@@ -33,6 +34,7 @@ from pipelinerl.weights import (
     wire_parts,
 )
 from pipelinerl.weights import sender as sender_module
+from pipelinerl.weights.delta import encode_positions
 
 TOKEN = "t" * 32
 TIMEOUT_S = 4.0  # the group's collectives: a broken broadcast fails on the servers within this
@@ -177,7 +179,8 @@ def test_twenty_delta_updates_are_bit_exact_on_two_servers(two_servers):
             assert out["changed_fraction"] == sum(changed.values()) / sum(t.numel() for t in wire.values())
             assert changed["frozen"] == 0 and changed["bias"] > 0.5 * wire["bias"].numel()
             assert out["delta_tensors"] == 3  # embed, w1, frozen (0 elements); the bias goes dense
-            expected = sum(k * (4 + 2) for n, k in changed.items() if n != "bias") + wire["bias"].numel() * 2
+            # a delta: one int32 count per block of 65536 elements, 2 bytes of offset and 2 of value per change
+            expected = sum(4 + k * (2 + 2) for n, k in changed.items() if n != "bias") + wire["bias"].numel() * 2
             assert out["bytes"] == expected and out["bytes"] < 0.5 * dense
             prev = wire
     finally:
@@ -285,13 +288,22 @@ def test_a_delta_against_another_base_is_refused_before_any_byte():
 def test_delta_requests_are_validated():
     ok = {"version": 3, "bucket_bytes": 64, "tensors": [{"name": "a", "dtype": "bfloat16", "shape": [2, 3]}]}
     req = parse_update_request({**ok, "base_version": 2, "nnz": [4], "keep_base": True})
-    assert [(p.kind, p.dtype, p.numel) for p in wire_parts(req)] == [("index", "int32", 4), ("values", "bfloat16", 4)]
+    assert [(p.kind, p.dtype, p.numel) for p in wire_parts(req)] == [("counts", "int32", 1), ("offsets", "int16", 4),
+                                                                      ("values", "bfloat16", 4)]
     for bad, match in (({**ok, "base_version": 2}, "together"), ({**ok, "nnz": [1]}, "together"),
                        ({**ok, "base_version": 2, "nnz": [7]}, "nnz"),
                        ({**ok, "base_version": 2, "nnz": [1, 1]}, "one"),
                        ({**ok, "keep_base": 1}, "keep_base")):
         with pytest.raises(ValueError, match=match):
             parse_update_request(bad)
+
+
+def test_positions_round_trip_through_blocks():
+    numel = 3 * 65536 + 17
+    positions = torch.tensor([0, 5, 32767, 32768, 65535, 65536, 2 * 65536 + 40000, 3 * 65536 + 16])
+    counts, offsets = encode_positions(positions, numel)
+    assert counts.tolist() == [5, 1, 1, 1] and offsets.dtype == torch.int16
+    assert torch.equal(Delta(counts, offsets, torch.zeros(8)).positions(), positions)
 
 
 def test_changed_positions_is_bitwise():

@@ -27,7 +27,7 @@ def receive_staged(group, req: UpdateRequest, device: torch.device, deadline: fl
     staged: list[tuple[str, torch.Tensor | Delta]] = []
     parts = wire_parts(req)
     buckets = plan_buckets(parts, req.bucket_bytes)
-    index = None
+    pending: list[torch.Tensor] = []  # a delta's counts and offsets, until its values arrive
     for k, bucket in enumerate(buckets):
         buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
         if bucket.nbytes:  # a bucket of unchanged tensors' empty deltas is not sent (sender.py skips it too)
@@ -41,10 +41,11 @@ def receive_staged(group, req: UpdateRequest, device: torch.device, deadline: fl
             view = buf[off:off + part.nbytes].view(torch_dtype(part.dtype))
             if part.kind == "dense":
                 staged.append((meta.name, view.view(meta.shape)))
-            elif part.kind == "index":
-                index = view
+            elif part.kind == "values":
+                staged.append((meta.name, Delta(*pending, view)))
+                pending = []
             else:
-                staged.append((meta.name, Delta(index, view)))
+                pending.append(view)
     sums = None
     if req.checksums:
         got = torch.empty(len(req.tensors), dtype=torch.int64, device=device)

@@ -309,10 +309,10 @@ def _checksummed(tensors: Iterable[torch.Tensor], sums: list[int]) -> Iterator[t
 
 
 def _part_tensors(pieces: list[torch.Tensor | Delta]) -> Iterator[torch.Tensor]:
-    """A delta-mode round's parts in wire order (wire_parts): a dense tensor, or a delta's index then values."""
+    """A delta-mode round's parts in wire order (wire_parts): a dense tensor, or a delta's counts, offsets and
+    values."""
     for piece in pieces:
         if isinstance(piece, Delta):
-            yield piece.index
-            yield piece.values
+            yield from (piece.counts, piece.offsets, piece.values)
         else:
             yield piece

@@ -9,8 +9,9 @@ Defined once here, imported by the trainer (sender.py) and by the server's worke
    request's parts (:func:`wire_parts`, in ``tensors`` order) packed into buckets (:func:`plan_buckets`:
    greedy, in order, each part at a 64-byte-aligned offset, a bucket never exceeds ``bucket_bytes`` unless
    one part alone does). A tensor is one dense part, or, with ``nnz[i] >= 0``, a delta against the
-   weights of ``base_version`` (delta.py): the flat positions of its ``nnz[i]`` changed elements, then
-   their new values. With ``checksums`` one more int64 tensor follows: the CRC32 of every resulting
+   weights of ``base_version`` (delta.py) in three parts: per block of BLOCK elements, how many of its
+   elements changed (int32); the ``nnz[i]`` changed elements' offsets inside their blocks (16 bits each,
+   in order); their new values. With ``checksums`` one more int64 tensor follows: the CRC32 of every resulting
    tensor's bytes (after any delta is applied).
 """
 
@@ -24,6 +25,7 @@ import torch
 from pipelinerl.dtypes import WIRE_DTYPES, torch_dtype
 
 ALIGN_BYTES = 64  # tensor offsets inside a bucket: any dtype view of the slice is aligned
+BLOCK = 1 << 16  # a delta's positions are (block, 16-bit offset in the block): 2 bytes per changed element
 HTTP_MARGIN_S = 30.0  # an HTTP reply may take this long beyond the collective's own timeout
 
 
@@ -85,7 +87,7 @@ class Part:
     """One tensor on the wire, or one half of a tensor's delta."""
 
     tensor: int  # position in UpdateRequest.tensors
-    kind: str  # "dense" (the whole tensor) | "index" (flat positions of changed elements) | "values" (theirs)
+    kind: str  # "dense" (the whole tensor) | a delta's "counts" (per block) | "offsets" (in blocks) | "values"
     dtype: str
     numel: int
 
@@ -178,20 +180,16 @@ def update_body(req: UpdateRequest) -> dict:
     return {**asdict(req), "tensors": [asdict(m) for m in req.tensors]}
 
 
-def index_dtype(numel: int) -> str:
-    """The dtype of a delta's flat positions into a tensor of `numel` elements."""
-    return "int32" if numel <= 2**31 - 1 else "int64"
-
-
 def wire_parts(req: UpdateRequest) -> list[Part]:
-    """What rank 0 broadcasts, in order: each tensor whole, or its delta's positions then values."""
+    """What rank 0 broadcasts, in order: each tensor whole, or its delta's counts, offsets and values."""
     parts = []
     for i, meta in enumerate(req.tensors):
         numel, k = _numel(meta.shape), -1 if req.nnz is None else req.nnz[i]
         if k < 0:
             parts.append(Part(i, "dense", meta.dtype, numel))
         else:
-            parts += [Part(i, "index", index_dtype(numel), k), Part(i, "values", meta.dtype, k)]
+            parts += [Part(i, "counts", "int32", -(-numel // BLOCK)), Part(i, "offsets", "int16", k),
+                      Part(i, "values", meta.dtype, k)]
     return parts
 
 
