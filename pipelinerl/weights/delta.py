@@ -43,17 +43,17 @@ class Delta:
     values: torch.Tensor
 
     def positions(self) -> torch.Tensor:
-        """The flat positions (int64), in order."""
-        blocks = torch.repeat_interleave(torch.arange(self.counts.numel(), device=self.counts.device),
-                                         self.counts.long())
-        return blocks * BLOCK + (self.offsets.long() & 0xFFFF)
+        """The flat positions, in order: int32 below 2**31 elements (cheaper on CPU), else int64."""
+        dtype = torch.int32 if self.counts.numel() * BLOCK < 2**31 else torch.int64
+        blocks = torch.repeat_interleave(torch.arange(self.counts.numel(), dtype=dtype, device=self.counts.device),
+                                         self.counts)
+        return (blocks << 16) | (self.offsets.to(dtype) & 0xFFFF)
 
 
 def encode_positions(positions: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted flat positions (int64) -> (per-block counts int32, in-block offsets int16)."""
-    counts = torch.bincount(positions // BLOCK, minlength=-(-numel // BLOCK)).to(torch.int32)
-    offsets = positions % BLOCK
-    return counts, torch.where(offsets >= 1 << 15, offsets - BLOCK, offsets).to(torch.int16)
+    """Sorted flat positions (int64) -> (per-block counts int32, in-block offsets as 16 bits in an int16)."""
+    counts = torch.bincount(positions >> 16, minlength=-(-numel // BLOCK)).to(torch.int32)
+    return counts, (positions & 0xFFFF).to(torch.int32).to(torch.int16)  # 32768.. wrap to negatives
 
 
 def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
