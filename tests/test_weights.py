@@ -1,5 +1,6 @@
 """The weight-update wire format and the trainer/receiver pair over real gloo, without vLLM."""
 
+import gc
 import threading
 import time
 
@@ -91,17 +92,42 @@ def test_receive_staged_round_trips_and_checks_checksums(corrupt):
     sender.join()
 
 
-def test_receive_times_out_naming_the_peer():
-    port = 18530
-    opener = threading.Thread(target=lambda: open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 5.0), 0))
+def _joined_pair(port: int) -> tuple[list, object]:
+    """Rank 0's group (kept alive in the returned list) and rank 1's."""
+    held = []
+    opener = threading.Thread(target=lambda: held.append(open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 5.0),
+                                                                    0)))
     opener.start()
     group = open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 5.0), 1)
     opener.join()
+    return held, group
+
+
+def test_receive_times_out_naming_the_peer():
+    held, group = _joined_pair(18530)
     req = UpdateRequest(1, 1 << 10, _metas())
     t0 = time.monotonic()
-    with pytest.raises((TimeoutError, WeightTransferError), match="trainer at 127.0.0.1:18530"):
+    with pytest.raises(TimeoutError, match="trainer at 127.0.0.1:18530"):
         receive_staged(group, req, torch.device("cpu"), time.monotonic() + 1.0, "the trainer at 127.0.0.1:18530")
-    assert time.monotonic() - t0 < 6.0
+    assert time.monotonic() - t0 < 6.0 and held
+
+
+@pytest.mark.parametrize("how", ["abandoned", "died"])
+def test_receive_gives_up_at_once_when_the_trainer_abandons_the_group_or_dies(how):
+    """The deadline is far; the receiver leaves within a few polls of the abort flag or of the store's loss."""
+    port = 18531 + (how == "died")
+    held, group = _joined_pair(port)
+    if how == "abandoned":
+        held[0].abandon("a server died")
+    else:
+        held.clear()  # rank 0's group and store gone, as with a dead trainer process
+        gc.collect()
+    t0 = time.monotonic()
+    match = "abandoned weight-update group weights: a server died" if how == "abandoned" else "lost the store"
+    with pytest.raises(WeightTransferError, match=match):
+        receive_staged(group, UpdateRequest(1, 1 << 10, _metas()), torch.device("cpu"), time.monotonic() + 60,
+                       "the trainer")
+    assert time.monotonic() - t0 < 10.0
 
 
 def test_run_token_is_private_and_shared(tmp_path):

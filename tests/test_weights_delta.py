@@ -1,6 +1,7 @@
-"""Delta weight updates (weights/delta.py) end to end without vLLM: the real WeightBroadcaster, the real
-control routes and WeightUpdater (inference/server.py, updates.py) over HTTP, and a memory engine that
-receives with the real receive_staged over gloo and loads by keeping copies of the tensors.
+"""Delta weight updates (weights/delta.py) and the weight-update group's re-forming, end to end without
+vLLM: the real WeightBroadcaster, the real control routes and WeightUpdater (inference/server.py,
+updates.py) over HTTP, and a memory engine that receives with the real receive_staged over gloo and loads
+by keeping copies of the tensors.
 
 The "training" is an fp32 master copy moved by Adam-sized steps (|step| = lr) and cast to bfloat16 for
 the wire, as DeepSpeed's bf16 mode does; references are bit-wise comparisons of integer views.
@@ -86,13 +87,13 @@ class MemoryEngine:
 
 
 class Server:
-    def __init__(self, weights: dict[str, torch.Tensor]):
+    def __init__(self, weights: dict[str, torch.Tensor], port: int | None = None):
         self.engine = MemoryEngine(weights)
         self.updater = WeightUpdater(self.engine, {n: list(t.shape) for n, t in weights.items()}, "bfloat16",
                                      "keep", 0, registry=CollectorRegistry())
         app = FastAPI()
         app.include_router(control_router(self.updater, TOKEN))
-        self.port = free_port(18900)
+        self.port = port or free_port(18900)
         self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()
@@ -310,3 +311,88 @@ def test_changed_positions_is_bitwise():
     old = torch.tensor([0.0, 1.0, float("nan"), 2.0], dtype=torch.bfloat16)
     new = torch.tensor([-0.0, 1.0, float("nan"), 2.015625], dtype=torch.bfloat16)
     assert changed_positions(old, new).tolist() == [0, 3]  # -0.0 != 0.0 bit-wise; the same NaN is unchanged
+
+
+# Servers that come and go: trainer.broadcast.ServerBroadcaster over the same memory servers, announced in a
+# run directory as real servers announce themselves.
+
+def _run_broadcaster(tmp_path, servers):
+    from pipelinerl.config import load_config
+    from pipelinerl.inference.rundir import publish_server
+    from pipelinerl.trainer.broadcast import ServerBroadcaster
+    from pipelinerl.trainer.dist import DistInfo
+
+    for s in servers:
+        publish_server(tmp_path, "127.0.0.1", s.port)
+    cfg = load_config(None, [f"run_dir={tmp_path}", f"model.path={tmp_path}", f"inference.auth_token={TOKEN}",
+                             "model.dtype=bfloat16",
+                             "inference.weight_update_backend=gloo", f"trainer.broadcast_port={free_port(18970)}",
+                             f"inference.weight_update_timeout_s={TIMEOUT_S * 5}", "trainer.broadcast_delta=auto",
+                             "trainer.broadcast_bucket_mb=0.002"])
+    b = ServerBroadcaster(cfg, DistInfo(0, 1, 0, "gloo"))
+    assert b.connect()
+    return b
+
+
+def _restart(old: Server, weights: dict[str, torch.Tensor], run_dir) -> Server:
+    """A new server on the old one's port, from older weights (a restart from a checkpoint), announced."""
+    from pipelinerl.inference.rundir import publish_server
+
+    old.stop()
+    new = Server(weights, port=old.port)
+    time.sleep(0.01)  # a distinct announcement time (ns clock) even on coarse filesystems
+    publish_server(run_dir, "127.0.0.1", new.port)
+    return new
+
+
+def test_a_dead_server_is_left_out_and_its_restart_joins_at_the_next_update(tmp_path):
+    trainer = Trainer()
+    checkpoint = trainer.wire()
+    servers = [Server(checkpoint), Server(checkpoint)]
+    b = _run_broadcaster(tmp_path, servers)
+    try:
+        trainer.step(lr=1e-5)
+        assert "failed" not in b.broadcast(1, _metas(trainer.wire()), list(trainer.wire().values()))
+        servers[1].stop()  # dies between updates; its announcement stays, as after a SIGKILL
+        trainer.step(lr=1e-5)
+        failed = b.broadcast(2, _metas(trainer.wire()), iter(list(trainer.wire().values())))
+        assert failed["failed"] == 1.0
+        retry = b.broadcast(2, _metas(trainer.wire()), list(trainer.wire().values()))  # the loop's retry
+        assert "failed" not in retry and list(retry["servers"]) == [servers[0].url]
+        _assert_serving(servers[0], trainer.wire())
+        servers[1] = _restart(servers[1], checkpoint, tmp_path)
+        trainer.step(lr=1e-5)
+        out = b.broadcast(3, _metas(trainer.wire()), list(trainer.wire().values()))
+        assert sorted(out["servers"]) == sorted(s.url for s in servers)
+        assert out["bytes"] == sum(m.nbytes for m in _metas(trainer.wire()))  # dense: the new one has no base
+        for s in servers:
+            _assert_serving(s, trainer.wire())
+            assert s.updater.version == 3
+    finally:
+        b.close()
+        for s in servers:
+            s.stop()
+
+
+def test_a_restarted_trainer_is_accepted_at_once():
+    """A trainer dies between updates (nothing abandons its group): the servers still hold that group, and
+    a new trainer's group replaces it without waiting for any timeout."""
+    trainer = Trainer()
+    servers = [Server(trainer.wire()), Server(trainer.wire())]
+    try:
+        first = _broadcaster(servers)
+        trainer.step(lr=1e-5)
+        first.broadcast(1, _metas(trainer.wire()), list(trainer.wire().values()))
+        assert all(s.updater.group_ready for s in servers)
+        t0 = time.monotonic()
+        second = _broadcaster(servers)  # no close() of the first: it "died"
+        assert time.monotonic() - t0 < TIMEOUT_S
+        trainer.step(lr=1e-5)
+        out = second.broadcast(2, _metas(trainer.wire()), list(trainer.wire().values()))
+        assert out["bytes"] == sum(m.nbytes for m in _metas(trainer.wire()))  # a new trainer starts dense
+        for s in servers:
+            _assert_serving(s, trainer.wire())
+        second.close()
+    finally:
+        for s in servers:
+            s.stop()

@@ -59,7 +59,20 @@ def publish_server(run_dir: str | Path, host: str, port: int, folder: str = SERV
 
 def list_servers(run_dir: str | Path, folder: str = SERVERS_DIR) -> list[str]:
     """Base URLs of the servers announced in RUN_DIR/<folder>/ (sorted; hidden temporaries skipped)."""
+    return sorted(server_roster(run_dir, folder))
+
+
+def server_roster(run_dir: str | Path, folder: str = SERVERS_DIR) -> dict[str, int]:
+    """Each announced server's base URL and the time its file was published (ns): a server that restarts
+    on the same address announces itself again, so the roster changes."""
     path = Path(run_dir) / folder
     if not path.is_dir():
-        return []
-    return sorted(p.read_text().strip() for p in path.iterdir() if not p.name.startswith("."))
+        return {}
+    roster = {}
+    for p in path.iterdir():
+        if not p.name.startswith("."):
+            try:
+                roster[p.read_text().strip()] = p.stat().st_mtime_ns
+            except FileNotFoundError:  # removed meanwhile: its server stopped
+                pass
+    return roster

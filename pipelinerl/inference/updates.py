@@ -96,20 +96,23 @@ class WeightUpdater:
                 "update_staging": self.staging, "dtype": self.dtype, "tensors": self.expected}
 
     async def init_group(self, body: object) -> dict:
+        """Join the group a trainer opens. A new group replaces the current one once joined (the trainer
+        re-forms its group when servers come and go; a restarted trainer opens a new one): the old trainer
+        is dead or has left it. A failed join keeps the current group."""
         req = _parsed(parse_init_request, body)
         self._claim("join a weight-update group")
-        if self.group_ready:
-            self.busy = False
-            raise UpdateError(409, "already in a weight-update group; a new one is accepted after a "
-                                   "failed update or a server restart")
         try:
             await self.engine.join_group(req, self.staging)
         except Exception as err:
+            self.group_ready = await self.engine.in_group()
             raise UpdateError(504, f"joining the weight group of {req.master_addr}:{req.master_port} "
-                                   f"failed: {err}") from err
+                                   f"failed: {err}", group_ready=self.group_ready) from err
         finally:
             self.busy = False
-        self.group_ready = True
+        replaced, self.group_ready = self.group_ready, True
+        log.info("joined weight-update group %s of %s:%d as rank(s) %d..%d%s", req.group, req.master_addr,
+                 req.master_port, req.rank_offset, req.rank_offset + self.num_ranks - 1,
+                 " (it replaces the previous group)" if replaced else "")
         return {"status": "joined", "ranks": list(range(req.rank_offset, req.rank_offset + self.num_ranks))}
 
     async def update(self, body: object) -> dict:

@@ -45,11 +45,17 @@ class ServerBroadcaster:
     """A contract.WeightSender for the run's servers. Built before the model loads (the trainer backend takes
     it in its constructor) so that loading overlaps the servers' start-up; `connect` then waits for them and
     opens the weight-update group. Until connected, or when a stop signal came before any server, `broadcast`
-    sends nothing and returns the bytes it would have sent (the gather, a collective, still runs)."""
+    sends nothing and returns the bytes it would have sent (the gather, a collective, still runs).
+
+    Servers come and go (a server dies, the launcher restarts it, a user adds one): before each update the
+    group is re-formed when it is broken or the announced servers changed (RUN_DIR/servers: a restarted
+    server announces itself again). A failed update never stops the run: it is logged, the group is left,
+    and the reply says `failed` (trainer/loop.py then gathers again for one retry on a re-formed group)."""
 
     def __init__(self, cfg: Config, dist: DistInfo):
         self.cfg, self.dist = cfg, dist
         self._sender = None  # a weights.WeightBroadcaster once connected
+        self._roster: dict[str, int] = {}  # the announced servers the group was formed from
 
     def connect(self, stop_flag=lambda: False) -> bool:
         """Open the group with every server announced in RUN_DIR/servers; False when a stop signal came
@@ -62,20 +68,43 @@ class ServerBroadcaster:
         if not urls:
             return False
         backend = cfg.inference.weight_update_backend or self.dist.backend
-        sender = WeightBroadcaster(
+        self._sender = WeightBroadcaster(
             urls, backend, broadcast_address(cfg, urls[0]), cfg.trainer.broadcast_port,
             cfg.inference.weight_update_timeout_s, int(cfg.trainer.broadcast_bucket_mb * 2**20),
             run_token(cfg.run_dir, cfg.inference.auth_token), checksum_every=cfg.trainer.broadcast_checksum_every,
             delta=cfg.trainer.broadcast_delta == "auto")
-        sender.connect()
-        self._sender = sender
-        log.info("weight-update group open with %d server(s): %s", len(urls), ", ".join(urls))
+        self._reform()
         return True
 
+    def _reform(self) -> None:
+        from pipelinerl.inference.rundir import server_roster
+        from pipelinerl.weights import WeightTransferError
+
+        self._roster = server_roster(self.cfg.run_dir)
+        try:
+            self._sender.connect(sorted(self._roster) or None)
+        except (WeightTransferError, TimeoutError) as err:
+            log.warning("could not form the weight-update group (retried before the next update): %s", err)
+
     def broadcast(self, version: int, metas, tensors: Iterable[torch.Tensor]) -> dict:
+        from pipelinerl.inference.rundir import server_roster
+        from pipelinerl.weights import WeightTransferError
+
         if self._sender is None:
             return {"bytes": float(sum(t.numel() * t.element_size() for t in tensors))}
-        return self._sender.broadcast(version, metas, tensors)
+        tensors = iter(tensors)
+        try:
+            if not self._sender.connected or server_roster(self.cfg.run_dir) != self._roster:
+                self._reform()
+            if not self._sender.connected:
+                raise WeightTransferError("no weight-update group")
+            return self._sender.broadcast(version, metas, tensors)
+        except (WeightTransferError, TimeoutError) as err:
+            for _ in tensors:  # the other ranks' gathers are collectives: run them to their end
+                pass
+            log.warning("weight update %d failed: %s. The servers keep their weights; the group is re-formed "
+                        "with the servers that answer", version, err)
+            return {"bytes": 0.0, "failed": 1.0}
 
     def close(self) -> None:
         if self._sender is not None:

@@ -32,8 +32,9 @@ class WeightSender(Protocol):
     connected once they are up) are the two; a filesystem or NIXL transport would be a third."""
 
     def broadcast(self, version: int, metas: list[TensorMeta], tensors: Iterable[torch.Tensor]) -> dict:
-        """Send `tensors` (in `metas` order, consumed exactly once) as `version`; returns at least the
-        bytes sent ("bytes") and per-server replies ("servers") when there are servers."""
+        """Send `tensors` (in `metas` order, consumed exactly once, to the end even when sending fails) as
+        `version`; returns at least the bytes sent ("bytes"), per-server replies ("servers") when there are
+        servers, and "failed": 1.0 when the servers did not all take it."""
 
 
 class Trainer(Protocol):

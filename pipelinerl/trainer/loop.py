@@ -275,12 +275,24 @@ def train(cfg: Config) -> None:
     logger = StepLogger(cfg, dist, state.step)
     try:
         if state.step > 0:  # servers may have (re)started from older weights
-            trainer.broadcast_weights(state.step)
+            sync_weights(trainer, state.step)
         _run(trainer, data, cfg, dist, state, signals, logger)
     finally:
         logger.close()
         if broadcaster is not None:
             broadcaster.close()
+
+
+def sync_weights(trainer: Trainer, version: int) -> dict:
+    """Broadcast the weights of `version`. Where rank 0's update failed (a server died: the broadcaster logs
+    it and re-forms the group with the servers that answer), every rank gathers again for one retry; a
+    second failure is left to the next step (the servers keep serving their weights)."""
+    timings = trainer.broadcast_weights(version)
+    failed = all_reduce_sum([timings.get("failed", 0.0)])[0]
+    if failed:
+        timings = trainer.broadcast_weights(version)
+        failed += all_reduce_sum([timings.get("failed", 0.0)])[0]
+    return {**timings, "failed": failed}
 
 
 def _run(trainer: Trainer, data: StepData, cfg: Config, dist: DistInfo, state: LoopState, signals: StopSignals,
@@ -302,10 +314,11 @@ def _run(trainer: Trainer, data: StepData, cfg: Config, dist: DistInfo, state: L
         token_log: list = []
         stats = train_step(trainer, samples, cfg, dist, state, token_log)
         train_s = time.monotonic() - started - read_s
-        timings = trainer.broadcast_weights(state.step) if _sync_due(cfg, state.step) else NO_SYNC
+        timings = sync_weights(trainer, state.step) if _sync_due(cfg, state.step) else NO_SYNC
         step_s = time.monotonic() - started
         reward_sum, reward_count = all_reduce_sum([sum(rewards), len(rewards)])
         stats.update(read_s=read_s, train_s=train_s, broadcast_s=timings["broadcast_total_s"],
+                     broadcast_failed=timings.get("failed", 0.0),
                      broadcast_bytes=timings["bytes"], samples_seen=state.samples_seen,
                      pause_s=max((r["paused_s"] for r in timings.get("servers", {}).values()), default=0.0),
                      samples_per_s=cfg.trainer.samples_per_step / step_s, data_wait_fraction=read_s / step_s,

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 
 from pipelinerl.dtypes import torch_dtype
-from pipelinerl.weights.collective import broadcast_async, wait_work
+from pipelinerl.weights.collective import WeightGroup, broadcast_async, wait_work
 from pipelinerl.weights.delta import Delta, DeltaBase
 from pipelinerl.weights.wire import UpdateRequest, plan_buckets, wire_parts
 
 
-def receive_staged(group, req: UpdateRequest, device: torch.device, deadline: float, peer: str,
+def receive_staged(group: WeightGroup, req: UpdateRequest, device: torch.device, deadline: float, peer: str,
                    staging: str = "host", base: DeltaBase | None = None) -> list[tuple[str, torch.Tensor]]:
     """Server side: receive every bucket, return the update's (name, full tensor) pairs; nothing is loaded
     here, so a receive that fails part-way leaves the served model untouched (the caller drops the list).
@@ -21,7 +21,8 @@ def receive_staged(group, req: UpdateRequest, device: torch.device, deadline: fl
     of host RAM. staging="device" keeps the buckets where they landed: no device->host->device round trip,
     but the full model in device memory. On CPU both are the same: the bucket buffers are the staging
     memory and the tensors are views into them (inference.update_staging). Deltas (delta.py) are applied to
-    `base` once every byte has arrived; a request with deltas and no base fails.
+    `base` once every byte has arrived; a request with deltas and no base fails. Every wait gives up early
+    when the trainer abandons the group or dies (collective.py).
     """
     assert staging in ("host", "device"), staging
     staged: list[tuple[str, torch.Tensor | Delta]] = []
@@ -31,7 +32,8 @@ def receive_staged(group, req: UpdateRequest, device: torch.device, deadline: fl
     for k, bucket in enumerate(buckets):
         buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
         if bucket.nbytes:  # a bucket of unchanged tensors' empty deltas is not sent (sender.py skips it too)
-            wait_work(broadcast_async(group, buf), deadline, f"bucket {k + 1}/{len(buckets)} from {peer}")
+            wait_work(broadcast_async(group, buf), deadline, f"bucket {k + 1}/{len(buckets)} from {peer}",
+                      poll=group.check_abandoned)
         if staging == "host" and buf.device.type != "cpu":
             host = torch.empty(bucket.nbytes, dtype=torch.uint8, pin_memory=True)
             buf = host.copy_(buf)
@@ -49,6 +51,7 @@ def receive_staged(group, req: UpdateRequest, device: torch.device, deadline: fl
     sums = None
     if req.checksums:
         got = torch.empty(len(req.tensors), dtype=torch.int64, device=device)
-        wait_work(broadcast_async(group, got), deadline, f"the checksum tensor from {peer}")
+        wait_work(broadcast_async(group, got), deadline, f"the checksum tensor from {peer}",
+                  poll=group.check_abandoned)
         sums = got.cpu().tolist()
     return (base if base is not None else DeltaBase()).resolve(req, staged, sums, peer)

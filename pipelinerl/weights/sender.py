@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import secrets
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -12,7 +14,7 @@ import httpx
 import torch
 
 from pipelinerl.dtypes import dtype_name
-from pipelinerl.weights.collective import broadcast_async, open_group, wait_work
+from pipelinerl.weights.collective import WeightGroup, broadcast_async, master_store, open_group, wait_work
 from pipelinerl.weights.delta import Delta, DeltaEncoder
 from pipelinerl.weights.wire import (
     HTTP_MARGIN_S,
@@ -30,17 +32,20 @@ from pipelinerl.weights.wire import (
 
 log = logging.getLogger(__name__)
 
+JOIN_WAIT_S = 30.0  # connect: how long a server may stay busy (with an update the trainer abandoned)
+
 
 class WeightBroadcaster:
-    """Trainer side (rank 0): opens the group with every server and broadcasts each new version.
+    """Trainer side (rank 0): opens the group with the servers and broadcasts each new version.
 
-    With `delta` (trainer.broadcast_delta), tensors are sent as deltas against the previous version
-    (delta.py) whenever every server holds that version as its base, and the servers keep a base. Every
-    `checksum_every`-th version (0: never) the servers check each resulting tensor's CRC32 before loading.
-    After a failed round the group is unusable (some servers may still wait inside a collective until
-    their timeout); `broadcast` then refuses until `connect` is called again. One exception: a round whose
-    every byte arrived but that a server rejected (a checksum mismatch; the group stays usable) is resent
-    dense at once when the weights are at hand (delta mode keeps them).
+    `connect(urls)` (re-)forms the group with every server of `urls` that answers; the members are
+    `server_urls`. With `delta` (trainer.broadcast_delta), tensors are sent as deltas against the previous
+    version (delta.py) whenever every member holds that version as its base, and the servers keep a base.
+    Every `checksum_every`-th version (0: never) the servers check each resulting tensor's CRC32 before
+    loading. After a failed round the group is abandoned (its members stop waiting: collective.py) and
+    `broadcast` refuses until `connect` is called again. One exception: a round whose every byte arrived but
+    that a server rejected (a checksum mismatch; the group stays usable) is resent dense at once when the
+    weights are at hand (delta mode keeps them).
     """
 
     def __init__(self, server_urls: list[str], backend: str, master_addr: str, master_port: int,
@@ -54,24 +59,62 @@ class WeightBroadcaster:
         self.backend, self.master_addr, self.master_port = backend, master_addr, master_port
         self.timeout_s, self.bucket_bytes, self.checksum_every = timeout_s, bucket_bytes, checksum_every
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._pool = ThreadPoolExecutor(max_workers=len(server_urls) + 1, thread_name_prefix="weights")
-        self._group = None
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="weights")
+        self._store = None  # rank 0's TCPStore, opened at the first connect and kept (collective.py)
+        self._name, self._groups = secrets.token_hex(4), 0  # group names: unique to this broadcaster
+        self._group: WeightGroup | None = None
         self._status: dict[str, dict] = {}
         self._bases: dict[str, int | None] = {}  # each server's delta base version (None: none)
         self._encoder = DeltaEncoder() if delta else None
         self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
 
-    def connect(self) -> None:
-        """POST /init_process_group to every server while opening the group as rank 0."""
-        self._status = {url: self._request(url, "/status") for url in self.server_urls}
+    @property
+    def connected(self) -> bool:
+        return self._group is not None
+
+    def connect(self, urls: list[str] | None = None) -> list[str]:
+        """Form the group with every server of `urls` (default: the current members) that answers /status
+        and is not in the middle of an update (waiting up to JOIN_WAIT_S for one that is: its update fails
+        soon after its trainer abandoned it); returns the members. Abandons the current group first.
+        WeightTransferError when no server can join."""
+        if self._group is not None:
+            self._abandon("the trainer re-forms its weight-update group")
+        urls = [u.rstrip("/") for u in (urls or self.server_urls)]
+        ready = dict(zip(urls, self._pool.map(self._ready_status, urls)))
+        for url, status in ready.items():
+            if isinstance(status, WeightTransferError):
+                log.warning("weight-update group: leaving out %s: %s", url, status)
+        self._status = {url: s for url, s in ready.items() if not isinstance(s, WeightTransferError)}
+        if not self._status:
+            raise WeightTransferError(f"no server can join the weight-update group: {sorted(ready)}")
+        self.server_urls = list(self._status)
         self._bases = {url: s.get("delta_base") for url, s in self._status.items()}
+        self._open_group()
+        return self.server_urls
+
+    def _ready_status(self, url: str) -> dict | WeightTransferError:
+        deadline = time.monotonic() + JOIN_WAIT_S
+        try:
+            while (status := http_json(url, "/status", None, self._headers, JOIN_WAIT_S))["updating"]:
+                if time.monotonic() > deadline:
+                    return WeightTransferError(f"{url} is still busy with an update after {JOIN_WAIT_S:.0f} s")
+                time.sleep(0.2)
+        except WeightTransferError as err:
+            return err
+        return status
+
+    def _open_group(self) -> None:
+        """POST /init_process_group to every member while opening the group as rank 0."""
+        if self._store is None:
+            self._store = master_store(self.master_addr, self.master_port, self.timeout_s)
+        self._groups += 1
         ranks = [s["num_ranks"] for s in self._status.values()]
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
-        world = 1 + sum(ranks)
-        req = InitRequest(self.master_addr, self.master_port, 0, world, self.backend, self.timeout_s)
+        req = InitRequest(self.master_addr, self.master_port, 0, 1 + sum(ranks), self.backend, self.timeout_s,
+                          f"{self._name}.{self._groups}")
         posts = self._post_all("/init_process_group", {url: {**asdict(req), "rank_offset": off}
                                                       for url, off in zip(self.server_urls, offsets)})
-        opening = self._pool.submit(open_group, req, 0)
+        opening = self._pool.submit(open_group, req, 0, self._store)
         deadline = time.monotonic() + self.timeout_s
         while not opening.done():
             posts.raise_failed()
@@ -81,6 +124,18 @@ class WeightBroadcaster:
             time.sleep(0.01)
         self._group = opening.result()
         posts.join(deadline)
+        log.info("weight-update group %s open with %d server(s): %s", req.group, len(self.server_urls),
+                 ", ".join(self.server_urls))
+
+    def _abandon(self, reason: str) -> None:
+        """Flag the group abandoned and let it go. Destroying a gloo group waits for its pending collectives
+        (up to the group's timeout, with a hung member): the last reference is dropped on a thread of its own."""
+        if self._group is None:
+            return
+        self._group.abandon(reason)
+        held = [self._group]
+        self._group = None
+        threading.Thread(target=held.clear, name="weights-release", daemon=True).start()
 
     def broadcast(self, version: int, metas: list[TensorMeta], tensors: Iterable[torch.Tensor],
                   dense: bool = False) -> dict:
@@ -150,17 +205,17 @@ class WeightBroadcaster:
                 self._send(torch.tensor(sums, dtype=torch.int64, device=self._device), deadline, posts,
                            "the checksum tensor")
             replies, errors = posts.settle(deadline + HTTP_MARGIN_S)
-        except BaseException:
-            self._group = None  # the collective sequence is broken; servers fall back on their own
+        except BaseException as err:
+            self._abandon(f"update {req.version} failed on the trainer: {err}")  # the members stop waiting
             raise
         if errors:
             if may_resend and all(err.body.get("group_ready") for err in errors.values()):
                 raise UpdateRejectedByServers(errors)
-            self._group = None
+            self._abandon(f"update {req.version} failed on {', '.join(errors)}")
             raise next(iter(errors.values()))
         bad = {url: r.get("version") for url, r in replies.items() if r.get("version") != req.version}
         if bad:
-            self._group = None
+            self._abandon(f"servers acknowledged other versions than {req.version}")
             raise WeightTransferError(f"servers acknowledged other versions than {req.version}: {bad}")
         self._bases = {url: r.get("delta_base") for url, r in replies.items()}
         nbytes = sum(p.nbytes for p in wire_parts(req))
@@ -179,7 +234,7 @@ class WeightBroadcaster:
                                  f"{wrong[:5]}, missing {missing[:5]}")
 
     def close(self) -> None:
-        self._group = None
+        self._abandon("the trainer closed its weight-update group")
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _send_buckets(self, req: UpdateRequest, tensors: Iterable[torch.Tensor], deadline: float,
@@ -241,11 +296,14 @@ class Replies:
         self.futures = futures
 
     def raise_failed(self) -> None:
-        """A server that answered with an error has failed: stop waiting for it. A success may arrive
-        before this side's last collective completes: a receiver can finish before its sender does."""
+        """A server that answered with an error has failed: stop waiting for it (the error names its URL).
+        A reply may arrive before this side's last collective completes (a receiver can finish before its
+        sender does): a success, or a rejection of the whole update by a server that kept its group
+        (wire.UpdateRejected): neither stops the round, settle() collects them."""
         for fut in self.futures.values():
-            if fut.done():
-                fut.result()  # raises WeightTransferError naming the URL
+            if fut.done() and (err := fut.exception()) is not None:
+                if not (isinstance(err, WeightTransferError) and err.body.get("group_ready")):
+                    raise err
 
     def settle(self, deadline: float) -> tuple[dict[str, dict], dict[str, WeightTransferError]]:
         """Every server's reply or error; TimeoutError naming the first server still silent at `deadline`."""

@@ -67,6 +67,7 @@ class InitRequest:
     world_size: int  # 1 trainer rank + every worker of every server
     backend: str  # "nccl" (GPU) | "gloo" (CPU)
     timeout_s: float  # every collective of the group fails after this many seconds
+    group: str = "weights"  # the group's name in rank 0's store: unique per group the trainer forms
 
 
 @dataclass(frozen=True)
@@ -123,9 +124,11 @@ def _require(ok: bool, message: str) -> None:
 def parse_init_request(body: object) -> InitRequest:
     """Validate a JSON body; ValueError says what is wrong."""
     _require(isinstance(body, dict), "body must be a JSON object")
-    fields = set(InitRequest.__dataclass_fields__)
-    _require(set(body) == fields, f"body keys must be exactly {sorted(fields)}; got {sorted(body)}")
+    fields, required = set(InitRequest.__dataclass_fields__), set(InitRequest.__dataclass_fields__) - {"group"}
+    _require(required <= set(body) <= fields, f"body keys must be {sorted(required)} and optionally group; "
+                                              f"got {sorted(body)}")
     req = InitRequest(**body)
+    _require(isinstance(req.group, str) and 0 < len(req.group) <= 200, "group must be a name of 1-200 characters")
     _require(isinstance(req.master_addr, str) and bool(req.master_addr), "master_addr must be a host name")
     _require(_is_int(req.master_port) and 0 < req.master_port < 65536, "master_port must be in 1..65535")
     _require(_is_int(req.world_size) and req.world_size >= 2, "world_size must be an integer >= 2")

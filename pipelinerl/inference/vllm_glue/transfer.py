@@ -46,6 +46,7 @@ class GroupInitInfo(WeightTransferInitInfo):
     world_size: int
     backend: str
     timeout_s: float
+    group: str = "weights"
     staging: str = "host"  # the server's inference.update_staging (control.VllmEngine.join_group adds it)
 
 
@@ -80,14 +81,15 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
         return f"the trainer at {self.request.master_addr}:{self.request.master_port}"
 
     def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
-        if self.group is not None:
-            raise RuntimeError(f"already in a weight-update group with {self.peer}")
+        """Join the trainer's new group; only once that succeeded, leave the old one (a trainer that re-forms
+        the group, or a restarted trainer: the old one is then dead). A failed join keeps the old group."""
         fields = asdict(init_info)
-        self.staging = fields.pop("staging")
-        self.request = InitRequest(**fields)
+        staging = fields.pop("staging")
+        request = InitRequest(**fields)
         pc = self.parallel_config
-        rank = self.request.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
-        self.group = open_group(self.request, rank)
+        group = open_group(request, request.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank)
+        self.shutdown()
+        self.group, self.request, self.staging = group, request, staging
 
     def start_weight_update(self) -> None:
         self.staged = None  # the model stays untouched until every byte has arrived
@@ -134,8 +136,8 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
         self.timings["load_s"] = time.monotonic() - started
 
     def shutdown(self) -> None:
-        if self.group is not None and self.request is not None and self.request.backend == "nccl":
-            self.group.abort()  # frees a communicator stuck on a vanished peer
+        if self.group is not None:
+            self.group.close()
         self.group = None
 
 
