@@ -100,12 +100,12 @@ def broadcaster(server):
     b.close()
 
 
-def connect_broadcaster(server):
-    """A gloo weight-update group with the one test server, in delta mode (a tensor goes dense whenever its
-    delta is not smaller, as between unrelated weight sets), every update checksummed."""
+def connect_broadcaster(server, delta: bool = False):
+    """A gloo weight-update group with the one test server, every update checksummed; `delta`: in delta
+    mode (weights/delta.py), which encodes every tensor before it sends."""
     from pipelinerl.weights import WeightBroadcaster
 
     b = WeightBroadcaster([server["url"]], "gloo", "127.0.0.1", next(GROUP_PORTS), GROUP_TIMEOUT_S,
-                          bucket_bytes=1 << 16, token=server["token"], checksum_every=1, delta=True)
+                          bucket_bytes=1 << 16, token=server["token"], checksum_every=1, delta=delta)
     b.connect()
     return b

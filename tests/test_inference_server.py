@@ -154,22 +154,28 @@ def test_update_a_b_a_matches_transformers(server, models, broadcaster):
 def test_twenty_delta_updates_are_exact_and_match_transformers(server, models, broadcaster):
     """Sparse changes (1 % of each tensor's elements per version) go as deltas into the real worker engine;
     every update is CRC-checked tensor by tensor before loading (the broadcaster's checksum_every=1), and
-    the served model then generates as transformers does with the same weights."""
+    the served model then generates as transformers does with the same weights. The delta broadcaster's
+    group replaces the module's, which then re-forms its own (as a restarted trainer's would)."""
     import copy
 
     model = copy.deepcopy(models["A"])
     g = torch.Generator().manual_seed(3)
-    _send(broadcaster, 30, model)
-    dense = sum(p.numel() * 4 for p in model.parameters())
-    for version in range(31, 51):
-        with torch.no_grad():
-            for p in model.parameters():
-                flat = p.view(-1)
-                picked = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
-                flat[picked] += torch.randn(picked.numel(), generator=g) * 0.5
-        reply = _send(broadcaster, version, model)
-        assert reply["servers"][server["url"]]["delta_base"] == version
-        assert reply["bytes"] < 0.05 * dense and reply["delta_tensors"] == len(list(model.parameters()))
+    delta = connect_broadcaster(server, delta=True)
+    try:
+        _send(delta, 30, model)
+        dense = sum(p.numel() * 4 for p in model.parameters())
+        for version in range(31, 51):
+            with torch.no_grad():
+                for p in model.parameters():
+                    flat = p.view(-1)
+                    picked = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
+                    flat[picked] += torch.randn(picked.numel(), generator=g) * 0.5
+            reply = _send(delta, version, model)
+            assert reply["servers"][server["url"]]["delta_base"] == version
+            assert reply["bytes"] < 0.05 * dense and reply["delta_tensors"] == len(list(model.parameters()))
+    finally:
+        delta.close()
+        broadcaster.connect()
     for text in PROMPTS:
         ids = _ids(models, text)
         assert _complete(server, ids, 24)["token_ids"] == hf_greedy(model, ids, 24), text
