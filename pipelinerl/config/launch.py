@@ -71,6 +71,13 @@ class LaunchConfig:
     actor_cpus: str | None = doc(None, "CPU cores of the actor, e.g. \"15\"; may share cores with the other roles "
                                        "(it mostly waits on HTTP)",
                                  null="the cores neither servers nor trainer own; none left: not pinned")
+    max_restarts: int = doc(
+        3, "restarts of one role that died (a server, the actor, the trainer; on Slurm a server is restarted by its "
+           "node's agent, the trainer and actor steps by the job) within any restart_window_s; one more death stops "
+           "the run, naming the role and its log. A server restarts from the latest checkpoint, the trainer resumes "
+           "from it, the actor continues its stream. 0 = no restarts: any role's death stops the run")
+    restart_window_s: float = doc(3600.0, "the sliding window max_restarts counts a role's restarts in; older "
+                                          "restarts are forgotten", unit="s")
     slurm: SlurmConfig = section(SlurmConfig)
 
     def __post_init__(self) -> None:
@@ -79,6 +86,8 @@ class LaunchConfig:
         check_choice(self.backend, ("local", "slurm"), "launch.backend")
         check_positive(self.torch_threads, "launch.torch_threads", allow_null=True)
         check_positive(self.gpu_memory_gb, "launch.gpu_memory_gb", allow_null=True)
+        check(self.max_restarts >= 0, "launch.max_restarts", f"got {self.max_restarts!r}; must be >= 0 (0: none)")
+        check_positive(self.restart_window_s, "launch.restart_window_s")
         for name in ("inference_gpus", "training_gpus"):
             try:
                 if getattr(self, name) is not None:

@@ -8,6 +8,8 @@ inference.base_port + inference.num_servers + i (after every policy slot, so the
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from pipelinerl.config import Config
 
@@ -45,12 +47,29 @@ def reference_server_count(cfg: Config) -> int:
 def policy_server(cfg: Config, config_path: str, i: int, model: str, version: int) -> tuple[str, list[str]]:
     """(name, argv) of policy server slot i, serving `model` (the base model or a checkpoint's HF folder)
     at policy `version`. Served under the base model's name, whichever folder it loads."""
-    argv = [*cli(), "serve", str(config_path), "--model", model, "--port", str(cfg.inference.base_port + i),
+    argv = [*cli(), "serve", str(config_path), "--model", model, "--port", str(server_port(cfg, i)),
             "--version", str(version), f"inference.engine_args.served_model_name={cfg.model.path}"]
     return f"server{i}", argv
 
 
 def reference_server(cfg: Config, config_path: str, i: int) -> tuple[str, list[str]]:
     """(name, argv) of reference server i: the run's initial model, frozen."""
-    port = cfg.inference.base_port + cfg.inference.num_servers + i
-    return f"reference{i}", [*cli(), "serve", str(config_path), "--reference", "--port", str(port)]
+    return f"reference{i}", [*cli(), "serve", str(config_path), "--reference", "--port",
+                             str(server_port(cfg, i, reference=True))]
+
+
+def server_port(cfg: Config, i: int, reference: bool = False) -> int:
+    """The port of policy server slot i, or of reference server i."""
+    return cfg.inference.base_port + (cfg.inference.num_servers if reference else 0) + i
+
+
+def discovery_file(cfg: Config, i: int, reference: bool = False) -> Callable[[], Path]:
+    """Where policy server i (or reference server i) on this host announces itself once healthy; the path is
+    computed when called (the server module that names the host is not light to import)."""
+    def path() -> Path:
+        from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, server_file
+        from pipelinerl.inference.server import advertised_host
+
+        folder = REFERENCE_SERVERS_DIR if reference else SERVERS_DIR
+        return server_file(cfg.run_dir, advertised_host(cfg.inference.host), server_port(cfg, i, reference), folder)
+    return path

@@ -4,7 +4,9 @@ Order: run directory + resolved config -> (tiny model, built and warm-started if
 servers, and the reference servers when the RL objective needs reference log-probs, healthy -> trainer
 (opens the weight-update group) -> actor. The launcher then follows the trainer's progress through the
 servers' policy version until the trainer exits. Ctrl-C, SIGTERM or any child's failure stops every role
-(newest first) and names the role that failed and its log.
+(newest first) and names the role that failed and its log, unless launch.max_restarts allows starting it
+again (launch/restarts.py): a server restarts on its port, cores and environment from the latest
+checkpoint, the trainer resumes from it by itself, the actor continues its stream.
 Re-running with the same run directory resumes: the servers start from the latest checkpoint's weights
 at its version, and the trainer restores its state and stream cursor from the same checkpoint; reference
 servers always serve the initial model (`model.path`).
@@ -26,12 +28,14 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pipelinerl.config import Config, ConfigError, save_config
 from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, list_servers
 from pipelinerl.launch.commands import (
     cli,
+    discovery_file,
     pinned_server_env,
     policy_server,
     reference_server,
@@ -40,6 +44,7 @@ from pipelinerl.launch.commands import (
 )
 from pipelinerl.launch.placement import CpuPlacement, Placement, format_ids, split_cpus, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
+from pipelinerl.launch.restarts import Restarts
 from pipelinerl.plan import check_before_start
 
 log = logging.getLogger(__name__)
@@ -85,6 +90,11 @@ def serving_weights(cfg: Config) -> tuple[str, int]:
     return str(latest / "hf"), int(meta["version"])
 
 
+def policy_restart(cfg: Config, config_path: str, i: int) -> Callable[[], list[str]]:
+    """Policy server i's command at a restart: from the latest checkpoint then, at its version."""
+    return lambda: policy_server(cfg, config_path, i, *serving_weights(cfg))[1]
+
+
 def machine_gpus() -> list[str]:
     """The GPU ids this launcher may hand out: CUDA_VISIBLE_DEVICES if set, else every GPU nvidia-smi
     lists; [] on a CPU machine. (No torch import: the launcher stays light.)"""
@@ -122,16 +132,19 @@ def placement(cfg: Config, gpus: list[str], cores: list[int] | None = None) -> P
 def _roles(cfg: Config, config_path: Path, where: Placement) -> tuple[list[Role], Role, Role]:
     """(servers: the policy servers, then any reference servers; trainer; actor)."""
     logs, cpus = Path(cfg.run_dir) / "logs", where.cpus or CpuPlacement([], [], None)
-    model, version = serving_weights(cfg)
-    servers = [policy_server(cfg, str(config_path), i, model, version) for i in range(cfg.inference.num_servers)]
-    servers += [reference_server(cfg, str(config_path), i) for i in range(reference_server_count(cfg))]
+    model, version, path = *serving_weights(cfg), str(config_path)
+    servers = [(*policy_server(cfg, path, i, model, version), policy_restart(cfg, path, i), discovery_file(cfg, i))
+               for i in range(cfg.inference.num_servers)]
+    servers += [(*reference_server(cfg, path, i), None, discovery_file(cfg, i, reference=True))
+                for i in range(reference_server_count(cfg))]
     server_roles = []
-    for slot, (name, argv) in enumerate(servers):
+    for slot, (name, argv, restart_argv, discovery) in enumerate(servers):
         cores = cpus.servers[slot] if cpus.servers else None
         env = pinned_server_env(cfg, cores) if cores else threads_env(cfg)
         if where.server_gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(where.server_gpus[slot])
-        server_roles.append(Role(name, argv, logs / f"{name}.log", env, cores))
+        server_roles.append(Role(name, argv, logs / f"{name}.log", env, cores, restart_argv=restart_argv,
+                                 discovery=discovery))
     ranks = ["--nproc", str(where.trainer_ranks)]  # its port is picked when the ranks start, not minutes before
     if where.trainer_gpus is not None:
         ranks += ["--gpus", ",".join(where.trainer_gpus)]
@@ -175,7 +188,8 @@ def wait_for_servers(cfg: Config, sup: Supervisor, expected: int | None = None,
 
 
 def follow_trainer(cfg: Config, sup: Supervisor, urls: list[str]) -> None:
-    """A progress bar over optimizer steps (the servers' policy version) until the trainer exits."""
+    """A progress bar over optimizer steps (the servers' policy version) until the trainer exits 0; a role
+    that dies meanwhile is restarted by `sup.check` within launch.max_restarts, the trainer too."""
     import httpx
     from tqdm import tqdm
 
@@ -183,7 +197,7 @@ def follow_trainer(cfg: Config, sup: Supervisor, urls: list[str]) -> None:
     bar = tqdm(total=cfg.trainer.max_steps, desc="optimizer steps", unit="step",
                disable=not cfg.logging.progress_bar, dynamic_ncols=True)
     with bar, httpx.Client(timeout=5.0) as http:
-        while not sup.finished("trainer"):
+        while sup.returncode("trainer") != 0:
             sup.check(allow_finished={"trainer"})
             try:
                 version = int(http.get(f"{urls[0]}/status").json()["version"])
@@ -195,9 +209,6 @@ def follow_trainer(cfg: Config, sup: Supervisor, urls: list[str]) -> None:
             bar.update(version - bar.n)
             bar.set_postfix(samples_per_s=f"{rate:.0f}", refresh=False)
             time.sleep(1.0)
-    code = sup.returncode("trainer")
-    if code != 0:
-        raise RoleFailed(sup.running["trainer"][0], code)
 
 
 def report_success(cfg: Config) -> None:
@@ -236,7 +247,7 @@ def run_local(cfg: Config, dry_run: bool = False) -> None:
 
 def _run_roles(cfg: Config, config_path: Path) -> None:
     servers, trainer, actor = _roles(cfg, config_path, placement(cfg, machine_gpus()))
-    sup = Supervisor()
+    sup = Supervisor(Restarts.from_config(cfg))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally below
     try:
         for role in servers:

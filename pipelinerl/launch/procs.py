@@ -3,7 +3,9 @@
 Each role runs in its own process group (vLLM and DeepSpeed spawn grandchildren), so stopping a role
 signals the whole group. Children also get PR_SET_PDEATHSIG: if the launcher itself is killed with
 SIGKILL, the kernel sends them SIGTERM and nothing is orphaned. A role with CPU cores gets them as its CPU
-affinity before it execs, so every thread and process it starts inherits them.
+affinity before it execs, so every thread and process it starts inherits them. With a restart policy
+(launch/restarts.py) a role that died is started again in its place: same name, log, environment and
+cores, its command recomputed by `restart_argv` (a server: from the latest checkpoint).
 """
 
 from __future__ import annotations
@@ -15,8 +17,13 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipelinerl.launch.restarts import Restarts
 
 log = logging.getLogger(__name__)
 
@@ -52,24 +59,34 @@ class Role:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
     cpus: list[int] | None = None  # CPU cores (affinity) of the role and all it starts; None: the launcher's
+    restartable: bool = True  # False: its death stops the run whatever the restart policy
+    restart_argv: Callable[[], list[str]] | None = None  # the command of a restart, computed then; None: argv
+    discovery: Callable[[], Path] | None = None  # a server's discovery file (RUN_DIR/servers/host_port), computed
+    #                                              when first needed: removed when it dies, up again once it is back
 
 
 class RoleFailed(RuntimeError):
     """A child exited on its own: names the role, its exit code and its log."""
 
-    def __init__(self, role: Role, returncode: int):
+    def __init__(self, role: Role, returncode: int, restarts: int = 0):
         self.role, self.returncode = role, returncode
-        super().__init__(f"role `{role.name}` exited with code {returncode}; its log: {role.log_path}")
+        after = f" after {restarts} restart(s) (launch.max_restarts within launch.restart_window_s)" if restarts else ""
+        super().__init__(f"role `{role.name}` exited with code {returncode}{after}; its log: {role.log_path}")
 
 
 class Supervisor:
-    """Starts roles, reports the first one that exits, and stops the rest in reverse start order."""
+    """Starts roles, restarts those that die while `restarts` allows (None: never), reports the first one
+    that exits past it, and stops the rest in reverse start order."""
 
-    def __init__(self) -> None:
+    def __init__(self, restarts: Restarts | None = None) -> None:
         self.running: dict[str, tuple[Role, subprocess.Popen]] = {}
+        self.restarts = restarts
 
     def start(self, role: Role) -> subprocess.Popen:
         assert role.name not in self.running, role.name
+        return self._spawn(role)
+
+    def _spawn(self, role: Role) -> subprocess.Popen:
         role.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(role.log_path, "ab") as out:
             proc = subprocess.Popen(role.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -80,11 +97,26 @@ class Supervisor:
         return proc
 
     def check(self, allow_finished: frozenset[str] | set[str] = frozenset()) -> None:
-        """Raise RoleFailed for the first role that has exited; roles in `allow_finished` may exit 0."""
-        for role, proc in self.running.values():
+        """Restart each role that has exited while the restart policy allows, else raise RoleFailed for it;
+        roles in `allow_finished` may exit 0."""
+        for role, proc in list(self.running.values()):
             code = proc.poll()
-            if code is not None and not (code == 0 and role.name in allow_finished):
-                raise RoleFailed(role, code)
+            if code is None or (code == 0 and role.name in allow_finished):
+                continue
+            if self.restarts is None or not role.restartable or not self.restarts.died(role, code):
+                raise RoleFailed(role, code, self.restarts.count[role.name] if self.restarts else 0)
+            self._restart(role, proc)
+        if self.restarts is not None:
+            self.restarts.check_up([role for role, _ in self.running.values()])
+
+    def _restart(self, role: Role, proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+        """Start a dead role again in its place (so the shutdown order stays), once what is left of its process
+        group is gone (a vLLM engine core holding the GPU, trainer ranks)."""
+        if role.discovery is not None:
+            role.discovery().unlink(missing_ok=True)  # what a server does itself when it stops cleanly
+        _signal_group(proc.pid, signal.SIGTERM)
+        _reap_group(proc, time.monotonic() + grace_s)
+        self._spawn(replace(role, argv=role.restart_argv()) if role.restart_argv else role)
 
     def finished(self, name: str) -> bool:
         return self.running[name][1].poll() is not None
@@ -118,10 +150,7 @@ class Supervisor:
                 proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 log.warning("%s ignored SIGTERM for %.0f s; killing it", name, grace_s)
-            while _group_alive(proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            _signal_group(proc.pid, signal.SIGKILL)  # whatever of the group is left
-            proc.wait()
+            _reap_group(proc, deadline)
         self.running.clear()
 
 
@@ -153,6 +182,14 @@ def _group_alive(pgid: int) -> bool:
         if fields[0] != "Z" and int(fields[2]) == pgid:
             return True
     return False
+
+
+def _reap_group(proc: subprocess.Popen, deadline: float) -> None:
+    """Wait until `deadline` for the rest of the role's process group to exit, then SIGKILL what is left."""
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -23,7 +23,11 @@ first node or leaves no policy server.
 
 `launch` runs in the batch step. It prepares the run directory, starts one srun per role under a
 procs.Supervisor, waits for the servers through RUN_DIR/servers, starts trainer and actor, and waits
-for the trainer. Requeue: Slurm's `--signal=B:USR1@N` reaches this process (the batch script execs
+for the trainer. A trainer or actor step that dies is run again while launch.max_restarts allows
+(launch/restarts.py): the trainer resumes from the latest checkpoint, the actor continues its stream. A
+server that dies is restarted by its node's agent (slurm_node.py) within the same budget; the `servers`
+step itself is not run again (its agents ended past that budget, or a node is lost), so it ends the job.
+Requeue: Slurm's `--signal=B:USR1@N` reaches this process (the batch script execs
 it); it forwards SIGUSR1 to the trainer step (srun -> every rank), the trainer checkpoints
 after its current step and exits, the other roles stop, and the job runs `scontrol requeue` on itself.
 The requeued job runs the same command and resumes: servers from the checkpoint's weights at its
@@ -48,6 +52,7 @@ from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR
 from pipelinerl.launch.commands import cli, reference_server_count, threads_env
 from pipelinerl.launch.local import ensure_model, prepare_run_dir, serving_weights, wait_for_servers
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
+from pipelinerl.launch.restarts import Restarts
 from pipelinerl.launch.slurm_node import colocated, node_placement, run_node_servers
 from pipelinerl.launch.summary import summarize, summary_line
 from pipelinerl.plan import check_before_start
@@ -201,7 +206,7 @@ def plan_roles(cfg: Config, alloc: Allocation, config_path: Path, python: str = 
     trainer_env = {**threads, "MASTER_ADDR": alloc.master_addr, "MASTER_PORT": str(master_port(cfg, alloc))}
     actor = _srun(alloc, 1, alloc.training[:1], cfg, gpus=False) + ["--overlap"] + pipelinerl + [
         "actor", str(config_path)]
-    return {"servers": Role("servers", servers, logs / "servers.log", threads),
+    return {"servers": Role("servers", servers, logs / "servers.log", threads, restartable=False),
             "trainer": Role("trainer", trainer, logs / "trainer.log", trainer_env),
             "actor": Role("actor", actor, logs / "actor.log", threads)}
 
@@ -245,25 +250,23 @@ class _Signals:
 
 
 def _follow_trainer(cfg: Config, sup: Supervisor, signals: _Signals) -> bool:
-    """Wait for the trainer; True when it stopped for a requeue (USR1), False when it finished."""
+    """Wait for the trainer; True when it stopped for a requeue (USR1), False when it finished (exit 0). A
+    step that dies meanwhile is run again by `sup.check` within launch.max_restarts, the trainer's too."""
     forwarded_at = None
-    while not sup.finished("trainer"):
+    while sup.returncode("trainer") != 0:
         if signals.usr1 and forwarded_at is None:
             log.info("USR1: asking the trainer to checkpoint (up to %d s)", drain_seconds(cfg))
             sup.running["trainer"][1].send_signal(signal.SIGUSR1)  # srun forwards it to every rank
             forwarded_at = time.monotonic()
+        if forwarded_at is not None and sup.finished("trainer"):
+            return True  # whatever its exit code: it resumes from its last complete checkpoint
         if forwarded_at is not None and time.monotonic() - forwarded_at > drain_seconds(cfg):
             log.warning("the trainer did not exit within %d s of USR1; requeueing anyway (it resumes from "
                         "its last complete checkpoint)", drain_seconds(cfg))
             return True
         sup.check(allow_finished={"trainer"})
         time.sleep(0.5)
-    if signals.usr1:
-        return True
-    code = sup.returncode("trainer")
-    if code != 0:
-        raise RoleFailed(sup.running["trainer"][0], code)
-    return False
+    return signals.usr1
 
 
 def requeue(job_id: str) -> None:
@@ -297,7 +300,7 @@ def launch(cfg: Config, alloc: Allocation) -> None:
     ensure_model(cfg)
     check_before_start(cfg)  # every role's GPU memory, before any srun
     roles = plan_roles(cfg, alloc, config_path)
-    signals, sup, requeue_now = _Signals(), Supervisor(), False
+    signals, sup, requeue_now = _Signals(), Supervisor(Restarts.from_config(cfg)), False
     try:
         sup.start(roles["servers"])
         references = reference_server_count(cfg)

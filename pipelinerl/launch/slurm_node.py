@@ -1,5 +1,7 @@
 """The `servers` role of a Slurm job on one inference node (`pipelinerl slurm servers`): one
-`pipelinerl serve` per server slot, each on its own GPUs, supervised until SIGTERM or the first failure.
+`pipelinerl serve` per server slot, each on its own GPUs, supervised until SIGTERM or a failure past
+launch.max_restarts: a server that dies is restarted on its GPUs and port, a policy server from the latest
+checkpoint in the shared RUN_DIR (launch/restarts.py; TensorBoard under RUN_DIR/tb/launch/<node>).
 The job-level launcher that starts this role on every inference node is `launch/slurm.py`.
 
 `node_placement` is where a node's GPUs go, for both sides: on separate inference and training nodes
@@ -19,9 +21,17 @@ import time
 from pathlib import Path
 
 from pipelinerl.config import Config
-from pipelinerl.launch.commands import policy_server, reference_server, reference_server_count, threads_env
+from pipelinerl.launch.commands import (
+    discovery_file,
+    policy_server,
+    reference_server,
+    reference_server_count,
+    threads_env,
+)
+from pipelinerl.launch.local import policy_restart
 from pipelinerl.launch.placement import Placement, server_gpu_groups, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
+from pipelinerl.launch.restarts import Restarts
 
 
 def colocated(cfg: Config) -> bool:
@@ -60,17 +70,20 @@ def visible_gpus(placed: list[str], gpus_per_node: int, environ=os.environ) -> s
 def node_server_roles(cfg: Config, config_path: str, model: str, version: int, node: str,
                       references: int) -> list[Role]:
     """One `pipelinerl serve` per server slot i of an inference node, each on its own GPUs: the first
-    `references` slots serve the reference model, the others the policy from `model` at `version`
-    (ports: commands.py)."""
+    `references` slots serve the reference model, the others the policy from `model` at `version`, and
+    after a restart from the latest checkpoint (ports: commands.py)."""
     gpus = node_placement(cfg).server_gpus
     roles = []
     for i in range(cfg.inference.num_servers):
         env = threads_env(cfg)
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible_gpus(gpus[i], cfg.launch.slurm.gpus_per_node)
-        name, argv = (reference_server(cfg, config_path, i) if i < references
+        reference = i < references
+        name, argv = (reference_server(cfg, config_path, i) if reference
                       else policy_server(cfg, config_path, i, model, version))
-        roles.append(Role(name, argv, Path(cfg.run_dir) / "logs" / f"{node}_{name}.log", env))
+        restart_argv = None if reference else policy_restart(cfg, config_path, i)
+        roles.append(Role(name, argv, Path(cfg.run_dir) / "logs" / f"{node}_{name}.log", env,
+                          restart_argv=restart_argv, discovery=discovery_file(cfg, i, reference)))
     return roles
 
 
@@ -79,7 +92,7 @@ def run_node_servers(cfg: Config, config_path: str, model: str, version: int, re
     `reference_node`), supervised until SIGTERM or the first failure."""
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
     references = reference_server_count(cfg) if node == reference_node else 0
-    sup = Supervisor()
+    sup = Supervisor(Restarts.from_config(cfg, f"launch/{node}"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher's normal way to stop this role
     try:
         for role in node_server_roles(cfg, config_path, model, version, node, references):
