@@ -71,7 +71,7 @@ class Restarts:
         log.warning("role `%s` exited with code %d; restarting it (restart %d; down %.1f s, %.1f s before in all); "
                     "its log: %s", role.name, returncode, self.count[role.name], now - since,
                     self.downtime_s[role.name], role.log_path)
-        self._write(f"launch/restarts/{role.name}", self.count[role.name], role.name)
+        self._write(f"launch/restarts/{role.name}", self.count[role.name], self.count[role.name])
         return True
 
     def check_up(self, roles: list[Role]) -> None:
@@ -83,14 +83,14 @@ class Restarts:
             self.downtime_s[role.name] += seconds
             log.info("role `%s` is up again after %.1f s (restart %d; %.1f s down in all)", role.name, seconds,
                      self.count[role.name], self.downtime_s[role.name])
-            self._write(f"launch/downtime_s/{role.name}", seconds, role.name)
+            self._write(f"launch/downtime_s/{role.name}", self.count[role.name], seconds)
 
-    def _write(self, tag: str, value: float, name: str) -> None:
+    def _write(self, tag: str, step: int, value: float) -> None:
         from pipelinerl.metrics import Scalars
 
         if self._scalars is None:
             self._scalars = Scalars(self.run_dir, self.folder)
-        self._scalars.log(self.count[name], {tag: value})
+        self._scalars.log(step, {tag: value})
         self._scalars.writer.flush()  # restarts are rare; a launcher killed later keeps them
 
 
