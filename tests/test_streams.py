@@ -30,7 +30,7 @@ from pipelinerl.streams import (
     release,
 )
 from pipelinerl.streams.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION_KEY, group_batch
-from pipelinerl.streams.segments import list_segments, load_segment, segment_path
+from pipelinerl.streams.segments import WriterTotals, list_segments, load_segment, segment_path, writer_totals
 
 TOPIC = "rollouts"
 G = 4
@@ -189,10 +189,10 @@ def test_a_failed_background_publish_is_raised_and_nothing_after_it_is_published
 
     real_publish = writer_module.publish
 
-    def fail_segment_1(wdir, seq, batches, fsync):
+    def fail_segment_1(wdir, seq, batches, totals, fsync):
         if seq == 1:
             raise OSError("disk full")
-        return real_publish(wdir, seq, batches, fsync)
+        return real_publish(wdir, seq, batches, totals, fsync)
 
     monkeypatch.setattr(writer_module, "publish", fail_segment_1)
     w = StreamWriter(tmp_path, TOPIC, "w0", cfg_(segment_max_rows=4))  # one group of G=4 per segment
@@ -372,6 +372,43 @@ def test_a_writer_restarted_after_release_continues_past_every_cursor(tmp_path):
     write_groups(tmp_path, "a", range(3, 5), cfg_(), flush_every=1)
     resumed = StreamReader(tmp_path, TOPIC, cfg_(), cursor=reader.cursor())
     assert ids_of(read_all(resumed)) == [r["sample_id"] for g in (3, 4) for r in expected_group("a", g)]
+
+
+def test_release_keeps_the_newest_published_segment_so_a_restarted_writer_keeps_its_totals(tmp_path):
+    """A writer killed mid-publish leaves a temporary file with a higher number than its newest segment;
+    the trainer then releases everything it consumed. The newest published segment must stay: it holds
+    the writer's totals, from which the restarted writer (and its actor) counts on."""
+    write_groups(tmp_path, "a", range(3), cfg_(), flush_every=1)  # segments 0, 1, 2: one group each
+    wdir = tmp_path / "streams" / TOPIC / "a"
+    (wdir / ".00000003.tmp").write_bytes(b"half a segment")
+    reader = StreamReader(tmp_path, TOPIC, cfg_())
+    assert len(read_all(reader)) == 3
+    release(tmp_path, TOPIC, reader.cursor(), cfg_(retention="delete"))
+    assert [s.seq for s in list_segments(wdir)] == [2]
+    assert writer_totals(wdir) == WriterTotals(groups=3, rows=3 * G)
+    write_groups(tmp_path, "a", [3, 4], cfg_(), flush_every=1)  # restarted: removes the .tmp, continues
+    assert [s.seq for s in list_segments(wdir)] == [2, 3, 4]
+    assert writer_totals(wdir) == WriterTotals(groups=5, rows=5 * G)
+    resumed = StreamReader(tmp_path, TOPIC, cfg_(), cursor=reader.cursor())
+    assert ids_of(read_all(resumed)) == [r["sample_id"] for g in (3, 4) for r in expected_group("a", g)]
+
+
+def test_writer_totals_count_groups_and_rows_over_restarts_and_skip_a_damaged_newest_segment(tmp_path):
+    wdir = tmp_path / "streams" / TOPIC / "a"
+    assert writer_totals(wdir) == WriterTotals()
+    with StreamWriter(tmp_path, TOPIC, "a", cfg_()) as w:
+        w.write_group(expected_group("a", 0, size=3))
+        w.write_group(expected_group("a", 1, size=2))
+        w.flush()
+        w.write_group(expected_group("a", 2, size=4))
+    assert writer_totals(wdir) == WriterTotals(groups=3, rows=9)
+    write_groups(tmp_path, "a", [3], cfg_())
+    assert writer_totals(wdir) == WriterTotals(groups=4, rows=13)
+    newest = list_segments(wdir)[-1].path
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    assert writer_totals(wdir) == WriterTotals(groups=3, rows=9)  # as the trainer sees it: group 3 never came
 
 
 def test_read_times_out_with_a_message_naming_the_folder(tmp_path):

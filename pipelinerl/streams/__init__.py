@@ -23,7 +23,11 @@ Parallel filesystems (Lustre, GPFS, NFS) give no reliable locks, inotify or appe
   The seen-set is not part of the cursor: after a resume, duplicates of samples read before it pass.
 * **Retention.** `release(run_dir, topic, cursor, cfg)` deletes the segments the cursor has
   passed (with `retention: delete`); call it only after the checkpoint that holds that cursor is
-  written. The newest file of each writer stays, so a restarted writer continues its numbering.
+  written. The newest published segment of each writer stays, so a restarted writer continues its
+  numbering and its totals.
+* **Totals.** Each segment's schema metadata holds its writer's groups and rows published so far, this
+  segment included, over all the writer's restarts (`segments.WriterTotals`): published atomically with
+  the data, they survive retention, and a restarted actor resumes from them (pipelinerl/actor/resume.py).
 """
 
 from pipelinerl.streams.reader import StreamReader, StreamTimeout, release

@@ -15,7 +15,6 @@ from pipelinerl.config import StreamsConfig
 from pipelinerl.streams.segments import (
     CorruptSegment,
     Segment,
-    highest_seq,
     list_segments,
     list_writers,
     load_segment,
@@ -181,9 +180,11 @@ class StreamReader:
 def release(run_dir: str | os.PathLike, topic: str, cursor: dict, cfg: StreamsConfig) -> list[str]:
     """Retention: with `retention: delete`, delete the segments the given cursor has passed.
 
-    Call it after the checkpoint holding this cursor is written. The newest file of each writer is
-    kept: it marks the highest sequence number, so a restarted writer never reuses one that a cursor
-    has passed. Returns the deleted paths. With `retention: keep` it deletes nothing.
+    Call it after the checkpoint holding this cursor is written. The newest published segment of each
+    writer is kept: it holds the writer's totals (segments.WriterTotals) and the highest sequence number a
+    cursor can have passed, so a restarted writer (and its actor) counts on from it and never reuses a
+    number. (Not the newest file: that may be a temporary one, which a restarted writer deletes.)
+    Returns the deleted paths. With `retention: keep` it deletes nothing.
     """
     if cfg.retention == "keep":
         return []
@@ -192,9 +193,8 @@ def release(run_dir: str | os.PathLike, topic: str, cursor: dict, cfg: StreamsCo
     tdir = topic_dir(run_dir, topic)
     for writer_id in list_writers(tdir):
         bound = position.get(writer_id, (0, 0))[0]
-        newest = highest_seq(tdir / writer_id)
-        for segment in list_segments(tdir / writer_id):
-            if segment.seq < bound and segment.seq != newest:
+        for segment in list_segments(tdir / writer_id)[:-1]:
+            if segment.seq < bound:
                 segment.path.unlink(missing_ok=True)
                 deleted.append(str(segment.path))
     log.info("stream %s: released %d consumed segment(s)", tdir, len(deleted))

@@ -7,16 +7,21 @@
 Arrow IPC has no checksum, so a flipped byte in a token column would decode silently; the CRC-32 of the
 whole file is in its name (it cannot go inside: the schema is written first and the footer must end
 the file). Each record batch of a segment is exactly one group.
+
+Each segment's schema metadata also holds its writer's totals through it (`WriterTotals`: groups and rows
+published by that writer id in all its lives). The newest published segment of a writer is never released,
+so its totals survive retention: they are where a restarted writer, and a restarted actor, count from.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -30,6 +35,7 @@ _SEGMENT_RE = re.compile(r"^(\d{8,})\.([0-9a-f]{8})\.arrow$")
 _ANY_SEQ_RE = re.compile(r"^\.?(\d{8,})\.")  # published, quarantined and temporary names alike
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 CORRUPT_SUFFIX = ".corrupt"
+TOTALS_KEY = b"pipelinerl.writer_totals"  # schema metadata: WriterTotals as JSON
 
 ROLLOUT_TOPIC = "rollouts"  # the actors' training samples, read by the trainer (RUN_DIR/streams/rollouts)
 EVAL_TOPIC = "eval"  # the actors' held-out evaluation completions, for analysis (RUN_DIR/streams/eval)
@@ -45,6 +51,17 @@ class Segment:
     seq: int
     crc: int
     path: Path
+
+
+@dataclass(frozen=True)
+class WriterTotals:
+    """What one writer id has published, this segment included, over all its restarts."""
+
+    groups: int = 0
+    rows: int = 0
+
+    def plus(self, batches: Sequence[pa.RecordBatch]) -> WriterTotals:
+        return WriterTotals(self.groups + len(batches), self.rows + sum(b.num_rows for b in batches))
 
 
 def check_name(kind: str, name: str) -> str:
@@ -101,12 +118,14 @@ def _file_crc(path: Path) -> int:
         return zlib.crc32(mapped.read_buffer())
 
 
-def publish(wdir: Path, seq: int, batches: Sequence[pa.RecordBatch], fsync: bool) -> Path:
+def publish(wdir: Path, seq: int, batches: Sequence[pa.RecordBatch], totals: WriterTotals, fsync: bool) -> Path:
     """Write to a hidden temporary name, fsync, rename into place: readers see all of it or nothing.
+    `totals` (through this segment) go into its schema metadata, so they are published with it, atomically.
     Arrow writes the file itself (no intermediate buffer); the CRC is then taken from the page cache."""
     tmp = wdir / f".{seq:08d}.tmp"
+    schema = ROLLOUT_SCHEMA.with_metadata({**ROLLOUT_SCHEMA.metadata, TOTALS_KEY: json.dumps(asdict(totals)).encode()})
     # Buffered: a segment is hundreds of small Arrow buffers, one write() syscall each without it.
-    with pa.output_stream(str(tmp), buffer_size=2**20) as sink, pa.ipc.new_file(sink, ROLLOUT_SCHEMA) as writer:
+    with pa.output_stream(str(tmp), buffer_size=2**20) as sink, pa.ipc.new_file(sink, schema) as writer:
         for batch in batches:
             writer.write_batch(batch)
     final = segment_path(wdir, seq, _file_crc(tmp))
@@ -115,6 +134,31 @@ def publish(wdir: Path, seq: int, batches: Sequence[pa.RecordBatch], fsync: bool
         raise RuntimeError(f"segment {final} already exists: two writers share writer_id {wdir.name!r}")
     atomic.publish(tmp, final, fsync)
     return final
+
+
+def writer_totals(wdir: Path) -> WriterTotals:
+    """The totals of a writer's newest published segment that verifies (zeros if none). A damaged newest
+    segment is skipped, as the trainer skips it: its groups count as never published."""
+    while True:
+        try:
+            return next(filter(None, map(_verified_totals, reversed(list_segments(wdir)))), WriterTotals())
+        except FileNotFoundError:  # released or quarantined since the listing: list again
+            continue
+
+
+def _verified_totals(segment: Segment) -> WriterTotals | None:
+    """A segment's totals; None if its bytes do not match its CRC or do not decode."""
+    try:
+        if _file_crc(segment.path) != segment.crc:
+            return None
+        with pa.memory_map(str(segment.path)) as mapped:  # reads the footer, not the token data
+            metadata = pa.ipc.open_file(mapped).schema.metadata or {}
+    except pa.ArrowInvalid:
+        return None
+    if TOTALS_KEY not in metadata:
+        raise ValueError(f"segment {segment.path} has no writer totals: it was written by an older pipelinerl, "
+                         "whose streams a restarted writer cannot continue; start a new run_dir")
+    return WriterTotals(**json.loads(metadata[TOTALS_KEY]))
 
 
 def load_segment(segment: Segment) -> list[pa.RecordBatch]:

@@ -15,11 +15,13 @@ import pyarrow as pa
 from pipelinerl.config import StreamsConfig
 from pipelinerl.streams.schema import Rollout, group_batch
 from pipelinerl.streams.segments import (
+    WriterTotals,
     check_name,
     highest_seq,
     publish,
     temp_files,
     topic_dir,
+    writer_totals,
 )
 
 if TYPE_CHECKING:
@@ -42,7 +44,8 @@ class StreamWriter:
     nothing after it is published: the stream stays a gap-free prefix of what was written.
     A group always lands in one segment; a single group larger than the limits makes one large segment.
     `writer_id` must be unique among live writers; a restarted writer with the same id continues the
-    sequence numbers and deletes the temporary file its dead predecessor left behind.
+    sequence numbers and the totals (segments.WriterTotals) and deletes the temporary file its dead
+    predecessor left behind.
     """
 
     def __init__(self, run_dir: str | os.PathLike, topic: str, writer_id: str, cfg: StreamsConfig):
@@ -53,17 +56,17 @@ class StreamWriter:
             log.warning("removing unpublished temporary segment %s left by a previous writer", stale)
             stale.unlink(missing_ok=True)
         self._seq = highest_seq(self.dir) + 1
+        self._totals = writer_totals(self.dir)  # through the last sealed segment
         self._batches: list[pa.RecordBatch] = []  # the segment being filled
         self._rows = 0
         self._bytes = 0
         self._oldest: float | None = None  # monotonic time the oldest buffered group arrived
-        self._sealed: deque[tuple[int, list[pa.RecordBatch]]] = deque()  # (seq, groups) to publish, in order
+        self._sealed: deque[tuple[int, list[pa.RecordBatch], WriterTotals]] = deque()  # to publish, in order
         self._cond = threading.Condition()  # guards every field above and below
         self._error: BaseException | None = None  # a failed background publish, re-raised on write
         self._stop = False
         self._closed = False
         self.segments_published = 0
-        self.rows_published = 0
         self._thread = threading.Thread(target=self._publish_in_background, name=f"stream-writer-{writer_id}",
                                         daemon=True)
         self._thread.start()
@@ -130,7 +133,8 @@ class StreamWriter:
         segment is published (the caller waits for that)."""
         self._cond.wait_for(lambda: not self._sealed or self._error is not None)
         self._check_usable()
-        self._sealed.append((self._seq, self._batches))
+        self._totals = self._totals.plus(self._batches)
+        self._sealed.append((self._seq, self._batches, self._totals))
         self._seq += 1
         self._batches, self._rows, self._bytes, self._oldest = [], 0, 0, None
         self._cond.notify_all()
@@ -144,9 +148,9 @@ class StreamWriter:
     def _publish_in_background(self) -> None:
         """Publish sealed segments in order until closed; the first failure stops it (see the class)."""
         while (job := self._next_sealed()) is not None:
-            seq, batches = job
+            seq, batches, totals = job
             try:
-                publish(self.dir, seq, batches, self.cfg.fsync)  # the lock is free: writes go on meanwhile
+                publish(self.dir, seq, batches, totals, self.cfg.fsync)  # the lock is free: writes go on meanwhile
             except Exception as err:
                 log.exception("stream writer %s: publishing segment %d failed", self.dir, seq)
                 with self._cond:
@@ -156,10 +160,9 @@ class StreamWriter:
             with self._cond:
                 self._sealed.popleft()
                 self.segments_published += 1
-                self.rows_published += sum(b.num_rows for b in batches)
                 self._cond.notify_all()
 
-    def _next_sealed(self) -> tuple[int, list[pa.RecordBatch]] | None:
+    def _next_sealed(self) -> tuple[int, list[pa.RecordBatch], WriterTotals] | None:
         """The oldest sealed segment, once there is one (sealing the buffer when it is due); None once
         the writer is closed and everything sealed is published."""
         with self._cond:
