@@ -33,6 +33,7 @@ from pipelinerl.weights.wire import (
 log = logging.getLogger(__name__)
 
 JOIN_WAIT_S = 30.0  # connect: how long a server may stay busy (with an update the trainer abandoned)
+RELEASE_WAIT_S = 30.0  # close: how long to wait for abandoned groups to be destroyed
 
 
 class WeightBroadcaster:
@@ -63,6 +64,7 @@ class WeightBroadcaster:
         self._store = None  # rank 0's TCPStore, opened at the first connect and kept (collective.py)
         self._name, self._groups = secrets.token_hex(4), 0  # group names: unique to this broadcaster
         self._group: WeightGroup | None = None
+        self._releasing: list[threading.Thread] = []  # abandoned groups being destroyed
         self._status: dict[str, dict] = {}
         self._bases: dict[str, int | None] = {}  # each server's delta base version (None: none)
         self._encoder = DeltaEncoder() if delta else None
@@ -124,18 +126,20 @@ class WeightBroadcaster:
             time.sleep(0.01)
         self._group = opening.result()
         posts.join(deadline)
-        log.info("weight-update group %s open with %d server(s): %s", req.group, len(self.server_urls),
+        log.info("weight-update group open with %d server(s) (%s): %s", len(self.server_urls), req.group,
                  ", ".join(self.server_urls))
 
     def _abandon(self, reason: str) -> None:
         """Flag the group abandoned and let it go. Destroying a gloo group waits for its pending collectives
-        (up to the group's timeout, with a hung member): the last reference is dropped on a thread of its own."""
+        (up to the group's timeout, with a hung member): the last reference is dropped on a thread of its own,
+        which close() waits for (briefly: a C++ group torn down by the interpreter's exit aborts the process)."""
         if self._group is None:
             return
         self._group.abandon(reason)
         held = [self._group]
         self._group = None
-        threading.Thread(target=held.clear, name="weights-release", daemon=True).start()
+        self._releasing.append(threading.Thread(target=held.clear, name="weights-release", daemon=True))
+        self._releasing[-1].start()
 
     def broadcast(self, version: int, metas: list[TensorMeta], tensors: Iterable[torch.Tensor],
                   dense: bool = False) -> dict:
@@ -235,6 +239,8 @@ class WeightBroadcaster:
 
     def close(self) -> None:
         self._abandon("the trainer closed its weight-update group")
+        for thread in self._releasing:
+            thread.join(timeout=RELEASE_WAIT_S)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _send_buckets(self, req: UpdateRequest, tensors: Iterable[torch.Tensor], deadline: float,
