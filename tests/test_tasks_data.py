@@ -61,13 +61,8 @@ def test_unknown_suffix_missing_file_and_datasets_folder(tmp_path):
         load_rows(tmp_path / "rows.csv")
     with pytest.raises(ValueError, match="does not exist"):
         load_rows(tmp_path / "absent.jsonl")
-    try:
-        from datasets import Dataset, DatasetDict
-    except ImportError:  # not a dependency: a folder then fails with what to do instead
-        (tmp_path / "hf").mkdir()
-        with pytest.raises(ValueError, match="needs the `datasets` package.*to_parquet"):
-            load_rows(tmp_path / "hf")
-        return
+    from datasets import Dataset, DatasetDict
+
     Dataset.from_list(ROWS[:1]).save_to_disk(str(tmp_path / "hf"))
     assert load_rows(tmp_path / "hf", "q", "gold") == EXPECTED[:1]
     with pytest.raises(ValueError, match=r"hf row 0: .*\['gold', 'q', 'source'\]"):

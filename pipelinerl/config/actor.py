@@ -130,7 +130,7 @@ class TaskConfig:
 
     name: str = doc("addition", "addition (2-digit sums, answer written units-first; CPU) | math (math-verify)")
     dataset_path: str | None = doc(None, "math training rows: a .jsonl/.json/.parquet file (or a Hugging Face "
-                                         "`datasets` folder, if `datasets` is installed) of {question, answer} "
+                                         "`datasets` folder) of {question, answer} "
                                          "rows (or problem/answer, or Open-Reasoner-Zero pairs)",
                                    null="none: the addition task reads no file")
     eval_dataset_path: str | None = doc(None, "math test rows (e.g. MATH-500, AIME 2024), same formats",

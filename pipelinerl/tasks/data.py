@@ -17,12 +17,8 @@ DEFAULT_ANSWER_FIELDS = ("answer",)
 def _read(path: Path) -> list:
     """The raw rows of one file or `datasets` folder."""
     if path.is_dir():
-        try:
-            from datasets import load_from_disk
-        except ImportError:
-            raise ValueError(f"{str(path)!r} is a folder: reading a Hugging Face `datasets` folder needs the "
-                             "`datasets` package, which this environment does not install; export it to "
-                             ".parquet or .jsonl instead (Dataset.to_parquet)") from None
+        from datasets import load_from_disk  # imported here: seconds of imports, for folders only
+
         data = load_from_disk(str(path))
         if not hasattr(data, "to_list"):  # a DatasetDict: one sub-folder per split
             raise ValueError(f"{str(path)!r} holds the splits {sorted(data)}: give one split's folder, e.g. "
