@@ -7,6 +7,7 @@ with real weight broadcasts, so the lag throttle is checked from the per-token v
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -25,7 +26,8 @@ from pipelinerl.config import load_config, save_config
 from pipelinerl.inference.rundir import SERVERS_DIR, list_servers, run_token
 from pipelinerl.launch.local import wait_for_servers
 from pipelinerl.launch.procs import Role, Supervisor
-from pipelinerl.streams import Rollout, StreamReader, StreamTimeout
+from pipelinerl.streams import Rollout, StreamReader, StreamTimeout, release
+from pipelinerl.streams.segments import list_segments
 from pipelinerl.tasks import get_task
 from pipelinerl.weights import TensorMeta, WeightBroadcaster
 
@@ -102,6 +104,150 @@ def test_the_serving_version_is_the_oldest_and_a_silent_server_is_set_aside(tmp_
     assert asyncio.run(serving()) == -1
 
 
+def _announce(run_dir: Path, *ports: int) -> None:
+    (run_dir / SERVERS_DIR).mkdir(parents=True, exist_ok=True)
+    for port in ports:
+        (run_dir / SERVERS_DIR / f"h_{port}").write_text(f"http://h:{port}\n")
+
+
+def test_a_server_far_behind_takes_no_group_and_does_not_hold_the_throttle(tmp_path, tiny_model_dir):
+    """h:2 restarted on an old checkpoint reports version 2 while h:1 serves 9 (max_lag 2): the actor counts
+    on 9, so step 11's groups may start, and they all go to h:1, even when h:1 is the busier one. Once h:2
+    reports 7 (within max_lag of 9) it takes requests again and the actor counts on 7."""
+    cfg = _config(tmp_path / "run", tiny_model_dir, tmp_path / "actor.yaml", "actor.max_lag=2")
+    _announce(tmp_path / "run", 1, 2)
+    reports = {"h:1": 9, "h:2": 2}
+    completions = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        host = request.url.netloc.decode()
+        if request.url.path == "/status":
+            return httpx.Response(200, json={"version": reports[host]})
+        completions.append(host)
+        return httpx.Response(200, json={"choices": [_choice(k, "1", 2, True) for k in range(G)]})
+
+    actor = Actor(cfg, "probe")
+    pool = actor.client.pool
+
+    async def poll() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as http:
+            actor.version = await actor.client.serving_version(http)
+
+    async def complete() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as http:
+            await actor.client.complete(http, [1, 2, 3], greedy=False, n=G)
+
+    try:
+        assert pool.acquire(avoid=set()) is None  # no version known yet: no server is eligible
+        asyncio.run(poll())
+        actor.started_samples = 11 * cfg.trainer.samples_per_step  # step 11 needs version 9 at max_lag 2
+        assert actor.version == 9 and actor.may_start()
+        assert pool.acquire(avoid=set()) == "http://h:1"  # h:1 now runs a request; h:2 runs none
+        asyncio.run(complete())
+        assert completions == ["h:1"]
+        reports["h:2"] = 7
+        asyncio.run(poll())
+        assert actor.version == 7 and not actor.may_start()
+        asyncio.run(complete())
+        assert completions == ["h:1", "h:2"]  # the least loaded again
+    finally:
+        actor.close()
+
+
+def test_without_a_lag_bound_every_server_takes_requests_and_at_lag_0_only_the_newest(tmp_path):
+    """Mid-broadcast h:1 reports 2, h:2 still 1: at max_lag 0 the actor counts on 2 and h:2 (on version 1
+    weights) gets no group; without a bound both are used and the serving version is the oldest."""
+    _announce(tmp_path, 1, 2)
+    cfg = _config(tmp_path, Path("unused"), tmp_path / "actor.yaml")
+
+    def status(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"version": {"h:1": 2, "h:2": 1}[request.url.netloc.decode()]})
+
+    async def serving(client: CompletionsClient) -> int:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(status)) as http:
+            return await client.serving_version(http)
+
+    at_lag_0 = CompletionsClient(cfg.actor, str(tmp_path), reference=False, max_lag=0)
+    assert asyncio.run(serving(at_lag_0)) == 2
+    assert {at_lag_0.pool.acquire(avoid=set()) for _ in range(3)} == {"http://h:1"}
+    unbounded = CompletionsClient(cfg.actor, str(tmp_path), reference=False)
+    assert asyncio.run(serving(unbounded)) == 1
+    assert {unbounded.pool.acquire(avoid=set()) for _ in range(2)} == {"http://h:1", "http://h:2"}
+
+
+_ASYNC_CLIENT = httpx.AsyncClient
+
+
+class _FakeServer:
+    """Version 0 on /status; completions answered at once, or (while `hang`) never, from the `answered`-th on."""
+
+    def __init__(self, answered: int):
+        self.answered, self.hang, self.requests = answered, asyncio.Event(), 0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/status":
+            return httpx.Response(200, json={"version": 0})
+        self.requests += 1
+        if self.requests > self.answered:
+            await self.hang.wait()  # in flight until the actor dies
+        return httpx.Response(200, json={"choices": [_choice(k, "1", 2, True) for k in range(G)]})
+
+
+def _run_actor_until(actor: Actor, server: _FakeServer, monkeypatch, done) -> None:
+    """Run the actor's loop against `server` until `done(actor)`, then stop it as a SIGKILL would (its
+    in-flight groups never finish), after its last finished group was published."""
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: _ASYNC_CLIENT(transport=httpx.MockTransport(server), **kw))
+
+    async def run() -> None:
+        loop = asyncio.create_task(actor.run())
+        deadline = time.monotonic() + 60
+        while not done(actor):
+            assert not loop.done() and time.monotonic() < deadline, "the actor stopped or stalled"
+            await asyncio.sleep(0.01)
+        loop.cancel()
+
+    asyncio.run(run())
+    actor.close()  # publishes the finished groups, as the writer had before the kill; in-flight ones are lost
+
+
+def test_a_restarted_actor_continues_after_its_last_started_prompt_with_retention_delete(tmp_path, tiny_model_dir,
+                                                                                       monkeypatch, caplog):
+    """The actor starts prompts 0..7 (max_steps 2 x 16 samples / G), 5 finish and 3 are in flight when it
+    dies. The trainer consumes the 5 and deletes their segments but the newest (retention: delete). The
+    restarted actor continues at prompt 8, logs 3 lost groups, and fills the 2 steps with prompts 8..10:
+    every group id and prompt trained once. A clean restart after that loses nothing."""
+    cfg = _config(tmp_path / "run", tiny_model_dir, tmp_path / "actor.yaml", "actor.max_lag=null",
+                  "trainer.max_steps=2", f"streams.segment_max_rows={G}", "streams.retention=delete")
+    _announce(tmp_path / "run", 1)
+    reader = StreamReader(cfg.run_dir, "rollouts", cfg.streams)
+
+    _run_actor_until(Actor(cfg, "a0"), _FakeServer(answered=5), monkeypatch,
+                     lambda a: a.next_prompt == 8 and len(a.in_flight) == 3)
+    trained = reader.read_groups(max_groups=8, timeout_s=1.0)
+    assert len(trained) == 5
+    release(cfg.run_dir, "rollouts", reader.cursor(), cfg.streams)  # as the trainer does after a checkpoint
+    assert len(list_segments(tmp_path / "run" / "streams" / "rollouts" / "a0")) == 1
+
+    with caplog.at_level(logging.WARNING, logger="pipelinerl.actor.scheduler"):
+        second = Actor(cfg, "a0")
+    assert (second.next_prompt, second.started_samples, second.lost) == (8, 5 * G, 3)
+    assert "lost 3 group(s) in flight" in caplog.text
+    assert _scalars(tmp_path / "run" / "tb" / "a0")["actor/lost_groups"] == 3
+    _run_actor_until(second, _FakeServer(answered=10**6), monkeypatch,
+                     lambda a: a.next_prompt == 11 and not a.in_flight)
+    resumed = reader.read_groups(max_groups=8, timeout_s=1.0)
+    assert [json.loads(g.column("metadata")[0].as_py())["prompt_index"] for g in resumed] == [8, 9, 10]
+    trained += resumed
+    group_ids = [g.column("group_id")[0].as_py() for g in trained]
+    prompt_ids = [json.loads(g.column("metadata")[0].as_py())["prompt_id"] for g in trained]
+    assert len(set(group_ids)) == len(set(prompt_ids)) == 8 and sum(g.num_rows for g in trained) == 2 * 16
+
+    third = Actor(cfg, "a0")  # the second life ended with nothing in flight: nothing more is lost
+    assert (third.next_prompt, third.started_samples, third.lost) == (11, 8 * G, 3)
+    assert not third.may_start()  # max_steps reached
+    third.close()
+
+
 def test_the_scheduler_throttles_by_lag_and_writes_groups_in_start_order(tmp_path, tiny_model_dir):
     cfg = _config(tmp_path / "run", tiny_model_dir, tmp_path / "actor.yaml", "actor.max_lag=0")
     actor = Actor(cfg, "probe")
@@ -152,8 +298,10 @@ def test_the_actor_evaluates_every_set_and_logs_pass_at_k(tmp_path, tiny_model_d
     sums = tmp_path / "sums.jsonl"
     sums.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n"
                             for q, a in (("12+34=", "64"), ("25+25=", "05"), ("99+99=", "891"))))
-    cfg = _config(tmp_path / "run", tiny_model_dir, tmp_path / "actor.yaml", "actor.eval_every_steps=1",
-                  "actor.eval_samples=2", f"task.eval_sets.sums.path={sums}", "task.eval_sets.sums.samples=4",
+    # max_lag null: every server takes requests without a /status poll (the fake answers completions only)
+    cfg = _config(tmp_path / "run", tiny_model_dir, tmp_path / "actor.yaml", "actor.max_lag=null",
+                  "actor.eval_every_steps=1", "actor.eval_samples=2", f"task.eval_sets.sums.path={sums}",
+                  "task.eval_sets.sums.samples=4",
                   "task.eval_sets.sums.temperature=0.7")
     (tmp_path / "run" / SERVERS_DIR).mkdir(parents=True)
     (tmp_path / "run" / SERVERS_DIR / "h_1").write_text("http://h:1\n")

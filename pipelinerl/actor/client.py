@@ -33,12 +33,20 @@ class Completion:
 
 class ServerPool:
     """The servers announced in RUN_DIR/<folder>/, least-loaded first. A server that fails is set aside
-    until it is announced again after `retry_after_s` (a restarted server re-publishes its file)."""
+    until it is announced again after `retry_after_s` (a restarted server re-publishes its file).
 
-    def __init__(self, run_dir: str, retry_after_s: float = 10.0, folder: str = SERVERS_DIR):
-        self.run_dir, self.retry_after_s, self.folder = run_dir, retry_after_s, folder
+    With a lag bound (`max_lag` not None) only eligible servers take requests: those whose last reported
+    version (`versions`, filled by CompletionsClient.serving_version) is at least the newest one reported
+    minus `max_lag`. A server with no report yet, e.g. just restarted on an old checkpoint or back from
+    being set aside, is not eligible until it reports a recent version. None: every announced server."""
+
+    def __init__(self, run_dir: str, retry_after_s: float = 10.0, folder: str = SERVERS_DIR,
+                 max_lag: int | None = None):
+        self.run_dir, self.retry_after_s, self.folder, self.max_lag = run_dir, retry_after_s, folder, max_lag
         self.load: dict[str, int] = {}
         self.failed_at: dict[str, float] = {}
+        self.versions: dict[str, int] = {}  # url -> the policy version it last reported
+        self.behind: set[str] = set()  # servers known to be too far behind (logged once each time)
 
     def refresh(self) -> list[str]:
         now = time.monotonic()
@@ -49,10 +57,31 @@ class ServerPool:
         for url in list(self.load):
             if url not in announced and self.load[url] == 0:
                 del self.load[url]
+        for url in set(self.versions) - set(announced):  # gone or set aside: a restarted one reports anew
+            del self.versions[url]
         return announced
 
+    def eligible(self) -> list[str]:
+        """The announced servers that may take requests (see the class)."""
+        announced = self.refresh()
+        if self.max_lag is None:
+            return announced
+        known = {u: self.versions[u] for u in announced if u in self.versions}
+        newest = max(known.values(), default=0)
+        self._log_behind({u for u, v in known.items() if v < newest - self.max_lag}, newest)
+        return [u for u, v in known.items() if v >= newest - self.max_lag]
+
+    def _log_behind(self, behind: set[str], newest: int) -> None:
+        for url in sorted(behind - self.behind):
+            log.warning("server %s serves version %d, more than max_lag=%d behind the newest (%d): no new "
+                        "requests until it catches up", url, self.versions[url], self.max_lag, newest)
+        for url in sorted(self.behind - behind):
+            log.info("server %s is no longer too far behind (caught up, or gone)", url)
+        self.behind = behind
+
     def acquire(self, avoid: set[str]) -> str | None:
-        candidates = [u for u in self.refresh() if u not in avoid] or self.refresh()
+        eligible = self.eligible()
+        candidates = [u for u in eligible if u not in avoid] or eligible
         if not candidates:
             return None
         url = min(candidates, key=lambda u: self.load[u])
@@ -70,11 +99,13 @@ class ServerPool:
 
 class CompletionsClient:
     """Requests to the run's policy servers and, when `reference` is set, to its reference servers
-    (RUN_DIR/reference_servers/). Every call takes the caller's `httpx.AsyncClient`."""
+    (RUN_DIR/reference_servers/). Every call takes the caller's `httpx.AsyncClient`. With `max_lag` (in
+    versions; None: no bound) only servers within max_lag of the newest version take requests (ServerPool):
+    call `serving_version` before the first request, and then often, to learn their versions."""
 
-    def __init__(self, cfg: ActorConfig, run_dir: str, reference: bool):
+    def __init__(self, cfg: ActorConfig, run_dir: str, reference: bool, max_lag: int | None = None):
         self.cfg = cfg
-        self.pool = ServerPool(run_dir)
+        self.pool = ServerPool(run_dir, max_lag=max_lag)
         self.reference_pool = ServerPool(run_dir, folder=REFERENCE_SERVERS_DIR) if reference else None
 
     async def complete(self, http: httpx.AsyncClient, prompt_ids: list[int], greedy: bool, n: int = 1,
@@ -111,9 +142,10 @@ class CompletionsClient:
         return bool(self.pool.refresh())
 
     async def serving_version(self, http: httpx.AsyncClient) -> int:
-        """The policy version every policy server serves: the oldest one the announced servers report on
-        /status (-1: none answered). A request goes to any of them, so only this version bounds the lag of
-        its tokens. A server that does not answer is set aside like one that failed a request."""
+        """The policy version every eligible policy server serves: the oldest one they report on /status
+        (-1: none answered). A request goes to any of them, so only this version bounds the lag of its
+        tokens; a server further behind takes no request and does not count. A server that does not answer
+        is set aside like one that failed a request."""
         async def one(url: str) -> int | None:
             try:
                 resp = await http.get(f"{url}/status", timeout=10.0)
@@ -124,8 +156,11 @@ class CompletionsClient:
                 self.pool.set_aside(url)
                 return None
 
-        versions = [v for v in await asyncio.gather(*map(one, self.pool.refresh())) if v is not None]
-        return min(versions, default=-1)
+        urls = self.pool.refresh()
+        for url, version in zip(urls, await asyncio.gather(*map(one, urls))):
+            if version is not None:
+                self.pool.versions[url] = version
+        return min((self.pool.versions[u] for u in self.pool.eligible() if u in self.pool.versions), default=-1)
 
     async def _post_completions(self, http: httpx.AsyncClient, pool: ServerPool, body: dict) -> list[dict]:
         """POST /v1/completions to the pool's least-loaded server and return the choices in index order;

@@ -8,6 +8,14 @@ With max_lag = 0 the actor generates step k's batch only with version-k weights:
 on-policy RL. The bound is exact when groups finish in the order they started; the trainer's
 `rl.max_token_lag` drops any token that still exceeds it.
 
+Only servers within max_lag of the newest version any reports take groups (client.ServerPool), and v is
+the oldest of theirs: a server restarted on an old checkpoint waits until it catches up, without holding
+the throttle back. In conventional mode only servers at the newest version take groups (a batch needs one
+exact version).
+
+A restarted actor continues after its last started prompt and counts the groups it lost in flight
+(resume.py defines both).
+
 Conventional mode (the seeds' baseline) swaps the rule: sample i, of batch b = floor(i / B), starts
 only once the servers serve version b*G. The trainer syncs only after the G-th step of a batch, i.e.
 after it has consumed all B*b samples started before batch b: so batch b - 1 has drained when batch b
@@ -20,11 +28,13 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 
 import httpx
 
 from pipelinerl.actor.client import Completion, CompletionsClient
 from pipelinerl.actor.evals import actor_suites, sample_suite
+from pipelinerl.actor.resume import record_started, resume_position
 from pipelinerl.config import Config
 from pipelinerl.config.actor import DEFAULT_EVAL_SET
 from pipelinerl.eval_metrics import scalars as eval_scalars
@@ -45,40 +55,38 @@ class Actor:
         self.cfg, self.actor_id = cfg, actor_id
         self.task = get_task(cfg.task)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.client = CompletionsClient(cfg.actor, cfg.run_dir, reference=cfg.rl.needs_reference_logprobs)
+        self.client = CompletionsClient(cfg.actor, cfg.run_dir, reference=cfg.rl.needs_reference_logprobs,
+                                        max_lag=cfg.actor.max_lag if cfg.mode == "pipeline" else 0)
         self.writer = StreamWriter(cfg.run_dir, ROLLOUT_TOPIC, actor_id, cfg.streams)
         self.eval_writer = StreamWriter(cfg.run_dir, EVAL_TOPIC, actor_id, cfg.streams)
         self.tb = Scalars(cfg.run_dir, actor_id)
         # Built now, so a missing eval file stops the start (not the first evaluation, hours in).
         self.eval_suites = actor_suites(cfg, self.task) if cfg.actor.eval_every_steps else []
-        self.version = 0  # the version every server serves (the oldest any reports; -1: none answered)
-        self.started_samples, self.next_prompt = self._resume_position()
+        self.version = 0  # the version every eligible server serves (the oldest they report; -1: none answered)
+        self.started_samples, self.next_prompt, self.lost = self._resume()
+        self.recorded = -1  # the prompt count the state file holds
+        self._record_started()  # at once, so that the next death counts only its own losses
         self.in_flight: dict[asyncio.Task, int] = {}  # group task -> its prompt number
         self.evals: set[asyncio.Task] = set()
         self.finished: dict[int, list[Rollout]] = {}  # prompt number -> rows waiting for earlier groups
         self.next_write = self.next_prompt  # the next group to write when writes are ordered
         self.window = {"rewards": [], "tokens": 0, "samples": 0, "t0": time.monotonic()}
 
-    def _resume_position(self) -> tuple[int, int]:
-        """(samples in the stream from every actor, groups this actor wrote): the throttle's count and
-        the next prompt number of a restarted actor. Only segments still on disk count, so with
-        `streams.retention: delete` a restarted actor's throttle is looser until the trainer catches up."""
-        import pyarrow as pa
+    def _resume(self) -> tuple[int, int, int]:
+        """(samples in the stream from every actor, the next prompt number, groups lost in all lives): the
+        throttle's count and where this actor continues (resume.py). Logs the groups its last death lost."""
+        r = resume_position(self.cfg.run_dir, self.actor_id)
+        if r.lost_now:
+            log.warning("actor %s lost %d group(s) in flight when it last died (%d in all its lives); they are "
+                        "never trained, and it continues at prompt %d", self.actor_id, r.lost_now, r.lost,
+                        r.next_prompt)
+            self.tb.log(r.stream_samples // self.cfg.trainer.samples_per_step, {"actor/lost_groups": r.lost_now})
+            self.tb.writer.flush()  # rare; an actor that dies again keeps it
+        return r.stream_samples, r.next_prompt, r.lost
 
-        from pipelinerl.streams.segments import list_segments, list_writers, topic_dir
-
-        tdir = topic_dir(self.cfg.run_dir, ROLLOUT_TOPIC)
-        samples = groups = 0
-        for writer in list_writers(tdir):
-            for segment in list_segments(tdir / writer):
-                try:
-                    with pa.memory_map(str(segment.path)) as mapped:  # reads footers, not the token data
-                        reader = pa.ipc.open_file(mapped)
-                        samples += sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
-                        groups += reader.num_record_batches if writer == self.actor_id else 0
-                except (pa.ArrowException, OSError):  # damaged: the trainer's reader quarantines it
-                    continue
-        return samples, groups
+    def _record_started(self) -> None:
+        record_started(self.cfg.run_dir, self.actor_id, self.next_prompt, self.lost, self.cfg.streams.fsync)
+        self.recorded = self.next_prompt
 
     def prompt_ids(self, item: PromptItem) -> list[int]:
         return item.token_ids(self.tokenizer)
@@ -186,14 +194,20 @@ class Actor:
                 if self.eval_suites and self.version // every > evaluated and self.client.has_servers():
                     evaluated = self.version // every
                     self.evals.add(asyncio.create_task(self.evaluate(http, self.version)))
-                while self.may_start():
-                    index, self.next_prompt = self.next_prompt, self.next_prompt + 1
-                    self.in_flight[asyncio.create_task(self.run_group(http, index, next(prompts)))] = index
-                    self.started_samples += self.cfg.actor.attempts
+                self._start_groups(http, prompts)
                 await self._reap(timeout=self.cfg.streams.poll_interval_s)
                 if time.monotonic() - last_log > 5.0:
                     self.log_window()
                     last_log = time.monotonic()
+
+    def _start_groups(self, http: httpx.AsyncClient, prompts: Iterator[PromptItem]) -> None:
+        """Start every group the throttle allows, and record them before they run (at the next await)."""
+        while self.may_start():
+            index, self.next_prompt = self.next_prompt, self.next_prompt + 1
+            self.in_flight[asyncio.create_task(self.run_group(http, index, next(prompts)))] = index
+            self.started_samples += self.cfg.actor.attempts
+        if self.next_prompt != self.recorded:
+            self._record_started()
 
     async def _reap(self, timeout: float) -> None:
         tasks = [*self.in_flight, *self.evals]
