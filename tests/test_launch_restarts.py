@@ -153,7 +153,7 @@ def test_a_server_is_down_until_it_publishes_again_and_the_scalars_say_so(tmp_pa
     discovery.parent.mkdir(parents=True)
     runs = tmp_path / "server0.runs"
     role = Role("server0", [sys.executable, "-c", SERVER, str(runs), str(discovery), str(go)], tmp_path / "s.log",
-                discovery=lambda: discovery)
+                discovery=discovery)
     restarts = _restarts(tmp_path)
     sup = Supervisor(restarts)
     try:
@@ -222,8 +222,8 @@ def test_a_restarted_policy_server_starts_from_the_latest_checkpoint(tmp_path):
     # The trainer resumes from the checkpoint by itself, the actor continues its stream, a reference server
     # serves the initial model: their commands stay.
     assert trainer.restart_argv is actor.restart_argv is local[2].restart_argv is node[0].restart_argv is None
-    assert local[0].discovery() == run_dir / "servers" / "127.0.0.1_18100"
-    assert local[2].discovery() == node[0].discovery() == run_dir / "reference_servers" / "127.0.0.1_18102"
+    assert local[0].discovery == run_dir / "servers" / "127.0.0.1_18100"
+    assert local[2].discovery == node[0].discovery == run_dir / "reference_servers" / "127.0.0.1_18102"
     slurm = plan_roles(cfg, dry_run_allocation(cfg), Path(config))
     assert not slurm["servers"].restartable and slurm["trainer"].restartable and slurm["actor"].restartable
 

@@ -12,6 +12,7 @@ Files are published whole by rename/link (parallel filesystems give no locks; DE
 from __future__ import annotations
 
 import secrets
+import socket
 import stat
 from pathlib import Path
 
@@ -44,6 +45,11 @@ def _create_token(path: Path) -> None:
     """Write to a private temporary file, then link: the token appears complete or not at all, and a
     concurrent creator loses the link race and reads the winner's token."""
     create_file(path, secrets.token_urlsafe(32), mode=0o600)
+
+
+def advertised_host(bind_host: str) -> str:
+    """The host name others reach a server bound to `bind_host` at (this host's name for a wildcard)."""
+    return socket.gethostname() if bind_host in ("", "0.0.0.0", "::") else bind_host
 
 
 def server_file(run_dir: str | Path, host: str, port: int, folder: str = SERVERS_DIR) -> Path:

@@ -33,7 +33,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,10 +123,6 @@ def reference_router() -> APIRouter:
     return router
 
 
-def advertised_host(bind_host: str) -> str:
-    return socket.gethostname() if bind_host in ("", "0.0.0.0", "::") else bind_host
-
-
 async def announce_when_healthy(run_dir: str, bind_host: str, port: int, folder: str, published: list[Path]) -> None:
     """Publish RUN_DIR/<folder>/<host>_<port> once our own /health answers 200."""
     import httpx
@@ -142,7 +137,7 @@ async def announce_when_healthy(run_dir: str, bind_host: str, port: int, folder:
             except httpx.TransportError:
                 pass
             await asyncio.sleep(0.2)
-    published.append(rundir.publish_server(run_dir, advertised_host(bind_host), port, folder))
+    published.append(rundir.publish_server(run_dir, rundir.advertised_host(bind_host), port, folder))
 
 
 @dataclass

@@ -8,10 +8,10 @@ inference.base_port + inference.num_servers + i (after every policy slot, so the
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from pipelinerl.config import Config
+from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, advertised_host, server_file
 
 
 def cli(python: str = sys.executable) -> list[str]:
@@ -63,13 +63,7 @@ def server_port(cfg: Config, i: int, reference: bool = False) -> int:
     return cfg.inference.base_port + (cfg.inference.num_servers if reference else 0) + i
 
 
-def discovery_file(cfg: Config, i: int, reference: bool = False) -> Callable[[], Path]:
-    """Where policy server i (or reference server i) on this host announces itself once healthy; the path is
-    computed when called (the server module that names the host is not light to import)."""
-    def path() -> Path:
-        from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, server_file
-        from pipelinerl.inference.server import advertised_host
-
-        folder = REFERENCE_SERVERS_DIR if reference else SERVERS_DIR
-        return server_file(cfg.run_dir, advertised_host(cfg.inference.host), server_port(cfg, i, reference), folder)
-    return path
+def discovery_file(cfg: Config, i: int, reference: bool = False) -> Path:
+    """Where policy server i (or reference server i) on this host announces itself once healthy."""
+    folder = REFERENCE_SERVERS_DIR if reference else SERVERS_DIR
+    return server_file(cfg.run_dir, advertised_host(cfg.inference.host), server_port(cfg, i, reference), folder)

@@ -61,8 +61,8 @@ class Role:
     cpus: list[int] | None = None  # CPU cores (affinity) of the role and all it starts; None: the launcher's
     restartable: bool = True  # False: its death stops the run whatever the restart policy
     restart_argv: Callable[[], list[str]] | None = None  # the command of a restart, computed then; None: argv
-    discovery: Callable[[], Path] | None = None  # a server's discovery file (RUN_DIR/servers/host_port), computed
-    #                                              when first needed: removed when it dies, up again once it is back
+    discovery: Path | None = None  # a server's discovery file (RUN_DIR/servers/host_port): removed when it dies,
+    #                                the server is up again once it published it anew
 
 
 class RoleFailed(RuntimeError):
@@ -113,7 +113,7 @@ class Supervisor:
         """Start a dead role again in its place (so the shutdown order stays), once what is left of its process
         group is gone (a vLLM engine core holding the GPU, trainer ranks)."""
         if role.discovery is not None:
-            role.discovery().unlink(missing_ok=True)  # what a server does itself when it stops cleanly
+            role.discovery.unlink(missing_ok=True)  # what a server does itself when it stops cleanly
         _signal_group(proc.pid, signal.SIGTERM)
         _reap_group(proc, time.monotonic() + grace_s)
         self._spawn(replace(role, argv=role.restart_argv()) if role.restart_argv else role)

@@ -97,4 +97,4 @@ class Restarts:
 def _is_up(role: Role) -> bool:
     """A server is up once it has published its discovery file again (the Supervisor removed the dead one's);
     other roles once started."""
-    return role.discovery is None or role.discovery().exists()
+    return role.discovery is None or role.discovery.exists()
