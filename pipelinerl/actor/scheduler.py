@@ -1,9 +1,9 @@
 """The actor's scheduler: which prompt starts when, in which order groups are written, and evaluation.
 
 Lag throttle. The trainer takes samples in stream order, `samples_per_step` (S) per optimizer step, so
-the i-th sample written is trained at step floor(i / S). Starting sample i only once every server serves
-a version v >= floor(i / S) - max_lag (the oldest version any reports is v) bounds the lag of every token
-by max_lag (its version is >= v).
+the i-th sample written is trained at step floor(i / S). Starting sample i only once every server that
+takes requests serves a version v >= floor(i / S) - max_lag (v: the oldest version they report) bounds the
+lag of every token by max_lag (its version is >= v).
 With max_lag = 0 the actor generates step k's batch only with version-k weights: synchronous
 on-policy RL. The bound is exact when groups finish in the order they started; the trainer's
 `rl.max_token_lag` drops any token that still exceeds it.
