@@ -179,17 +179,17 @@ _ASYNC_CLIENT = httpx.AsyncClient
 
 
 class _FakeServer:
-    """Version 0 on /status; completions answered at once, or (while `hang`) never, from the `answered`-th on."""
+    """Version 0 on /status; the first `answered` completion requests answered at once, later ones never."""
 
     def __init__(self, answered: int):
-        self.answered, self.hang, self.requests = answered, asyncio.Event(), 0
+        self.answered, self.requests = answered, 0
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/status":
             return httpx.Response(200, json={"version": 0})
         self.requests += 1
         if self.requests > self.answered:
-            await self.hang.wait()  # in flight until the actor dies
+            await asyncio.Event().wait()  # in flight until the actor dies
         return httpx.Response(200, json={"choices": [_choice(k, "1", 2, True) for k in range(G)]})
 
 
