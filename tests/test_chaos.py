@@ -1,0 +1,55 @@
+"""A run that heals itself (issue #14), through tools/chaos.py: one short `pipelinerl run` of tiny_cpu.yaml
+survives one SIGKILL of each role kind, a server during a weight update among them, and every sample it
+consumed is trained exactly once.
+
+No timing luck: each kill waits for the previous one to heal (every role up, a trainer step logged after it)
+and then for one more trainer step; the update kill polls the server's /status until `updating` is true.
+Every wait is bounded (Chaos.heal_timeout_s). Checkpoints every 2 steps, so the killed trainer redoes at most
+one step.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # one `pipelinerl run` with 4 restarts (2 servers, the trainer, the actor): ~5 min
+
+REPO = Path(__file__).resolve().parent.parent
+PORT = 19330
+spec = importlib.util.spec_from_file_location("chaos", REPO / "tools" / "chaos.py")
+chaos = sys.modules["chaos"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+spec.loader.exec_module(chaos)
+
+PLAN = [chaos.Planned("server", during_broadcast=True), chaos.Planned("actor"), chaos.Planned("trainer"),
+        chaos.Planned("server")]
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory, tiny_model_dir):
+    overrides = [f"model.path={tiny_model_dir}", "model.build_tiny_if_missing=false", "trainer.max_steps=20",
+                 "trainer.samples_per_step=32", "trainer.warmup_steps=0", "actor.max_lag=2",
+                 "actor.eval_every_steps=0", "checkpoints.every_steps=2", "inference.max_model_len=64",
+                 "streams.segment_max_seconds=0.5", f"inference.base_port={PORT}",
+                 f"trainer.broadcast_port={PORT + 50}"]
+    out = tmp_path_factory.mktemp("chaos") / "run"
+    res = chaos.run_chaos(str(REPO / "configs" / "tiny_cpu.yaml"), PLAN, out, overrides, timeout_s=900)
+    print(res.table)
+    return res, out
+
+
+def test_the_run_survives_a_kill_of_each_role(result):
+    res, out = result
+    assert res.code == 0, res.table + (out / "logs" / "launcher.log").read_text()[-3000:]
+    assert [k.role for k in res.kills] == ["server0", "actor", "trainer", "server0"], res.table
+    assert res.kills[0].broadcast, "the first server kill did not come during a weight update"
+    assert all(k.down_s is not None for k in res.kills), res.table  # the trainer stepped after every kill
+    assert 0 <= res.kills[2].redone_steps <= 1  # checkpoints every 2 steps
+    cfg = chaos.load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={out}", f"inference.base_port={PORT}"])
+    assert chaos.role_leaders(cfg) == {}  # nothing left running
+
+
+def test_every_consumed_sample_was_trained_exactly_once(result):
+    res, _ = result
+    assert res.code == 0 and res.exactly_once, res.table

@@ -1,0 +1,354 @@
+"""Run a config while SIGKILLing its roles, then check the run healed: per kill the downtime and the samples
+lost, and an exactly-once verdict over the whole run (issue #14).
+
+    python tools/chaos.py configs/tiny_cpu.yaml --kills 10 --seed 0 --out runs/chaos inference.num_servers=2
+
+`pipelinerl run CONFIG` runs as a subprocess (run_dir = --out, launch.max_restarts raised to cover the kills;
+its output in RUN_DIR/logs/launcher.log). Kill k, drawn from --seed: a role of the allowed kinds (a server
+slot drawn among the policy servers), after 1-3 more trainer steps and 0-2 s more. The first server kill, and
+half the later ones, wait for a weight update instead: /status is polled until `updating` is true, then the
+server dies within a poll interval (bounded; a broadcast not seen in time is said in the table's note).
+Each kill waits for the previous one to heal: every role running, every server announced, a step done.
+
+A kill is SIGKILL to the role's whole process group (every process of it: vLLM's engine, every trainer
+rank), found by command line: `pipelinerl.cli serve RUN_DIR/config.yaml ... --port P` (server slot P -
+inference.base_port), `... train RUN_DIR/config.yaml`, `... actor RUN_DIR/config.yaml`, the group leader.
+That is a crash: nothing gets to clean up or checkpoint. Killing the leader alone would let the launcher
+SIGTERM the rest, and a trainer that gets SIGTERM checkpoints first, which hides the steps a crash costs.
+
+Columns: the role, the trainer step logged last before the kill, seconds since the start, whether a weight
+update was in progress, the downtime (kill -> the trainer's next "step N:" log line; also in median step
+times), the groups/samples lost in flight (the restarted actor's "lost N group(s)" log line; servers'
+requests are retried by the actor), and for a trainer the steps trained again since its last checkpoint.
+The verdict: the final checkpoint's `samples_seen` samples at the head of the stream have unique ids, and
+the per-token statistics of the final lineage (RUN_DIR/stats, steps 0..final-1) hold the same multiset of
+behaviour log-probs: nothing lost, repeated or foreign. Exit 1 if the run failed or the verdict is not
+exactly-once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pipelinerl.config import Config, StreamsConfig, load_config  # noqa: E402
+from pipelinerl.inference.rundir import list_servers  # noqa: E402
+from pipelinerl.launch.commands import cli  # noqa: E402
+
+KINDS = ("server", "actor", "trainer")
+_STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
+STEP_LINE = re.compile(_STAMP + r"INFO .*?: step (\d+): ", re.M)
+RESUMED_LINE = re.compile(_STAMP + r"INFO .*?: resumed from .* \(step (\d+),", re.M)
+LOST_LINE = re.compile(_STAMP + r"WARNING .*? lost (\d+) group\(s\) in flight", re.M)
+
+
+@dataclass
+class Planned:
+    kind: str  # server | actor | trainer
+    after_steps: int = 1  # trainer steps to wait for after the previous kill healed
+    delay_s: float = 0.0  # then this many seconds more
+    during_broadcast: bool = False  # a server: wait for /status `updating` instead of the delay
+    slot: int = 0  # a server: which policy server
+
+
+@dataclass
+class Kill:
+    role: str
+    step: int  # the trainer's last logged step before the kill
+    t_s: float  # seconds since the launcher started
+    at: float  # epoch seconds
+    broadcast: bool  # a weight update was in progress at the kill
+    note: str = ""
+    down_s: float | None = None  # kill -> the trainer's next logged step
+    lost_groups: int | None = None
+    redone_steps: int | None = None  # a trainer: steps trained again since its last checkpoint
+
+
+def make_plan(kills: int, seed: int, kinds: tuple[str, ...], num_servers: int) -> list[Planned]:
+    """Seeded random kills; the first server kill (and half the later ones) during a weight update."""
+    rng, plan, seen_server = random.Random(seed), [], False
+    for _ in range(kills):
+        p = Planned(rng.choice(kinds), rng.randint(1, 3), round(rng.uniform(0, 2), 1))
+        if p.kind == "server":
+            p.slot, p.during_broadcast = rng.randrange(num_servers), not seen_server or rng.random() < 0.5
+            seen_server = True
+        plan.append(p)
+    return plan
+
+
+def role_leaders(cfg: Config) -> dict[str, int]:
+    """Role name (server<slot>, reference<i>, trainer, actor) -> pid of its process-group leader, live ones."""
+    config_path, found = str(Path(cfg.run_dir) / "config.yaml"), {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            leader = os.getpgid(pid) == pid
+        except (OSError, UnicodeDecodeError):
+            continue
+        if state == "Z" or not leader or "pipelinerl.cli" not in argv or config_path not in argv:
+            continue
+        sub = argv[argv.index("pipelinerl.cli") + 1]
+        if sub == "serve":
+            port = int(argv[argv.index("--port") + 1]) - cfg.inference.base_port
+            found[f"reference{port - cfg.inference.num_servers}" if "--reference" in argv else f"server{port}"] = pid
+        elif sub in ("train", "actor"):
+            found["trainer" if sub == "train" else "actor"] = pid
+    return found
+
+
+def _stamp(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def log_events(path: Path, pattern: re.Pattern) -> list[tuple[float, int]]:
+    """(epoch seconds, number) of each line of a role's log matching `pattern` (timestamp, number)."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return [(_stamp(m.group(1)), int(m.group(2))) for m in pattern.finditer(text)]
+
+
+class Chaos:
+    """One `pipelinerl run` under kills."""
+
+    def __init__(self, config: str, overrides: list[str], out: Path, max_restarts: int, heal_timeout_s: float = 600):
+        self.run_dir = out.resolve()
+        if (self.run_dir / "checkpoints").exists():
+            raise SystemExit(f"{self.run_dir} already holds a run; chaos needs a fresh --out")
+        overrides = [f"launch.max_restarts={max_restarts}", "logging.progress_bar=false", *overrides,
+                     f"run_dir={self.run_dir}"]
+        self.cfg = load_config(config, overrides)
+        self.argv = [*cli(), "run", str(Path(config).resolve()), *overrides]
+        self.heal_timeout_s, self.kills = heal_timeout_s, []
+        self.trainer_log = self.run_dir / "logs" / "trainer.log"
+
+    def start(self) -> None:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "logs" / "launcher.log", "ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                         start_new_session=True)
+        self.t0 = time.time()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def last_step(self) -> int:
+        steps = log_events(self.trainer_log, STEP_LINE)
+        return steps[-1][1] if steps else 0
+
+    def _wait(self, what: str, done, timeout_s: float, poll_s: float = 0.5) -> bool:
+        """Poll `done()` until true (True), the launcher exits (False) or `timeout_s` (TimeoutError)."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if not self.alive():
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"chaos: {what} not within {timeout_s:.0f} s; see {self.run_dir}/logs/")
+            time.sleep(poll_s)
+        return True
+
+    def healed(self) -> bool:
+        """Every role running, every policy server announced, a trainer step logged after the last kill."""
+        names = {"trainer", "actor", *(f"server{i}" for i in range(self.cfg.inference.num_servers))}
+        since = self.kills[-1].at if self.kills else 0.0
+        servers = len(list_servers(self.run_dir)) >= self.cfg.inference.num_servers
+        return (names <= set(role_leaders(self.cfg)) and servers
+                and any(t > since for t, _ in log_events(self.trainer_log, STEP_LINE)))
+
+    def execute(self, p: Planned) -> Kill | None:
+        """Wait for the moment `p` names, then kill; None when the run ended first."""
+        if not self._wait("the previous kill healed", self.healed, self.heal_timeout_s):
+            return None
+        target = self.last_step() + p.after_steps
+        if not self._wait(f"trainer step {target}", lambda: self.last_step() >= target, self.heal_timeout_s):
+            return None
+        role = f"server{p.slot}" if p.kind == "server" else p.kind
+        note, broadcast, pid = "", False, role_leaders(self.cfg).get(role)
+        if pid is None:
+            return None
+        if p.during_broadcast:
+            broadcast = self._catch_update(p.slot, timeout_s=self.heal_timeout_s / 4)
+            note = "" if broadcast else "no weight update seen in time: killed outside one"
+        else:
+            time.sleep(p.delay_s)
+        if not self.alive():
+            return None
+        os.killpg(pid, signal.SIGKILL)
+        kill = Kill(role, self.last_step(), time.time() - self.t0, time.time(), broadcast, note)
+        self.kills.append(kill)
+        print(f"chaos: killed {role} (pgid {pid}) at step {kill.step}, {kill.t_s:.0f} s"
+              f"{', during a weight update' if broadcast else ''}", flush=True)
+        return kill
+
+    def _catch_update(self, slot: int, timeout_s: float, poll_s: float = 0.01) -> bool:
+        """Poll server `slot`'s /status until it reports a weight update in progress (True) or `timeout_s`."""
+        import httpx
+
+        port, deadline = self.cfg.inference.base_port + slot, time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as http:
+            while time.monotonic() < deadline and self.alive():
+                url = next((u for u in list_servers(self.run_dir) if u.endswith(f":{port}")), None)
+                try:
+                    if url and http.get(f"{url}/status").json().get("updating"):
+                        return True
+                except (httpx.HTTPError, ValueError):
+                    pass
+                time.sleep(poll_s)
+        return False
+
+    def finish(self, timeout_s: float) -> int:
+        """Wait for the launcher to end the run; its exit code. Then fill in each kill's downtime and losses."""
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            code = self.proc.wait()
+            print(f"chaos: the run did not end within {timeout_s:.0f} s; stopped it", flush=True)
+        self._measure()
+        return code
+
+    def _measure(self) -> None:
+        steps = log_events(self.trainer_log, STEP_LINE)
+        resumed = log_events(self.trainer_log, RESUMED_LINE)
+        lost = log_events(self.run_dir / "logs" / "actor.log", LOST_LINE)
+        for k in self.kills:
+            k.down_s = next((t - k.at for t, _ in steps if t > k.at), None)
+            if k.role == "actor":
+                k.lost_groups = next((n for t, n in lost if t > k.at), None)
+            if k.role == "trainer":
+                k.redone_steps = next((k.step - n for t, n in resumed if t > k.at), None)
+
+    def step_time_s(self) -> float:
+        """The median time between consecutive trainer steps (the unit of `down (steps)`)."""
+        times = [t for t, _ in log_events(self.trainer_log, STEP_LINE)]
+        return float(np.median(np.diff(times))) if len(times) > 1 else float("nan")
+
+
+def exactly_once(run_dir: Path) -> tuple[bool, str]:
+    """The final lineage's trained tokens vs the stream prefix the final checkpoint says it consumed."""
+    from pipelinerl.metrics import read_token_stats
+    from pipelinerl.streams import ROLLOUT_TOPIC, StreamReader, StreamTimeout
+    from pipelinerl.trainer.checkpoints import latest_checkpoint
+
+    final = latest_checkpoint(run_dir / "checkpoints")
+    if final is None:
+        return False, "no complete checkpoint"
+    meta = json.loads((final / "meta.json").read_text())
+    seen, steps = int(meta["samples_seen"]), int(meta["version"])
+    reader, rows = StreamReader(run_dir, ROLLOUT_TOPIC, StreamsConfig()), []
+    try:
+        while len(rows) < seen:
+            for group in reader.read_groups(max_groups=64, timeout_s=5.0):
+                rows.extend(group.to_pylist())
+    except StreamTimeout:
+        return False, f"the stream holds {len(rows)} samples, the final checkpoint consumed {seen}"
+    rows = rows[:seen]
+    unique = len({r["sample_id"] for r in rows})
+    consumed = np.sort(np.concatenate([np.asarray(r["behaviour_logprobs"], dtype=np.float32) for r in rows]))
+    stats = read_token_stats(run_dir)
+    trained = np.sort(stats["behaviour_logprobs"])
+    facts = (f"{steps} steps, {seen} samples consumed ({unique} unique ids), {len(trained)} tokens trained vs "
+             f"{len(consumed)} consumed")
+    ok = (unique == seen and set(np.unique(stats["step"])) == set(range(steps)) and len(trained) == len(consumed)
+          and bool(np.array_equal(trained, consumed)))
+    return ok, f"{'exactly-once' if ok else 'NOT exactly-once'}: {facts}"
+
+
+def stream_gaps(run_dir: Path) -> int:
+    """Prompt numbers never published below each actor's highest: groups lost over the whole run."""
+    from pipelinerl.streams import ROLLOUT_TOPIC, StreamReader, StreamTimeout
+
+    reader, numbers = StreamReader(run_dir, ROLLOUT_TOPIC, StreamsConfig()), {}
+    try:
+        while True:
+            for group in reader.read_groups(max_groups=256, timeout_s=1.0):
+                actor, _, k = group.column("group_id")[0].as_py().rpartition("/")
+                numbers.setdefault(actor, set()).add(int(k)) if k.isdigit() else None
+    except StreamTimeout:
+        pass
+    return sum(max(ks) + 1 - len(ks) for ks in numbers.values())
+
+
+def table(chaos: Chaos, code: int, verdict: str) -> str:
+    step_s, g = chaos.step_time_s(), chaos.cfg.actor.attempts
+    lines = [f"run {chaos.run_dir}: launcher exit {code}; median step {step_s:.1f} s; "
+             f"{len(chaos.kills)} kill(s)",
+             f"{'#':>2} {'role':<8} {'step':>4} {'t_s':>6} {'update':<6} {'down_s':>7} {'down_steps':>10} "
+             f"{'lost groups/samples':>19} {'redone':>6}  note"]
+    for i, k in enumerate(chaos.kills):
+        down = f"{k.down_s:7.1f} {k.down_s / step_s:10.1f}" if k.down_s is not None else f"{'-':>7} {'-':>10}"
+        lost = "n/a (not logged)" if k.role == "actor" and k.lost_groups is None else "-"
+        lost = f"{k.lost_groups}/{k.lost_groups * g}" if k.lost_groups is not None else lost
+        redone = "-" if k.redone_steps is None else str(k.redone_steps)
+        lines.append(f"{i:>2} {k.role:<8} {k.step:>4} {k.t_s:6.0f} {'yes' if k.broadcast else 'no':<6} {down} "
+                     f"{lost:>19} {redone:>6}  {k.note}")
+    lines += [f"groups missing from the stream (lost in flight, whole run): {stream_gaps(chaos.run_dir)}", verdict]
+    return "\n".join(lines)
+
+
+@dataclass
+class Result:
+    code: int  # the launcher's exit code
+    exactly_once: bool
+    kills: list[Kill]
+    table: str
+
+
+def run_chaos(config: str, plan: list[Planned], out: Path, overrides: list[str] = (),
+              timeout_s: float = 3600) -> Result:
+    """Run `config` under `plan`'s kills, then measure and check it."""
+    chaos = Chaos(config, list(overrides), out, max_restarts=len(plan) + 1)
+    chaos.start()
+    try:
+        for p in plan:
+            if chaos.execute(p) is None:
+                print(f"chaos: the run ended before kill {len(chaos.kills)} of {len(plan)}", flush=True)
+                break
+    finally:
+        code = chaos.finish(timeout_s)
+    ok, verdict = exactly_once(chaos.run_dir) if code == 0 else (False, "no verdict: the run failed")
+    return Result(code, ok, chaos.kills, table(chaos, code, verdict))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--roles", default=",".join(KINDS), help="comma-separated kinds: server,actor,trainer")
+    parser.add_argument("--out", type=Path, default=None, help="the run directory (default runs/chaos_<seed>)")
+    parser.add_argument("--timeout-s", type=float, default=3600, help="the whole run's limit")
+    args, extra = parser.parse_known_args()
+    kinds = tuple(args.roles.split(","))
+    if set(kinds) - set(KINDS) or any("=" not in x for x in extra):
+        parser.error(f"--roles takes {','.join(KINDS)}; overrides are key=value")
+    overrides = [*args.overrides, *extra]
+    num_servers = load_config(args.config, overrides).inference.num_servers
+    out = args.out or REPO / "runs" / f"chaos_{args.seed}"
+    result = run_chaos(args.config, make_plan(args.kills, args.seed, kinds, num_servers), out, overrides,
+                       args.timeout_s)
+    print(result.table, flush=True)
+    (out / "chaos_table.txt").write_text(result.table + "\n")
+    return 0 if result.code == 0 and result.exactly_once else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
