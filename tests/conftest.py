@@ -7,6 +7,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# vLLM 0.32's AOT compile cache never loads on CPU ("'function' object has no attribute 'finalize_loading'"),
+# so by default every server start compiles its model afresh (~13 s of CPU on an idle machine). Without
+# AOT, vLLM compiles the same graph with the same inductor backend, and torch's own compile cache serves
+# every start after the first (~4 s). Inherited by every server the tests start (`serve`, `run`, Slurm).
+os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,8 +27,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return out
 
 
-# Short `pipelinerl run`s of the untrained tiny model, shared by tests/test_conventional.py and
-# tests/test_kl_analysis.py (each run starts a vLLM server and 1-3 DeepSpeed ranks: about a minute).
+# Short `pipelinerl run`s, each shared by two modules (tests/test_conventional.py with tests/test_kl_analysis.py
+# or tests/test_e2e_rl_options.py): each run starts a vLLM server (two with a reference model) and 1-3
+# DeepSpeed ranks, about a minute of start-up for a few seconds of training.
 CONVENTIONAL = REPO / "configs" / "tiny_cpu_conventional.yaml"
 S = 48  # samples per optimizer step: 6 prompts x 8 attempts, so 1, 2 or 3 ranks get whole groups
 
@@ -62,11 +68,70 @@ def conventional_g2_run(tmp_path_factory, tiny_model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def warm_model_dir(tmp_path_factory) -> Path:
+    """The tiny model briefly warm-started (held-out greedy >= 0.2): some samples earn a reward."""
+    from pipelinerl.config import TaskConfig, TinyModelConfig
+    from pipelinerl.tasks.warm_start import build_warm_tiny_model
+
+    out = tmp_path_factory.mktemp("models") / "warm"
+    result = build_warm_tiny_model(out, TinyModelConfig(seed=0, warm_start_target=0.2), TaskConfig(name="addition"))
+    assert result["heldout_greedy"] >= 0.2
+    return out
+
+
+@pytest.fixture(scope="session")
+def conventional_g1_kl_value_run(tmp_path_factory, warm_model_dir) -> Path:
+    """Conventional RL, G = 1, on 1 trainer rank, four optimizer steps of GRPO with a KL to the frozen
+    reference model and a critic head, from the warm model. One run for two modules' assertions that do
+    not depend on each other's options: tests/test_conventional.py's (G = 1 trains on-policy: every token
+    at lag 0, the weights synced after every step) and tests/test_e2e_rl_options.py's (the reference
+    log-probs, KL and value losses)."""
+    run_dir = tmp_path_factory.mktemp("conv_g1_kl_value") / "run"
+    return run_pipelinerl(CONVENTIONAL, run_dir, warm_model_dir, 4, 18960, "conventional.steps_per_batch=1",
+                          "rl.kl_coef=0.05", "rl.value_function=true",
+                          "trainer.lr=1e-4")  # the tiny config's lr: the tests' 1e-3 wrecks a warm model
+
+
+@pytest.fixture(scope="session")
 def pipeline_lag0_run(tmp_path_factory, tiny_model_dir) -> Path:
     """Pipeline mode with max_lag = 0 (synchronous on-policy) on 2 trainer ranks, four optimizer steps."""
     run_dir = tmp_path_factory.mktemp("pipe_lag0") / "run"
     return run_pipelinerl(REPO / "configs" / "tiny_cpu.yaml", run_dir, tiny_model_dir, 4, 18620, "actor.max_lag=0",
                           "trainer.num_gpus=2")
+
+
+class SharedServer:
+    """A `serve` generator (tests/test_inference_server.py) run by hand, so that the last module using it
+    can stop it (and check its clean exit) instead of leaving it idle until the session ends; a module
+    that comes after that (another test order) starts it again."""
+
+    def __init__(self, start):
+        self._start, self._serving, self._info = start, None, None
+
+    @property
+    def info(self) -> dict:  # {"url", "run_dir", "token", "model"}
+        if self._serving is None:
+            self._serving = self._start()
+            self._info = next(self._serving)
+        return self._info
+
+    def close(self) -> None:
+        serving, self._serving = self._serving, None
+        if serving is not None:
+            next(serving, None)  # stops the server, then asserts it removed its discovery file
+
+
+@pytest.fixture(scope="session")
+def recompute_server(tiny_model_dir, tmp_path_factory):
+    """One vLLM-CPU server of the untrained tiny model with inference.kv_on_update=recompute, for
+    tests/test_inference_recompute.py and then tests/test_sampling_logprobs.py (which loads its own
+    weights into it by an update and stops it): one server start instead of two."""
+    from test_inference_server import serve
+
+    server = SharedServer(lambda: serve(tiny_model_dir, tmp_path_factory.mktemp("recompute_run"), 18212,
+                                        "inference.kv_on_update=recompute"))
+    yield server
+    server.close()
 
 
 # Fixtures of the inference-server tests (tests/test_inference_*.py): each module defines its own

