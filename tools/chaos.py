@@ -16,14 +16,14 @@ inference.base_port), `... train RUN_DIR/config.yaml`, `... actor RUN_DIR/config
 That is a crash: nothing gets to clean up or checkpoint. Killing the leader alone would let the launcher
 SIGTERM the rest, and a trainer that gets SIGTERM checkpoints first, which hides the steps a crash costs.
 
-Columns: the role, the trainer step logged last before the kill, seconds since the start, whether a weight
-update was in progress, the downtime (kill -> the trainer's next "step N:" log line; also in median step
-times), the groups/samples lost in flight (the restarted actor's "lost N group(s)" log line; servers'
-requests are retried by the actor), and for a trainer the steps trained again since its last checkpoint.
-The verdict: the final checkpoint's `samples_seen` samples at the head of the stream have unique ids, and
-the per-token statistics of the final lineage (RUN_DIR/stats, steps 0..final-1) hold the same multiset of
-behaviour log-probs: nothing lost, repeated or foreign. Exit 1 if the run failed or the verdict is not
-exactly-once.
+Per kill: the role, the trainer step logged last before it, seconds since the start, whether a weight
+update was in progress, the downtime (kill -> the trainer's next "step N:" log line, which may come from
+samples already in the stream), the stall (the longest wait for a step from the kill to the next kill: the
+progress it cost; also in median step times), the groups/samples lost in flight (the restarted actor's
+"lost N group(s)" line; a dead server's requests are retried elsewhere), a trainer's steps trained again.
+Verdict: the final checkpoint's `samples_seen` samples at the head of the stream have unique ids and the
+same multiset of behaviour log-probs as the per-token statistics of the final lineage (RUN_DIR/stats, steps
+0..final-1): nothing lost, repeated or foreign. Exit 1 if the run failed or the verdict is not exactly-once.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class Kill:
     broadcast: bool  # a weight update was in progress at the kill
     note: str = ""
     down_s: float | None = None  # kill -> the trainer's next logged step
+    stall_s: float | None = None  # the longest wait for a trainer step from the kill to the next kill (or end)
     lost_groups: int | None = None
     redone_steps: int | None = None  # a trainer: steps trained again since its last checkpoint
 
@@ -228,8 +229,11 @@ class Chaos:
         steps = log_events(self.trainer_log, STEP_LINE)
         resumed = log_events(self.trainer_log, RESUMED_LINE)
         lost = log_events(self.run_dir / "logs" / "actor.log", LOST_LINE)
-        for k in self.kills:
+        ends = [k.at for k in self.kills[1:]] + [float("inf")]
+        for k, end in zip(self.kills, ends):
             k.down_s = next((t - k.at for t, _ in steps if t > k.at), None)
+            times = [k.at, *(t for t, _ in steps if k.at < t <= end)]
+            k.stall_s = float(np.diff(times).max()) if len(times) > 1 else k.down_s
             if k.role == "actor":
                 k.lost_groups = next((n for t, n in lost if t > k.at), None)
             if k.role == "trainer":
@@ -290,10 +294,11 @@ def table(chaos: Chaos, code: int, verdict: str) -> str:
     step_s, g = chaos.step_time_s(), chaos.cfg.actor.attempts
     lines = [f"run {chaos.run_dir}: launcher exit {code}; median step {step_s:.1f} s; "
              f"{len(chaos.kills)} kill(s)",
-             f"{'#':>2} {'role':<8} {'step':>4} {'t_s':>6} {'update':<6} {'down_s':>7} {'down_steps':>10} "
-             f"{'lost groups/samples':>19} {'redone':>6}  note"]
+             f"{'#':>2} {'role':<8} {'step':>4} {'t_s':>6} {'update':<6} {'down_s':>7} {'stall_s':>7} "
+             f"{'stall_steps':>11} {'lost groups/samples':>19} {'redone':>6}  note"]
     for i, k in enumerate(chaos.kills):
-        down = f"{k.down_s:7.1f} {k.down_s / step_s:10.1f}" if k.down_s is not None else f"{'-':>7} {'-':>10}"
+        down = f"{k.down_s:7.1f}" if k.down_s is not None else f"{'-':>7}"
+        down += f" {k.stall_s:7.1f} {k.stall_s / step_s:11.1f}" if k.stall_s is not None else f" {'-':>7} {'-':>11}"
         lost = "n/a (not logged)" if k.role == "actor" and k.lost_groups is None else "-"
         lost = f"{k.lost_groups}/{k.lost_groups * g}" if k.lost_groups is not None else lost
         redone = "-" if k.redone_steps is None else str(k.redone_steps)
