@@ -6,9 +6,12 @@ log-probs the server returned, at any temperature: the servers report vLLM's pro
 distribution. Then the importance ratio is 1, ESS 1 and KL(behaviour || current) 0 up to float error.
 
 The completions come from `Actor.complete`, the actor's own request (`logprobs: 0`), on one server for the
-module. The model is the tiny model with its weights perturbed so that its next-token distributions are
-peaked: on the untrained model (nearly uniform logits) temperature would barely change a log-prob, and
-the check that the old behaviour (scoring at temperature 1) fails would be vacuous.
+module: conftest's `recompute_server` (started for tests/test_inference_recompute.py; no request is in
+flight at an update here, so its KV mode plays no part), its weights replaced by this module's model
+through a weight update (the way a run's servers get every trained version). The model is the tiny model
+with its weights perturbed so that its next-token distributions are peaked: on the untrained model (nearly
+uniform logits) temperature would barely change a log-prob, and the check that the old behaviour (scoring
+at temperature 1) fails would be vacuous.
 """
 
 import asyncio
@@ -21,14 +24,14 @@ import httpx
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_inference_server import serve
+from conftest import connect_broadcaster
+from test_inference_server import _send
 
 from pipelinerl.config import TrainerConfig, load_config
 from pipelinerl.launch.procs import free_port
 from pipelinerl.trainer.packing import Sample, pack
 
 REPO = Path(__file__).resolve().parent.parent
-PORT = 18650
 TEMPERATURES = (0.7, 1.0, 1.3)
 PROMPTS, N, MAX_NEW_TOKENS = 4, 8, 24  # 32 completions per temperature
 MAX_ABS_LOG_RATIO = 1e-3  # vLLM-CPU's oneDNN kernels against transformers' float32: 4e-5-1e-4 seen (logits up to ~27)
@@ -52,8 +55,20 @@ def peaked_model_dir(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(peaked_model_dir, tmp_path_factory):
-    yield from serve(peaked_model_dir, tmp_path_factory.mktemp("run"), PORT)
+def server(recompute_server, peaked_model_dir):
+    """The shared server serving the peaked weights (checked by their checksums), stopped after the module."""
+    from transformers import AutoModelForCausalLM
+
+    info = recompute_server.info
+    version = httpx.get(info["url"] + "/status", timeout=30).json()["version"] + 1
+    broadcaster = connect_broadcaster(info)
+    try:
+        _send(broadcaster, version, AutoModelForCausalLM.from_pretrained(peaked_model_dir, dtype=torch.float32))
+    finally:
+        broadcaster.close()
+    assert httpx.get(info["url"] + "/status", timeout=30).json()["version"] == version
+    yield info
+    recompute_server.close()
 
 
 def sample(server, temperature: float) -> list[Sample]:
@@ -69,6 +84,8 @@ def sample(server, temperature: float) -> list[Sample]:
 
     async def complete_all():
         async with httpx.AsyncClient() as http:
+            # As the actor's loop does first: with a lag bound, a server takes requests once it reported its version.
+            assert await actor.client.serving_version(http) >= 0
             return await asyncio.gather(*[actor.client.complete(http, p, greedy=False, n=N) for p in prompts])
 
     try:
