@@ -175,6 +175,27 @@ def test_without_a_lag_bound_every_server_takes_requests_and_at_lag_0_only_the_n
     assert {unbounded.pool.acquire(avoid=set()) for _ in range(2)} == {"http://h:1", "http://h:2"}
 
 
+def test_a_lag_bounded_client_reads_the_versions_itself_before_its_first_request(tmp_path):
+    """`pipelinerl eval`-like use: complete() without a serving_version call first; it asks /status itself
+    instead of waiting for a version nobody reads."""
+    _announce(tmp_path, 1)
+    cfg = _config(tmp_path, Path("unused"), tmp_path / "actor.yaml")
+    asked = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        if request.url.path == "/status":
+            return httpx.Response(200, json={"version": 3})
+        return httpx.Response(200, json={"choices": [_choice(0, "1", 2, True)]})
+
+    async def complete() -> list:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as http:
+            return await asyncio.wait_for(client.complete(http, [1, 2], greedy=True), timeout=30)
+
+    client = CompletionsClient(cfg.actor, str(tmp_path), reference=False, max_lag=1)
+    assert len(asyncio.run(complete())) == 1 and asked == ["/status", "/v1/completions"]
+
+
 _ASYNC_CLIENT = httpx.AsyncClient
 
 

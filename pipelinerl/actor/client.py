@@ -169,7 +169,17 @@ class CompletionsClient:
         tried: set[str] = set()
         for attempt in range(a.max_retries + 1):
             url = pool.acquire(avoid=tried)
-            while url is None:  # no server announced (yet, or any more): wait for one
+            waited = 0
+            while url is None:  # none announced (yet, or any more: the launcher restarts them), or none eligible
+                if pool.max_lag is not None and pool.refresh():  # announced, versions not known (yet)
+                    await self.serving_version(http)
+                    url = pool.acquire(avoid=tried)
+                    if url is not None:
+                        break
+                waited += 1
+                if waited % 60 == 0:
+                    log.warning("no %s server to take a request for %d s (announced: %s)", pool.folder, waited,
+                                ", ".join(pool.refresh()) or "none")
                 await asyncio.sleep(1.0)
                 url = pool.acquire(avoid=tried)
             tried.add(url)
