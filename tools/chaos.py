@@ -49,6 +49,7 @@ sys.path.insert(0, str(REPO))
 from pipelinerl.config import Config, StreamsConfig, load_config  # noqa: E402
 from pipelinerl.inference.rundir import list_servers  # noqa: E402
 from pipelinerl.launch.commands import cli  # noqa: E402
+from pipelinerl.launch.procs import die_with_parent  # noqa: E402
 
 KINDS = ("server", "actor", "trainer")
 _STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
@@ -144,7 +145,7 @@ class Chaos:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         with open(self.run_dir / "logs" / "launcher.log", "ab") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509
         self.t0 = time.time()
 
     def alive(self) -> bool:
