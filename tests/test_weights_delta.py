@@ -28,6 +28,7 @@ from pipelinerl.weights import (
     UpdateRejected,
     UpdateRequest,
     WeightBroadcaster,
+    WeightTransferError,
     changed_positions,
     open_group,
     parse_update_request,
@@ -396,3 +397,36 @@ def test_a_restarted_trainer_is_accepted_at_once():
     finally:
         for s in servers:
             s.stop()
+
+
+class BrokenJoinEngine(MemoryEngine):
+    """A server that fails to join (a driver error) after it answered /status."""
+
+    async def join_group(self, req, staging: str) -> None:
+        raise RuntimeError("the device fell off the bus")
+
+
+def test_a_member_failing_to_join_does_not_hold_up_the_next_group():
+    """Server B fails its join while server A waits inside the open: the trainer gives that attempt up and
+    flags it, A leaves it at once (not after the group's timeout), and the next group, opened on the same
+    store, forms without waiting for the abandoned rendezvous (which used to hold rank 0's one store
+    connection until its timeout)."""
+    trainer = Trainer()
+    good, bad = Server(trainer.wire()), Server(trainer.wire())
+    bad.engine.__class__ = BrokenJoinEngine
+    timeout_s = 30.0  # the abandoned rendezvous would block for this long
+    b = WeightBroadcaster([good.url, bad.url], "gloo", "127.0.0.1", free_port(18950), timeout_s,
+                          bucket_bytes=2048, token=TOKEN)
+    try:
+        with pytest.raises(WeightTransferError, match="fell off the bus"):
+            b.connect()
+        t0 = time.monotonic()
+        assert b.connect([good.url]) == [good.url]
+        assert time.monotonic() - t0 < timeout_s / 3
+        trainer.step(lr=1e-5)
+        assert "failed" not in b.broadcast(1, _metas(trainer.wire()), list(trainer.wire().values()))
+        _assert_serving(good, trainer.wire())
+    finally:
+        b.close()
+        good.stop()
+        bad.stop()

@@ -6,6 +6,13 @@ one TCPStore for its whole life; each group rendezvous under its own name in it 
 trainer re-forms the group (a server died, restarted or joined) on the same port. A group is abandoned by
 writing `abort` under its name: a server waiting inside a collective of it sees the flag, or the store gone
 with a dead trainer, within ABORT_POLL_S and gives up instead of waiting for its deadline.
+
+Opening a group is two-phase, so that nobody blocks inside torch's rendezvous on a member that never comes
+(it holds its store connection until its own timeout): each member announces itself (`joined/<rank>`) and
+waits for rank 0's `go`; rank 0 says `go` once every member is there. Both waits are polls that give up on
+the abandon flag (members) or on the caller's `stop` (rank 0: a server's /init_process_group failed). Rank 0
+opens each group on a store connection of its own (`group_store`): one abandoned open stuck in torch's
+rendezvous then cannot hold up the next.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 from pipelinerl.weights.wire import InitRequest, WeightTransferError
 
 ABORT_POLL_S = 0.5  # how often a waiting server asks the trainer's store whether the group was abandoned
+JOIN_POLL_S = 0.02  # how often the two-phase open checks its keys
 
 
 def master_store(host: str, port: int, timeout_s: float):
@@ -27,11 +35,17 @@ def master_store(host: str, port: int, timeout_s: float):
     return torch.distributed.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
+def group_store(req: InitRequest):
+    """A new client connection to the store at `req`'s master address (which must be up)."""
+    return torch.distributed.TCPStore(req.master_addr, req.master_port, None, False, timedelta(seconds=req.timeout_s))
+
+
 class WeightGroup:
     """A weight-update process group and its name-prefixed view of rank 0's store."""
 
-    def __init__(self, req: InitRequest, rank: int, store=None):
-        """Join (rank > 0: a new client of the trainer's store) or open (rank 0: in `store`, its master)."""
+    def __init__(self, req: InitRequest, rank: int, store=None, stop: Callable[[], None] | None = None):
+        """Join (rank > 0: a new client of the trainer's store) or open (rank 0: in `store`, else as the
+        store's master). `stop` (rank 0) is called while members are awaited and may raise to give up."""
         timeout = timedelta(seconds=req.timeout_s)
         if store is None:
             store = torch.distributed.TCPStore(req.master_addr, req.master_port, None, rank == 0, timeout,
@@ -39,12 +53,29 @@ class WeightGroup:
         self.store = torch.distributed.PrefixStore(f"{req.group}/", store)
         self.backend, self.name, self.master = req.backend, req.group, f"{req.master_addr}:{req.master_port}"
         self._next_poll = 0.0
+        deadline = time.monotonic() + req.timeout_s
+        if rank == 0:
+            self._await([f"joined/{r}" for r in range(1, req.world_size)], deadline, stop, "members")
+            self.store.set("go", "1")
+        else:
+            self.store.set(f"joined/{rank}", "1")
+            self._await(["go"], deadline, self.check_abandoned, "the trainer's go")
         if req.backend == "gloo":
             self.pg = torch.distributed.ProcessGroupGloo(self.store, rank, req.world_size, timeout)
         else:
             options = torch.distributed.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self.pg = torch.distributed.ProcessGroupNCCL(self.store, rank, req.world_size, options)
+
+    def _await(self, keys: list[str], deadline: float, poll: Callable[[], None] | None, what: str) -> None:
+        while not self.store.check(keys):
+            if poll is not None:
+                poll()
+            if time.monotonic() > deadline:
+                missing = [k for k in keys if not self.store.check([k])]
+                raise TimeoutError(f"timed out opening weight-update group {self.name} at {self.master}: waiting "
+                                   f"for {what} ({', '.join(missing)})")
+            time.sleep(JOIN_POLL_S)
 
     def abandon(self, reason: str) -> None:
         """Rank 0: tell every member to stop waiting (best effort: the store may be unreachable)."""
@@ -77,10 +108,18 @@ class WeightGroup:
             self.pg.abort()
 
 
-def open_group(req: InitRequest, rank: int, store=None) -> WeightGroup:
+def open_group(req: InitRequest, rank: int, store=None, stop: Callable[[], None] | None = None) -> WeightGroup:
     """Join (rank > 0) or open (rank 0) the weight-update process group `req.group`. The group is private to
     the weight updates, next to each program's own default group."""
-    return WeightGroup(req, rank, store)
+    return WeightGroup(req, rank, store, stop)
+
+
+def abandon_open(store, group: str, reason: str) -> None:
+    """Rank 0: flag group `group` abandoned before it was open (best effort), so members stop waiting."""
+    try:
+        torch.distributed.PrefixStore(f"{group}/", store).set("abort", reason)
+    except Exception:  # noqa: BLE001 -- members waiting on a store they cannot reach find it broken anyway
+        pass
 
 
 def wait_work(work, deadline: float, what: str, poll: Callable[[], None] | None = None) -> None:

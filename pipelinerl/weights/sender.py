@@ -6,7 +6,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 
@@ -14,7 +14,15 @@ import httpx
 import torch
 
 from pipelinerl.dtypes import dtype_name
-from pipelinerl.weights.collective import WeightGroup, broadcast_async, master_store, open_group, wait_work
+from pipelinerl.weights.collective import (
+    WeightGroup,
+    abandon_open,
+    broadcast_async,
+    group_store,
+    master_store,
+    open_group,
+    wait_work,
+)
 from pipelinerl.weights.delta import Delta, DeltaEncoder
 from pipelinerl.weights.wire import (
     HTTP_MARGIN_S,
@@ -106,7 +114,9 @@ class WeightBroadcaster:
         return status
 
     def _open_group(self) -> None:
-        """POST /init_process_group to every member while opening the group as rank 0."""
+        """POST /init_process_group to every member while opening the group as rank 0, on a thread of its own
+        and a store connection of its own (collective.py): an attempt given up (a member failed) is flagged
+        abandoned and may linger there without holding up the next one."""
         if self._store is None:
             self._store = master_store(self.master_addr, self.master_port, self.timeout_s)
         self._groups += 1
@@ -116,15 +126,21 @@ class WeightBroadcaster:
                           f"{self._name}.{self._groups}")
         posts = self._post_all("/init_process_group", {url: {**asdict(req), "rank_offset": off}
                                                       for url, off in zip(self.server_urls, offsets)})
-        opening = self._pool.submit(open_group, req, 0, self._store)
+        given_up = threading.Event()
+        opening = _on_thread(lambda: open_group(req, 0, group_store(req), stop=lambda: _raise_if(given_up)))
         deadline = time.monotonic() + self.timeout_s
-        while not opening.done():
-            posts.raise_failed()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out opening the weight group on {self.master_addr}:"
-                                   f"{self.master_port}; waiting for {posts.pending()}")
-            time.sleep(0.01)
-        self._group = opening.result()
+        try:
+            while not opening.done():
+                posts.raise_failed()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"timed out opening the weight group on {self.master_addr}:"
+                                       f"{self.master_port}; waiting for {posts.pending()}")
+                time.sleep(0.01)
+            self._group = opening.result()
+        except BaseException as err:
+            given_up.set()
+            abandon_open(self._store, req.group, f"the trainer gave up opening it: {err}")
+            raise
         posts.join(deadline)
         log.info("weight-update group open with %d server(s) (%s): %s", len(self.server_urls), req.group,
                  ", ".join(self.server_urls))
@@ -350,6 +366,25 @@ def http_json(url: str, path: str, body: dict | None, headers: dict, read_timeou
         raise WeightTransferError(f"{method} {url}{path} -> HTTP {resp.status_code}: {resp.text[:500]}",
                                   resp.status_code, body if isinstance(body, dict) else {})
     return resp.json()
+
+
+def _on_thread(fn: Callable[[], object]) -> Future:
+    """Run `fn` on a daemon thread of its own (not the pool: an exiting interpreter waits for pool threads)."""
+    done: Future = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn())
+        except BaseException as err:  # noqa: BLE001 -- handed to the waiting caller
+            done.set_exception(err)
+
+    threading.Thread(target=run, name="weights-open", daemon=True).start()
+    return done
+
+
+def _raise_if(event: threading.Event) -> None:
+    if event.is_set():
+        raise WeightTransferError("the trainer gave up this weight-update group")
 
 
 def _next_checked(it: Iterator[torch.Tensor], meta: TensorMeta, part: Part | None = None) -> torch.Tensor:
