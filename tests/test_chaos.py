@@ -5,8 +5,8 @@ consumed is trained exactly once.
 No timing luck: each kill waits for the previous one to heal (every role up, a trainer step logged after it)
 and then for one more trainer step; the update kill polls the server's /status until `updating` is true.
 Every wait is bounded (Chaos.heal_timeout_s). Checkpoints every 2 steps, so the killed trainer redoes at most
-one step. All are kept: a restarted server loads the latest checkpoint's folder, and retention (keep_last)
-may delete it while the server starts if the trainer checkpoints twice meanwhile (then the restart fails).
+one step; retention keeps the last 2, which rotates checkpoints away while restarted servers load theirs
+(pinned: launch/local.py serving_weights).
 """
 
 import importlib.util
@@ -32,7 +32,7 @@ def result(tmp_path_factory, tiny_model_dir):
     overrides = [f"model.path={tiny_model_dir}", "model.build_tiny_if_missing=false", "trainer.max_steps=20",
                  "trainer.samples_per_step=32", "trainer.warmup_steps=0", "actor.max_lag=2",
                  "actor.eval_every_steps=0", "checkpoints.every_steps=2",
-                 "checkpoints.keep_last=100", "inference.max_model_len=64",  # keep_last: see the docstring
+                 "checkpoints.keep_last=2", "inference.max_model_len=64",
                  "streams.segment_max_seconds=0.5", f"inference.base_port={PORT}",
                  f"trainer.broadcast_port={PORT + 50}"]
     out = tmp_path_factory.mktemp("chaos") / "run"

@@ -3,6 +3,7 @@ deaths happen by construction (a child that exits 1 at once), and every wait is 
 bound, never on a sleep's length."""
 
 import json
+import shutil
 import sys
 import textwrap
 import time
@@ -197,6 +198,7 @@ def _config(tmp_path, *overrides):
 def _fake_checkpoint(run_dir: Path, step: int) -> Path:
     path = run_dir / "checkpoints" / f"step_{step:08d}"
     (path / "hf").mkdir(parents=True)
+    (path / "hf" / "model.safetensors").write_text(f"weights of step {step}")
     (path / "meta.json").write_text(json.dumps({"step": step, "version": step}))
     return path
 
@@ -214,11 +216,19 @@ def test_a_restarted_policy_server_starts_from_the_latest_checkpoint(tmp_path):
     _fake_checkpoint(run_dir, 3)
     latest = _fake_checkpoint(run_dir, 7)
     (run_dir / "checkpoints" / "step_00000009.tmp").mkdir()  # incomplete: never served
+    pinned = []
     for role in (local[0], local[1], node[1]):
         argv = role.restart_argv()
-        assert _model_and_version(argv) == (str(latest / "hf"), "7"), role.name
+        model, version = _model_and_version(argv)
+        assert version == "7" and Path(model).parent == run_dir / "serving", role.name
+        # pinned: hard links to the latest checkpoint's files, which retention may delete meanwhile
+        assert (Path(model) / "model.safetensors").stat().st_ino == (latest / "hf/model.safetensors").stat().st_ino
         changed = [old for old, new in zip(role.argv, argv) if old != new]
         assert len(argv) == len(role.argv) and changed == [cfg.model.path, "0"]  # the same port, config, ...
+        pinned.append(Path(model))
+    assert len(set(pinned)) == 3  # one folder per server
+    shutil.rmtree(latest)
+    assert (pinned[0] / "model.safetensors").read_text() == "weights of step 7"
     # The trainer resumes from the checkpoint by itself, the actor continues its stream, a reference server
     # serves the initial model: their commands stay.
     assert trainer.restart_argv is actor.restart_argv is local[2].restart_argv is node[0].restart_argv is None
@@ -251,3 +261,24 @@ def test_the_restart_fields_are_validated():
         load_config(tiny, ["launch.max_restarts=-1"])
     with pytest.raises(ConfigError, match="launch.restart_window_s"):
         load_config(tiny, ["launch.restart_window_s=0"])
+
+
+def test_a_checkpoint_rotated_away_while_being_pinned_gives_way_to_the_newer_one(tmp_path, monkeypatch):
+    from pipelinerl.launch import local
+    from pipelinerl.trainer import checkpoints
+
+    cfg = _config(tmp_path)
+    run_dir = tmp_path / "run"
+    old, new = _fake_checkpoint(run_dir, 3), _fake_checkpoint(run_dir, 4)
+    answers = [old, new]
+
+    def rotated(root):  # the trainer saves step 4 and deletes step 3 between the lookup and the pin
+        found = answers.pop(0)
+        if found == old:
+            shutil.rmtree(old)
+        return found
+
+    monkeypatch.setattr(checkpoints, "latest_checkpoint", rotated)
+    model, version = local.serving_weights(cfg, pin="x")
+    assert (model, version) == (str(run_dir / "serving" / "x"), 4)
+    assert (Path(model) / "model.safetensors").read_text() == "weights of step 4"

@@ -49,6 +49,9 @@ from pipelinerl.plan import check_before_start
 
 log = logging.getLogger(__name__)
 
+SERVING_DIR = "serving"  # RUN_DIR/serving/<pin>: the checkpoint a restarting server loads (serving_weights)
+PIN_ATTEMPTS = 5
+
 
 def prepare_run_dir(cfg: Config) -> Path:
     """Create the run directory, write the resolved config, and forget servers of an earlier launch."""
@@ -77,22 +80,53 @@ def ensure_model(cfg: Config) -> None:
              result["heldout_greedy"])
 
 
-def serving_weights(cfg: Config) -> tuple[str, int]:
-    """(HF folder, policy version) the servers start from: the latest checkpoint's, else the base model."""
+def serving_weights(cfg: Config, pin: str | None = None) -> tuple[str, int]:
+    """(HF folder, policy version) the servers start from: the latest checkpoint's, else the base model.
+
+    With `pin` (a server starting while the trainer runs), the checkpoint's files are hard-linked (copied
+    where links fail) into RUN_DIR/serving/<pin> and that folder is returned: checkpoints.keep_last may then
+    delete the checkpoint while the server still loads it. A checkpoint deleted while it is being pinned
+    gives way to the newer one."""
     import json
 
     from pipelinerl.trainer.checkpoints import latest_checkpoint
 
-    latest = latest_checkpoint(Path(cfg.run_dir) / "checkpoints")
-    if latest is None:
-        return cfg.model.path, 0
-    meta = json.loads((latest / "meta.json").read_text())
-    return str(latest / "hf"), int(meta["version"])
+    root = Path(cfg.run_dir) / "checkpoints"
+    for _ in range(PIN_ATTEMPTS):
+        latest = latest_checkpoint(root)
+        if latest is None:
+            return cfg.model.path, 0
+        try:
+            version = int(json.loads((latest / "meta.json").read_text())["version"])
+            if pin is None:
+                return str(latest / "hf"), version
+            return str(_pinned(latest / "hf", Path(cfg.run_dir) / SERVING_DIR / pin)), version
+        except FileNotFoundError:  # rotated away meanwhile
+            log.info("checkpoint %s was deleted while a server pinned it; taking the newest again", latest.name)
+    raise RuntimeError(f"no checkpoint of {root} stayed on disk long enough to pin it ({PIN_ATTEMPTS} tries)")
 
 
-def policy_restart(cfg: Config, config_path: str, i: int) -> Callable[[], list[str]]:
-    """Policy server i's command at a restart: from the latest checkpoint then, at its version."""
-    return lambda: policy_server(cfg, config_path, i, *serving_weights(cfg))[1]
+def _pinned(src: Path, dest: Path) -> Path:
+    import shutil
+
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:  # another filesystem, or one without hard links
+            shutil.copy2(a, b)
+
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, copy_function=link)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def policy_restart(cfg: Config, config_path: str, i: int, where: str = "local") -> Callable[[], list[str]]:
+    """Policy server i's command at a restart (on host `where`): from the latest checkpoint then, at its
+    version, pinned (serving_weights) under `<where>_server<i>`."""
+    return lambda: policy_server(cfg, config_path, i, *serving_weights(cfg, pin=f"{where}_server{i}"))[1]
 
 
 def machine_gpus() -> list[str]:

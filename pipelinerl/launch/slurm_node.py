@@ -81,7 +81,7 @@ def node_server_roles(cfg: Config, config_path: str, model: str, version: int, n
         reference = i < references
         name, argv = (reference_server(cfg, config_path, i) if reference
                       else policy_server(cfg, config_path, i, model, version))
-        restart_argv = None if reference else policy_restart(cfg, config_path, i)
+        restart_argv = None if reference else policy_restart(cfg, config_path, i, node)
         roles.append(Role(name, argv, Path(cfg.run_dir) / "logs" / f"{node}_{name}.log", env,
                           restart_argv=restart_argv, discovery=discovery_file(cfg, i, reference)))
     return roles
