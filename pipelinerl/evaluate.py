@@ -122,7 +122,7 @@ def eval_config(target: Target, overrides: list[str], scratch: Path, temperature
 def server_roles(cfg: Config, config_path: Path, target: Target) -> list:
     """One Role per policy server of `cfg`, serving the target; on a GPU machine, server i takes GPUs
     i*tp .. (i+1)*tp - 1 of those visible (no trainer to share them with)."""
-    from pipelinerl.launch.commands import policy_server, threads_env
+    from pipelinerl.launch.commands import policy_server, server_env
     from pipelinerl.launch.local import machine_gpus
     from pipelinerl.launch.procs import Role
 
@@ -133,7 +133,7 @@ def server_roles(cfg: Config, config_path: Path, target: Target) -> list:
     roles = []
     for i in range(cfg.inference.num_servers):
         name, argv = policy_server(cfg, str(config_path), i, target.model, target.version)
-        env = dict(threads_env(cfg))
+        env = server_env(cfg)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * tp:(i + 1) * tp])
         roles.append(Role(name, argv, Path(cfg.run_dir) / "logs" / f"{name}.log", env))

@@ -23,7 +23,8 @@ def test_local_and_slurm_servers_share_command_line_ports_and_threads(tmp_path):
     assert [r.name for r in node] == ["reference0", "server1", "server2"]
     by_name = {r.name: r for r in local}
     for role in node:
-        assert role.argv == by_name[role.name].argv and role.env == by_name[role.name].env == {"OMP_NUM_THREADS": "2"}
+        assert role.argv == by_name[role.name].argv and role.env == by_name[role.name].env == {
+            "OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # unpinned: the OS places threads
     ports = [int(r.argv[r.argv.index("--port") + 1]) for r in local]
     assert ports == [18000, 18001, 18002, 18003]  # reference i: base_port + num_servers + i
     slurm_roles = plan_roles(cfg, dry_run_allocation(cfg), Path(config))

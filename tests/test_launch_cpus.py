@@ -69,7 +69,9 @@ def test_local_roles_get_their_cores_threads_and_vllm_binding(tmp_path):
     assert actor.cpus == [8] and actor.env["OMP_NUM_THREADS"] == "1"
     plain = load_config(TINY, [f"run_dir={tmp_path}"])  # nothing set: nothing pinned, launch.torch_threads
     servers, trainer, actor = _roles(plain, tmp_path / "config.yaml", placement(plain, []))
-    assert all(r.cpus is None and r.env == {"OMP_NUM_THREADS": "1"} for r in (*servers, trainer, actor))
+    assert all(r.cpus is None for r in (*servers, trainer, actor))
+    assert all(r.env == {"OMP_NUM_THREADS": "1"} for r in (trainer, actor))
+    assert all(r.env == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"} for r in servers)
 
 
 # A role's stand-in: records its own affinity, its environment's thread settings and its grandchild's

@@ -26,13 +26,17 @@ def threads_env(cfg: Config, cores: int | None = None) -> dict[str, str]:
     return {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
 
 
-def pinned_server_env(cfg: Config, cores: list[int]) -> dict[str, str]:
-    """A server on its own cores: vLLM-CPU binds each tensor-parallel worker's OpenMP threads to one of the
-    `|`-separated lists of VLLM_CPU_OMP_THREADS_BIND, and sets the worker's OMP_NUM_THREADS to its length.
-    Its default, `auto`, gives worker k the allowed cores of NUMA node k (none when the server's cores lie
-    on another node) less a few it reserves; explicit lists keep every worker inside the server's cores."""
+def server_env(cfg: Config, cores: list[int] | None = None) -> dict[str, str]:
+    """A server's thread environment. On its own `cores`: vLLM-CPU binds each tensor-parallel worker's
+    OpenMP threads to one of the `|`-separated lists of VLLM_CPU_OMP_THREADS_BIND, and sets the worker's
+    OMP_NUM_THREADS to its length; explicit lists keep every worker inside the server's cores. Unpinned:
+    `nobind`, so the OS places its threads. vLLM's default, `auto`, gives worker k the cores of NUMA node k
+    less a few it reserves: every server of a one-node machine lands on the same cores (all on core 0 of 2).
+    GPU builds ignore the variable."""
     from pipelinerl.launch.placement import format_ids, split_evenly
 
+    if not cores:
+        return {**threads_env(cfg), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     groups = split_evenly(cores, cfg.inference.tensor_parallel_size)
     return {**threads_env(cfg, len(groups[0])),
             "VLLM_CPU_OMP_THREADS_BIND": "|".join(format_ids(group) for group in groups)}

@@ -36,10 +36,10 @@ from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, list
 from pipelinerl.launch.commands import (
     cli,
     discovery_file,
-    pinned_server_env,
     policy_server,
     reference_server,
     reference_server_count,
+    server_env,
     threads_env,
 )
 from pipelinerl.launch.placement import CpuPlacement, Placement, format_ids, split_cpus, split_node
@@ -174,7 +174,7 @@ def _roles(cfg: Config, config_path: Path, where: Placement) -> tuple[list[Role]
     server_roles = []
     for slot, (name, argv, restart_argv, discovery) in enumerate(servers):
         cores = cpus.servers[slot] if cpus.servers else None
-        env = pinned_server_env(cfg, cores) if cores else threads_env(cfg)
+        env = server_env(cfg, cores)
         if where.server_gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(where.server_gpus[slot])
         server_roles.append(Role(name, argv, logs / f"{name}.log", env, cores, restart_argv=restart_argv,

@@ -2,7 +2,8 @@
 `pipelinerl serve` per server slot, each on its own GPUs, supervised until SIGTERM or a failure past
 launch.max_restarts: a server that dies is restarted on its GPUs and port, a policy server from the latest
 checkpoint in the shared RUN_DIR (launch/restarts.py; TensorBoard under RUN_DIR/tb/launch/<node>).
-The job-level launcher that starts this role on every inference node is `launch/slurm.py`.
+The job-level launcher (`launch/slurm.py`) runs this role as one srun step per server node, and runs a
+node's step again when it ends (the agent past its budget, the step cancelled, the agent killed).
 
 `node_placement` is where a node's GPUs go, for both sides: on separate inference and training nodes
 each side takes every GPU of its own nodes; with launch.slurm.inference_nodes = 0 every node of the job
@@ -26,7 +27,7 @@ from pipelinerl.launch.commands import (
     policy_server,
     reference_server,
     reference_server_count,
-    threads_env,
+    server_env,
 )
 from pipelinerl.launch.local import policy_restart
 from pipelinerl.launch.placement import Placement, server_gpu_groups, split_node
@@ -75,7 +76,7 @@ def node_server_roles(cfg: Config, config_path: str, model: str, version: int, n
     gpus = node_placement(cfg).server_gpus
     roles = []
     for i in range(cfg.inference.num_servers):
-        env = threads_env(cfg)
+        env = server_env(cfg)
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible_gpus(gpus[i], cfg.launch.slurm.gpus_per_node)
         reference = i < references
@@ -93,6 +94,8 @@ def run_node_servers(cfg: Config, config_path: str, model: str, version: int, re
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
     references = reference_server_count(cfg) if node == reference_node else 0
     sup = Supervisor(Restarts.from_config(cfg, f"launch/{node}"))
+    print(f"pipelinerl slurm servers on {node}: {cfg.inference.num_servers} server(s), {references} of them "
+          f"reference, the policy from {model} at version {version}", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher's normal way to stop this role
     try:
         for role in node_server_roles(cfg, config_path, model, version, node, references):
