@@ -13,8 +13,11 @@ setup:
 run: setup
 	$(VENV)/bin/pipelinerl run $(CONFIG) $(ARGS)
 
+# The suite on TEST_WORKERS parallel pytest-xdist workers (0: in this process), each test module whole on one
+# worker and the slowest first (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: setup
-	$(VENV)/bin/python -m pytest -q --durations=25 $(ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check pipelinerl tools tests

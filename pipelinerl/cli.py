@@ -82,7 +82,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(cfg, args.port if args.port is not None else cfg.inference.base_port, args.version, args.reference)
 
 
-MASTER_PORT_BASE = 29400  # `train --nproc` takes the first free port from here for rank 0
+# `train --nproc` takes the first free port from here for rank 0; PIPELINERL_MASTER_PORT_BASE moves the range
+# (runs started side by side, e.g. the test suite's workers, each in a range of their own).
+MASTER_PORT_BASE = 29400
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -99,7 +101,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     argv = [sys.executable, "-m", "pipelinerl.cli", "train", args.config, *args.overrides]
     gpus = parse_gpu_ids(args.gpus) if args.gpus else None
     # Outside the kernel's ephemeral range (32768-60999), which busy HTTP clients churn through.
-    code = run_ranks(argv, args.nproc, args.master_port or free_port(MASTER_PORT_BASE), gpus)
+    base = int(os.environ.get("PIPELINERL_MASTER_PORT_BASE", MASTER_PORT_BASE))
+    code = run_ranks(argv, args.nproc, args.master_port or free_port(base), gpus)
     if code:
         raise SystemExit(code)
 

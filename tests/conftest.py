@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import WORKER, worker_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -14,6 +15,28 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("PIPELINERL_MASTER_PORT_BASE", str(29400 + 500 * WORKER))  # trainer ranks' ports (helpers.py)
+
+# Parallel workers (`make test`: pytest-xdist, --dist loadgroup): each module runs whole on one worker, and
+# modules sharing a session fixture run together on one (their runs and servers are made once). The slowest
+# groups are handed out first so that no worker is left with a long one at the end.
+SHARED = {"test_conventional": "conventional_runs", "test_kl_analysis": "conventional_runs",
+          "test_e2e_rl_options": "conventional_runs", "test_inference_recompute": "recompute_server",
+          "test_sampling_logprobs": "recompute_server"}
+SLOWEST_FIRST = ["test_slurm", "conventional_runs", "test_chaos", "test_trainer_loop", "test_e2e_local",
+                 "recompute_server", "test_inference_server", "test_actor", "test_reference", "test_trainer_deepspeed",
+                 "test_eval", "test_trainer_critic"]
+
+
+def pytest_collection_modifyitems(config, items):
+    def group(item) -> str:
+        module = item.module.__name__.rpartition(".")[2]
+        return SHARED.get(module, module)
+
+    rank = {g: i for i, g in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(group(item), len(rank)))  # stable: file order within a group
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +86,8 @@ def conventional_g2_run(tmp_path_factory, tiny_model_dir) -> Path:
     at least two digits followed by EOS), so every advantage is 0 and no step moves the weights: the KL
     analysis's zero-KL reference. An untrained model's 24-token samples did hit an answer now and then."""
     run_dir = tmp_path_factory.mktemp("conv_g2") / "run"
-    return run_pipelinerl(CONVENTIONAL, run_dir, tiny_model_dir, 6, 18610, "conventional.steps_per_batch=2",
+    return run_pipelinerl(CONVENTIONAL, run_dir, tiny_model_dir, 6, worker_port(18610),
+                          "conventional.steps_per_batch=2",
                           "trainer.num_gpus=3", "actor.sampling.max_new_tokens=1")
 
 
@@ -87,7 +111,8 @@ def conventional_g1_kl_value_run(tmp_path_factory, warm_model_dir) -> Path:
     at lag 0, the weights synced after every step) and tests/test_e2e_rl_options.py's (the reference
     log-probs, KL and value losses)."""
     run_dir = tmp_path_factory.mktemp("conv_g1_kl_value") / "run"
-    return run_pipelinerl(CONVENTIONAL, run_dir, warm_model_dir, 4, 18960, "conventional.steps_per_batch=1",
+    return run_pipelinerl(CONVENTIONAL, run_dir, warm_model_dir, 4, worker_port(18960),
+                          "conventional.steps_per_batch=1",
                           "rl.kl_coef=0.05", "rl.value_function=true",
                           "trainer.lr=1e-4")  # the tiny config's lr: the tests' 1e-3 wrecks a warm model
 
@@ -96,7 +121,8 @@ def conventional_g1_kl_value_run(tmp_path_factory, warm_model_dir) -> Path:
 def pipeline_lag0_run(tmp_path_factory, tiny_model_dir) -> Path:
     """Pipeline mode with max_lag = 0 (synchronous on-policy) on 2 trainer ranks, four optimizer steps."""
     run_dir = tmp_path_factory.mktemp("pipe_lag0") / "run"
-    return run_pipelinerl(REPO / "configs" / "tiny_cpu.yaml", run_dir, tiny_model_dir, 4, 18620, "actor.max_lag=0",
+    return run_pipelinerl(REPO / "configs" / "tiny_cpu.yaml", run_dir, tiny_model_dir, 4, worker_port(18620),
+                          "actor.max_lag=0",
                           "trainer.num_gpus=2")
 
 
@@ -128,7 +154,7 @@ def recompute_server(tiny_model_dir, tmp_path_factory):
     weights into it by an update and stops it): one server start instead of two."""
     from test_inference_server import serve
 
-    server = SharedServer(lambda: serve(tiny_model_dir, tmp_path_factory.mktemp("recompute_run"), 18212,
+    server = SharedServer(lambda: serve(tiny_model_dir, tmp_path_factory.mktemp("recompute_run"), worker_port(18212),
                                         "inference.kv_on_update=recompute"))
     yield server
     server.close()
@@ -136,7 +162,7 @@ def recompute_server(tiny_model_dir, tmp_path_factory):
 
 # Fixtures of the inference-server tests (tests/test_inference_*.py): each module defines its own
 # module-scoped `server` fixture ({"url", "run_dir", "token", "model"}); these resolve against it.
-GROUP_PORTS = iter(range(18260, 18290))  # one weight-update group port per connection
+GROUP_PORTS = iter(range(worker_port(18260), worker_port(18290)))  # one weight-update group port per connection
 GROUP_TIMEOUT_S = 6.0
 
 

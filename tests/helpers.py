@@ -1,6 +1,20 @@
 """Reference computations shared by tests (imported as `helpers`: pytest puts tests/ on sys.path)."""
 
+import contextlib
+import glob
+import os
+
 import torch
+
+# `make test` runs the modules on parallel pytest-xdist workers (gw0, gw1, ...). Every TCP port a test picks
+# goes through worker_port(): worker k's ports are shifted by k * PORT_SHIFT, so workers never compete for one
+# (the tests' ranges lie in 18000-19999; the trainer ranks' in PIPELINERL_MASTER_PORT_BASE, set in conftest).
+PORT_SHIFT = 2000
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+
+
+def worker_port(n: int) -> int:
+    return n + WORKER * PORT_SHIFT
 
 
 @torch.no_grad()
@@ -13,3 +27,15 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
         out.append(nxt)
         x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
     return out
+
+
+@contextlib.contextmanager
+def deepspeed_shm_removed(port: int):
+    """DeepSpeed's CPU shared-memory comm op leaves /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+    behind: remove those of the job whose rank 0 listened on `port` (never another worker's: other ports)."""
+    try:
+        yield
+    finally:
+        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

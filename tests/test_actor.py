@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers import worker_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelinerl.actor import Actor, Completion, ServerPool
@@ -32,7 +33,7 @@ from pipelinerl.tasks import get_task
 from pipelinerl.weights import TensorMeta, WeightBroadcaster
 
 REPO = Path(__file__).resolve().parent.parent
-PORTS = (18960, 18961)
+PORTS = (worker_port(18960), worker_port(18961))
 G = 4
 
 
@@ -450,7 +451,7 @@ def test_max_lag_zero_is_synchronous_on_policy(servers, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(servers["model"])
     model = AutoModelForCausalLM.from_pretrained(servers["model"])
     metas = [TensorMeta(n, "float32", list(t.shape)) for n, t in model.state_dict().items()]
-    broadcaster = WeightBroadcaster(servers["urls"], "gloo", "127.0.0.1", 18970, 60.0, 1 << 20,
+    broadcaster = WeightBroadcaster(servers["urls"], "gloo", "127.0.0.1", worker_port(18970), 60.0, 1 << 20,
                                     run_token(servers["run_dir"]))
     broadcaster.connect()
     proc = _start_actor(cfg_path, tmp_path / "actor.log")

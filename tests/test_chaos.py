@@ -14,11 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import worker_port
 
 pytestmark = pytest.mark.slow  # one `pipelinerl run` with 4 restarts (2 servers, the trainer, the actor): ~5 min
 
 REPO = Path(__file__).resolve().parent.parent
-PORT = 19330
+PORT = worker_port(19330)
 spec = importlib.util.spec_from_file_location("chaos", REPO / "tools" / "chaos.py")
 chaos = sys.modules["chaos"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
 spec.loader.exec_module(chaos)

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from helpers import worker_port
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pipelinerl.config import StreamsConfig
@@ -52,7 +53,8 @@ def _run(run_dir: Path, model_dir: Path, max_steps: int) -> subprocess.Completed
                  f"actor.sampling.max_new_tokens={COMPLETION_TOKENS}",
                  f"actor.sampling.min_new_tokens={COMPLETION_TOKENS}", "actor.eval_every_steps=4",
                  "actor.eval_samples=16",
-                 "checkpoints.every_steps=4", "logging.progress_bar=false", "inference.base_port=18950",
+                 "checkpoints.every_steps=4", "logging.progress_bar=false", f"inference.base_port={worker_port(18950)}",
+                 f"trainer.broadcast_port={worker_port(18990)}",
                  "inference.max_model_len=64", "streams.segment_max_seconds=0.5",
                  "inference.max_num_seqs=2",  # with min_new_tokens: generation is the bottleneck (docstring)
                  f"trainer.num_gpus={RANKS}"]

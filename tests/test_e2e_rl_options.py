@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO, S, run_pipelinerl
+from helpers import worker_port
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pipelinerl.config import StreamsConfig
@@ -54,7 +55,7 @@ def kl_value_run(conventional_g1_kl_value_run) -> Path:
 @pytest.fixture(scope="module")
 def dpo_run(tmp_path_factory, warm_model_dir) -> Path:
     run_dir = tmp_path_factory.mktemp("dpo") / "run"
-    return run_pipelinerl(REPO / "configs" / "tiny_cpu.yaml", run_dir, warm_model_dir, STEPS, 18970,
+    return run_pipelinerl(REPO / "configs" / "tiny_cpu.yaml", run_dir, warm_model_dir, STEPS, worker_port(18970),
                           "rl.algorithm=dpo", "rl.dpo_beta=0.5", *OPTIONS)  # rl.dpo_reference: the default
 
 

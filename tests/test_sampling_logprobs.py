@@ -16,7 +16,6 @@ at temperature 1) fails would be vacuous.
 
 import asyncio
 import copy
-import glob
 import os
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import connect_broadcaster
+from helpers import deepspeed_shm_removed, worker_port
 from test_inference_server import _send
 
 from pipelinerl.config import TrainerConfig, load_config
@@ -127,12 +127,9 @@ def scored(server, peaked_model_dir, tmp_path_factory):
 
     samples_by_t = {t: sample(server, t) for t in TEMPERATURES}
     out_path = tmp_path_factory.mktemp("scored") / "logprobs.pt"
-    before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
-    try:
-        mp.spawn(score, args=(free_port(18760), str(peaked_model_dir), samples_by_t, out_path), nprocs=1, join=True)
-    finally:  # DeepSpeed's shared-memory comm op leaves its buffers behind
-        for path in set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - before:
-            os.unlink(path)
+    port = free_port(worker_port(18760))
+    with deepspeed_shm_removed(port):
+        mp.spawn(score, args=(port, str(peaked_model_dir), samples_by_t, out_path), nprocs=1, join=True)
     result = {}
     for key, batches in torch.load(out_path, weights_only=False).items():
         stats = [token_stats(new_N, behaviour_N, torch.zeros_like(new_N),

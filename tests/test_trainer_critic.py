@@ -8,13 +8,13 @@ one more step, and the state loaded back. The tests check the records.
 """
 
 import functools
-import glob
 import os
 import random
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import deepspeed_shm_removed, worker_port
 
 from pipelinerl.config import TrainerConfig
 from pipelinerl.launch.procs import free_port
@@ -128,13 +128,9 @@ def runs(tiny_model_dir, tmp_path_factory):
     @functools.cache
     def get(world, stage):
         out_dir = tmp_path_factory.mktemp(f"critic_w{world}_z{stage}")
-        before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
-        try:
-            port = free_port(18700 + os.getpid() % 50)
+        port = free_port(worker_port(18700 + os.getpid() % 50))
+        with deepspeed_shm_removed(port):
             mp.spawn(worker, args=(world, port, str(tiny_model_dir), stage, out_dir), nprocs=world, join=True)
-        finally:  # DeepSpeed's shared-memory comm op leaves its buffers behind
-            for path in set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - before:
-                os.unlink(path)
         return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)], out_dir
 
     return get

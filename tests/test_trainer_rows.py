@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import worker_port
 
 from pipelinerl.config import ConfigError, load_config
 from pipelinerl.launch.procs import free_port
@@ -217,7 +218,7 @@ def _dpo_step_worker(rank, world, port, out_dir):
 def test_dpo_step_loss_is_the_mean_over_the_pairs_of_every_rank(tmp_path):
     """Two real ranks: the pair count is all-reduced, so both log the mean over rank 0's two pairs; rank
     1, with none, still joins the step (padding pass) and adds 0."""
-    mp.spawn(_dpo_step_worker, args=(2, free_port(18790), tmp_path), nprocs=2, join=True)
+    mp.spawn(_dpo_step_worker, args=(2, free_port(worker_port(18790)), tmp_path), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for out in ranks:
         stats = out["stats"]

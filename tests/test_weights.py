@@ -4,6 +4,7 @@ import gc
 import threading
 import time
 
+import helpers
 import pytest
 import torch
 
@@ -73,7 +74,7 @@ def _trainer_send(port: int, tensors: list[torch.Tensor], req: UpdateRequest, co
 
 @pytest.mark.parametrize("corrupt", [False, True])
 def test_receive_staged_round_trips_and_checks_checksums(corrupt):
-    port = 18520 + int(corrupt)
+    port = helpers.worker_port(18520) + int(corrupt)
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(3, 5, generator=g), torch.randn(7, generator=g).bfloat16(),
                torch.randn(40, generator=g), torch.tensor(12345)]
@@ -104,18 +105,19 @@ def _joined_pair(port: int) -> tuple[list, object]:
 
 
 def test_receive_times_out_naming_the_peer():
-    held, group = _joined_pair(18530)
+    trainer = helpers.worker_port(18530)
+    held, group = _joined_pair(trainer)
     req = UpdateRequest(1, 1 << 10, _metas())
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match="trainer at 127.0.0.1:18530"):
-        receive_staged(group, req, torch.device("cpu"), time.monotonic() + 1.0, "the trainer at 127.0.0.1:18530")
+    with pytest.raises(TimeoutError, match=f"trainer at 127.0.0.1:{trainer}"):
+        receive_staged(group, req, torch.device("cpu"), time.monotonic() + 1.0, f"the trainer at 127.0.0.1:{trainer}")
     assert time.monotonic() - t0 < 6.0 and held
 
 
 @pytest.mark.parametrize("how", ["abandoned", "died"])
 def test_receive_gives_up_at_once_when_the_trainer_abandons_the_group_or_dies(how):
     """The deadline is far; the receiver leaves within a few polls of the abort flag or of the store's loss."""
-    port = 18531 + (how == "died")
+    port = helpers.worker_port(18531) + (how == "died")
     held, group = _joined_pair(port)
     if how == "abandoned":
         held[0].abandon("a server died")

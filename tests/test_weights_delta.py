@@ -15,6 +15,7 @@ import pytest
 import torch
 import uvicorn
 from fastapi import FastAPI
+from helpers import worker_port
 from prometheus_client import CollectorRegistry
 
 from pipelinerl.inference.server import control_router
@@ -94,7 +95,7 @@ class Server:
                                      "keep", 0, registry=CollectorRegistry())
         app = FastAPI()
         app.include_router(control_router(self.updater, TOKEN))
-        self.port = port or free_port(18900)
+        self.port = port or free_port(worker_port(18900))
         self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()
@@ -152,7 +153,7 @@ def two_servers():
 
 
 def _broadcaster(servers, **kw) -> WeightBroadcaster:
-    b = WeightBroadcaster([s.url for s in servers], "gloo", "127.0.0.1", free_port(18950), TIMEOUT_S,
+    b = WeightBroadcaster([s.url for s in servers], "gloo", "127.0.0.1", free_port(worker_port(18950)), TIMEOUT_S,
                           bucket_bytes=2048, token=TOKEN, delta=True, **kw)
     b.connect()
     return b
@@ -327,7 +328,8 @@ def _run_broadcaster(tmp_path, servers):
         publish_server(tmp_path, "127.0.0.1", s.port)
     cfg = load_config(None, [f"run_dir={tmp_path}", f"model.path={tmp_path}", f"inference.auth_token={TOKEN}",
                              "model.dtype=bfloat16",
-                             "inference.weight_update_backend=gloo", f"trainer.broadcast_port={free_port(18970)}",
+                             "inference.weight_update_backend=gloo",
+                             f"trainer.broadcast_port={free_port(worker_port(18970))}",
                              f"inference.weight_update_timeout_s={TIMEOUT_S * 5}", "trainer.broadcast_delta=auto",
                              "trainer.broadcast_bucket_mb=0.002"])
     b = ServerBroadcaster(cfg, DistInfo(0, 1, 0, "gloo"))
@@ -415,7 +417,7 @@ def test_a_member_failing_to_join_does_not_hold_up_the_next_group():
     good, bad = Server(trainer.wire()), Server(trainer.wire())
     bad.engine.__class__ = BrokenJoinEngine
     timeout_s = 30.0  # the abandoned rendezvous would block for this long
-    b = WeightBroadcaster([good.url, bad.url], "gloo", "127.0.0.1", free_port(18950), timeout_s,
+    b = WeightBroadcaster([good.url, bad.url], "gloo", "127.0.0.1", free_port(worker_port(18950)), timeout_s,
                           bucket_bytes=2048, token=TOKEN)
     try:
         with pytest.raises(WeightTransferError, match="fell off the bus"):
