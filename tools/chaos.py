@@ -130,7 +130,10 @@ def log_events(path: Path, pattern: re.Pattern) -> list[tuple[float, int]]:
 class Chaos:
     """One `pipelinerl run` under kills."""
 
-    def __init__(self, config: str, overrides: list[str], out: Path, max_restarts: int, heal_timeout_s: float = 600):
+    def __init__(self, config: str, overrides: list[str], out: Path, max_restarts: int, heal_timeout_s: float = 600,
+                 start_timeout_s: float = 3600):
+        """`heal_timeout_s` bounds each wait between kills; `start_timeout_s` the wait for the run's first step
+        (which may build and warm-start the tiny model, then start the servers)."""
         self.run_dir = out.resolve()
         if (self.run_dir / "checkpoints").exists():
             raise SystemExit(f"{self.run_dir} already holds a run; chaos needs a fresh --out")
@@ -138,7 +141,7 @@ class Chaos:
                      f"run_dir={self.run_dir}"]
         self.cfg = load_config(config, overrides)
         self.argv = [*cli(), "run", str(Path(config).resolve()), *overrides]
-        self.heal_timeout_s, self.kills = heal_timeout_s, []
+        self.heal_timeout_s, self.start_timeout_s, self.kills = heal_timeout_s, start_timeout_s, []
         self.trainer_log = self.run_dir / "logs" / "trainer.log"
 
     def start(self) -> None:
@@ -176,6 +179,8 @@ class Chaos:
 
     def execute(self, p: Planned) -> Kill | None:
         """Wait for the moment `p` names, then kill; None when the run ended first."""
+        if not self.kills and not self._wait("the run's first trainer step", self.healed, self.start_timeout_s):
+            return None
         if not self._wait("the previous kill healed", self.healed, self.heal_timeout_s):
             return None
         target = self.last_step() + p.after_steps
@@ -320,15 +325,17 @@ class Result:
 def run_chaos(config: str, plan: list[Planned], out: Path, overrides: list[str] = (),
               timeout_s: float = 3600) -> Result:
     """Run `config` under `plan`'s kills, then measure and check it."""
-    chaos = Chaos(config, list(overrides), out, max_restarts=len(plan) + 1)
+    chaos = Chaos(config, list(overrides), out, max_restarts=len(plan) + 1, start_timeout_s=timeout_s)
     chaos.start()
     try:
         for p in plan:
             if chaos.execute(p) is None:
                 print(f"chaos: the run ended before kill {len(chaos.kills)} of {len(plan)}", flush=True)
                 break
-    finally:
-        code = chaos.finish(timeout_s)
+    except BaseException:
+        chaos.finish(0)  # stop the run now rather than let it go on unobserved
+        raise
+    code = chaos.finish(timeout_s)
     ok, verdict = exactly_once(chaos.run_dir) if code == 0 else (False, "no verdict: the run failed")
     return Result(code, ok, chaos.kills, table(chaos, code, verdict))
 
