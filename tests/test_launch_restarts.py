@@ -235,7 +235,7 @@ def test_a_restarted_policy_server_starts_from_the_latest_checkpoint(tmp_path):
     assert local[0].discovery == run_dir / "servers" / "127.0.0.1_18100"
     assert local[2].discovery == node[0].discovery == run_dir / "reference_servers" / "127.0.0.1_18102"
     slurm = plan_roles(cfg, dry_run_allocation(cfg), Path(config))
-    assert not slurm["servers"].restartable and slurm["trainer"].restartable and slurm["actor"].restartable
+    assert all(role.restartable for role in slurm.values()) and "servers@inference0" in slurm
 
 
 def test_the_launchers_follow_a_restarted_trainer_until_it_exits_0(tmp_path):

@@ -50,6 +50,21 @@ def _child_setup(cpus: list[int] | None):
     return setup
 
 
+@dataclass(frozen=True)
+class DiscoveryFiles:
+    """The discovery files of a role that runs several servers (a Slurm node's servers step), used like one
+    server's Path: removed together when the role dies, and it is up again once every one is back."""
+
+    paths: tuple[Path, ...]
+
+    def exists(self) -> bool:
+        return all(path.exists() for path in self.paths)
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        for path in self.paths:
+            path.unlink(missing_ok=missing_ok)
+
+
 @dataclass
 class Role:
     """One child process: what to run and where its output goes."""
@@ -61,8 +76,8 @@ class Role:
     cpus: list[int] | None = None  # CPU cores (affinity) of the role and all it starts; None: the launcher's
     restartable: bool = True  # False: its death stops the run whatever the restart policy
     restart_argv: Callable[[], list[str]] | None = None  # the command of a restart, computed then; None: argv
-    discovery: Path | None = None  # a server's discovery file (RUN_DIR/servers/host_port): removed when it dies,
-    #                                the server is up again once it published it anew
+    discovery: Path | DiscoveryFiles | None = None  # a server's discovery file (RUN_DIR/servers/host_port), or
+    #   the files of the servers a role runs: removed when it dies, it is up again once they are published anew
 
 
 class RoleFailed(RuntimeError):

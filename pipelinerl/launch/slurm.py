@@ -22,11 +22,12 @@ minus reference_servers policy servers. `check_config` refuses a placement that 
 first node or leaves no policy server.
 
 `launch` runs in the batch step. It prepares the run directory, starts one srun per role under a
-procs.Supervisor, waits for the servers through RUN_DIR/servers, starts trainer and actor, and waits
-for the trainer. A trainer or actor step that dies is run again while launch.max_restarts allows
-(launch/restarts.py): the trainer resumes from the latest checkpoint, the actor continues its stream. A
-server that dies is restarted by its node's agent (slurm_node.py) within the same budget; the `servers`
-step itself is not run again (its agents ended past that budget, or a node is lost), so it ends the job.
+procs.Supervisor (a `servers@NODE` step per server node, `trainer`, `actor`), waits for the servers through
+RUN_DIR/servers, starts trainer and actor, and waits for the trainer. A step that dies is run again while
+launch.max_restarts allows (launch/restarts.py): the trainer resumes from the latest checkpoint, the actor
+continues its stream, and a node's servers step runs again on that node from the latest checkpoint then,
+at its version, its servers' old discovery files removed first (the other nodes' servers keep serving).
+A server that dies inside a step is restarted by its node's agent (slurm_node.py) within the same budget.
 Requeue: Slurm's `--signal=B:USR1@N` reaches this process (the batch script execs
 it); it forwards SIGUSR1 to the trainer step (srun -> every rank), the trainer checkpoints
 after its current step and exits, the other roles stop, and the job runs `scontrol requeue` on itself.
@@ -44,14 +45,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipelinerl.config import Config
-from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR
-from pipelinerl.launch.commands import cli, reference_server_count, threads_env
+from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, advertised_host, server_file
+from pipelinerl.launch.commands import cli, reference_server_count, server_port, threads_env
 from pipelinerl.launch.local import ensure_model, prepare_run_dir, serving_weights, wait_for_servers
-from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
+from pipelinerl.launch.procs import DiscoveryFiles, Role, RoleFailed, Supervisor
 from pipelinerl.launch.restarts import Restarts
 from pipelinerl.launch.slurm_node import colocated, node_placement, run_node_servers
 from pipelinerl.launch.summary import summarize, summary_line
@@ -74,6 +75,8 @@ class Allocation:
     job_id: str  # what scancel and `scontrol requeue` take: the het leader's id, or ARRAYID_TASK for an
     #              array task (its bare SLURM_JOB_ID may be the array's own id, which names every task)
     unique_id: int  # SLURM_JOB_ID: distinct for every job and array task (derives default ports)
+    hostnames: dict[str, str] = field(default_factory=dict)  # server node -> its NodeHostName, the name its
+    #              servers advertise when bound to a wildcard address (missing: the node name itself)
 
 
 def slurm_command(*argv: str) -> subprocess.CompletedProcess:
@@ -89,13 +92,18 @@ def hostnames(nodelist: str) -> list[str]:
     return out.stdout.split()
 
 
+def node_field(node: str, name: str) -> str:
+    """One field of `scontrol show node NODE` (NodeAddr, NodeHostName, ...)."""
+    out = slurm_command("scontrol", "show", "node", node, "-o")
+    found = re.search(rf"\b{name}=(\S+)", out.stdout)
+    if out.returncode != 0 or not found:
+        raise RuntimeError(f"`scontrol show node {node}` gave no {name}: {out.stderr.strip()}")
+    return found.group(1)
+
+
 def node_address(node: str) -> str:
     """The address Slurm itself reaches a node at (NodeAddr; the node name where they agree)."""
-    out = slurm_command("scontrol", "show", "node", node, "-o")
-    found = re.search(r"\bNodeAddr=(\S+)", out.stdout)
-    if out.returncode != 0 or not found:
-        raise RuntimeError(f"`scontrol show node {node}` gave no NodeAddr: {out.stderr.strip()}")
-    return found.group(1)
+    return node_field(node, "NodeAddr")
 
 
 def allocation_from_env(cfg: Config, env=os.environ) -> Allocation:
@@ -118,7 +126,8 @@ def allocation_from_env(cfg: Config, env=os.environ) -> Allocation:
     job_id = env["SLURM_JOB_ID"]
     if "SLURM_ARRAY_TASK_ID" in env:
         job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    return Allocation(inference, training, node_address(training[0]), het, job_id, int(env["SLURM_JOB_ID"]))
+    names = {node: node_field(node, "NodeHostName") for node in inference}
+    return Allocation(inference, training, node_address(training[0]), het, job_id, int(env["SLURM_JOB_ID"]), names)
 
 
 def check_config(cfg: Config) -> None:
@@ -186,18 +195,15 @@ def drain_seconds(cfg: Config) -> int:
 
 
 def plan_roles(cfg: Config, alloc: Allocation, config_path: Path, python: str = sys.executable) -> dict[str, Role]:
-    """One srun per role: `servers` (component 0), `trainer` and `actor` (component 1).
+    """One srun per role: `servers@NODE` for each server node (component 0), `trainer` and `actor`
+    (component 1).
 
     The trainer is one srun task per rank (per GPU), not torchrun per node: Slurm then delivers USR1 to
     every rank itself. torchrun 2.13 dies of SIGUSR1 at once (seen: exit 138 with
     TORCHELASTIC_SIGNALS_TO_HANDLE set; it catches only SIGTERM), and the step would end with it,
     killing ranks in the middle of their checkpoint."""
     logs, pipelinerl, threads = Path(cfg.run_dir) / "logs", cli(python), threads_env(cfg)
-    model, version = serving_weights(cfg)
-    servers = _srun(alloc, 0, alloc.inference, cfg, gpus=True) + pipelinerl + [
-        "slurm", "servers", str(config_path), "--model", model, "--version", str(version)]
-    if reference_server_count(cfg):
-        servers += ["--reference-node", alloc.inference[0]]
+    servers = [servers_role(cfg, alloc, node, config_path, python) for node in alloc.inference]
     placement = node_placement(cfg)
     # One log per rank (%t: the task's rank), appended across requeues; trainer.log keeps srun's own lines.
     trainer = _srun(alloc, 1, alloc.training, cfg, gpus=True, tasks_per_node=placement.trainer_ranks) + [
@@ -206,9 +212,41 @@ def plan_roles(cfg: Config, alloc: Allocation, config_path: Path, python: str = 
     trainer_env = {**threads, "MASTER_ADDR": alloc.master_addr, "MASTER_PORT": str(master_port(cfg, alloc))}
     actor = _srun(alloc, 1, alloc.training[:1], cfg, gpus=False) + ["--overlap"] + pipelinerl + [
         "actor", str(config_path)]
-    return {"servers": Role("servers", servers, logs / "servers.log", threads, restartable=False),
+    return {**{role.name: role for role in servers},
             "trainer": Role("trainer", trainer, logs / "trainer.log", trainer_env),
             "actor": Role("actor", actor, logs / "actor.log", threads)}
+
+
+def servers_role(cfg: Config, alloc: Allocation, node: str, config_path: Path, python: str) -> Role:
+    """The servers step of one node: its agent (`pipelinerl slurm servers`, slurm_node.py) serving the
+    latest checkpoint at its version, computed again when the step is run again after it died (the
+    agents of the other nodes keep serving meanwhile), then pinned: the trainer runs and may rotate it away."""
+    name = f"servers@{node}"
+
+    def argv(pin: str | None = None) -> list[str]:
+        model, version = serving_weights(cfg, pin=pin)
+        # Colocated, the trainer's step holds the node too: a servers step run again must overlap it.
+        overlap = ["--overlap"] if colocated(cfg) else []
+        command = _srun(alloc, 0, [node], cfg, gpus=True) + overlap + cli(python) + [
+            "slurm", "servers", str(config_path), "--model", model, "--version", str(version)]
+        return command + (["--reference-node", alloc.inference[0]] if reference_server_count(cfg) else [])
+
+    return Role(name, argv(), Path(cfg.run_dir) / "logs" / f"{name}.log", threads_env(cfg),
+                restart_argv=lambda: argv(pin=name), discovery=node_discovery_files(cfg, alloc, node))
+
+
+def node_discovery_files(cfg: Config, alloc: Allocation, node: str) -> DiscoveryFiles:
+    """Where the servers of `node` announce themselves (commands.discovery_file, as seen from that node):
+    reference servers in the first slots of the first server node, policy servers in the others."""
+    bind = cfg.inference.host
+    host = alloc.hostnames.get(node, node) if advertised_host(bind) != bind else bind  # wildcard: the node's name
+    references = reference_server_count(cfg) if node == alloc.inference[0] else 0
+    files = []
+    for i in range(cfg.inference.num_servers):
+        reference = i < references
+        folder = REFERENCE_SERVERS_DIR if reference else SERVERS_DIR
+        files.append(server_file(cfg.run_dir, host, server_port(cfg, i, reference), folder))
+    return DiscoveryFiles(tuple(files))
 
 
 def rank_command(cfg: Config, trainer_gpus: list[str] | None, train: list[str]) -> str:
@@ -302,7 +340,9 @@ def launch(cfg: Config, alloc: Allocation) -> None:
     roles = plan_roles(cfg, alloc, config_path)
     signals, sup, requeue_now = _Signals(), Supervisor(Restarts.from_config(cfg)), False
     try:
-        sup.start(roles["servers"])
+        for role in roles.values():
+            if role.name.startswith("servers@"):
+                sup.start(role)
         references = reference_server_count(cfg)
         urls = wait_for_servers(cfg, sup, cfg.inference.num_servers * server_nodes(cfg) - references)
         log.info("servers healthy: %s", ", ".join(urls))
