@@ -155,6 +155,42 @@ def test_a_server_far_behind_takes_no_group_and_does_not_hold_the_throttle(tmp_p
         actor.close()
 
 
+def test_a_retried_request_keeps_its_lag_bound(tmp_path, tiny_model_dir):
+    """Step 11's group needs version >= 9 (max_lag 2). Its request fails on h:1; h:2, restarted on an older
+    checkpoint, is eligible (7 is within max_lag of the newest, 9) but too old for this group: the retry
+    waits until h:2 reports 9 instead of taking tokens of version 7."""
+    cfg = _config(tmp_path / "run", tiny_model_dir, tmp_path / "actor.yaml", "actor.max_lag=2")
+    _announce(tmp_path / "run", 1, 2)
+    reports, served = {"h:1": 9, "h:2": 7}, []
+    actor = Actor(cfg, "probe")
+    pool = actor.client.pool
+
+    def server(request: httpx.Request) -> httpx.Response:
+        host = request.url.netloc.decode()
+        if request.url.path == "/status":
+            return httpx.Response(200, json={"version": reports[host]})
+        served.append((host, pool.versions[f"http://{host}"]))
+        if host == "h:1":
+            reports["h:2"] = 9  # h:2 catches up (its next /status says so)
+            return httpx.Response(500, text="the engine died")
+        return httpx.Response(200, json={"choices": [_choice(k, "1", 2, True) for k in range(G)]})
+
+    async def group() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as http:
+            actor.version = await actor.client.serving_version(http)
+            actor.started_samples = 11 * cfg.trainer.samples_per_step
+            assert actor.version == 7 and not actor.may_start()  # the throttle itself counts on the oldest
+            pool.load["http://h:2"] = 5  # h:1 is the less loaded: it takes the first attempt
+            await actor.run_group(http, 0, actor.task.iter_train(0).__next__(), actor.min_version())
+
+    try:
+        assert actor.min_version() == -2  # step 0 at max_lag 2
+        asyncio.run(group())
+        assert served == [("h:1", 9), ("h:2", 9)]
+    finally:
+        actor.close()
+
+
 def test_without_a_lag_bound_every_server_takes_requests_and_at_lag_0_only_the_newest(tmp_path):
     """Mid-broadcast h:1 reports 2, h:2 still 1: at max_lag 0 the actor counts on 2 and h:2 (on version 1
     weights) gets no group; without a bound both are used and the serving version is the oldest."""

@@ -79,8 +79,10 @@ class ServerPool:
             log.info("server %s is no longer too far behind (caught up, or gone)", url)
         self.behind = behind
 
-    def acquire(self, avoid: set[str]) -> str | None:
-        eligible = self.eligible()
+    def acquire(self, avoid: set[str], min_version: int | None = None) -> str | None:
+        """The least-loaded eligible server, not in `avoid` if another one is eligible; only servers that
+        reported at least `min_version` (None: any) may take the request. None when no server may."""
+        eligible = [u for u in self.eligible() if min_version is None or self.versions.get(u, -1) >= min_version]
         candidates = [u for u in eligible if u not in avoid] or eligible
         if not candidates:
             return None
@@ -109,10 +111,12 @@ class CompletionsClient:
         self.reference_pool = ServerPool(run_dir, folder=REFERENCE_SERVERS_DIR) if reference else None
 
     async def complete(self, http: httpx.AsyncClient, prompt_ids: list[int], greedy: bool, n: int = 1,
-                       temperature: float | None = None) -> list[Completion]:
+                       temperature: float | None = None, min_version: int | None = None) -> list[Completion]:
         """n completions of one prompt in one request (the server shares the prompt's prefill), sampled at
         `temperature` (None: actor.sampling.temperature) unless greedy. The log-probs are those of the
-        distribution sampled (the servers' processed log-probs: tempered, EOS suppressed below min_tokens)."""
+        distribution sampled (the servers' processed log-probs: tempered, EOS suppressed below min_tokens).
+        `min_version`: only a server that reported at least this version takes the request, retries included
+        (the lag bound of the group: a retry must not land on a server restarted on an older checkpoint)."""
         s = self.cfg.sampling
         temperature = s.temperature if temperature is None else temperature
         # No "model": servers of one run may serve different folders (a resumed run serves the latest
@@ -121,7 +125,7 @@ class CompletionsClient:
                 "temperature": 0.0 if greedy else temperature, "top_p": 1.0 if greedy else s.top_p,
                 "min_tokens": 0 if greedy else s.min_new_tokens,
                 "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True}
-        return [_parse_choice(c) for c in await self._post_completions(http, self.pool, body)]
+        return [_parse_choice(c) for c in await self._post_completions(http, self.pool, body, min_version)]
 
     async def score_reference(self, http: httpx.AsyncClient, prompt_ids: list[int],
                               completions: list[Completion]) -> None:
@@ -162,26 +166,28 @@ class CompletionsClient:
                 self.pool.versions[url] = version
         return min((self.pool.versions[u] for u in self.pool.eligible() if u in self.pool.versions), default=-1)
 
-    async def _post_completions(self, http: httpx.AsyncClient, pool: ServerPool, body: dict) -> list[dict]:
-        """POST /v1/completions to the pool's least-loaded server and return the choices in index order;
-        retried on another server (bounded) when the request fails or times out."""
+    async def _post_completions(self, http: httpx.AsyncClient, pool: ServerPool, body: dict,
+                                min_version: int | None = None) -> list[dict]:
+        """POST /v1/completions to the pool's least-loaded server (of at least `min_version`) and return the
+        choices in index order; retried on another server (bounded) when the request fails or times out."""
         a = self.cfg
         tried: set[str] = set()
         for attempt in range(a.max_retries + 1):
-            url = pool.acquire(avoid=tried)
+            url = pool.acquire(avoid=tried, min_version=min_version)
             waited = 0
             while url is None:  # none announced (yet, or any more: the launcher restarts them), or none eligible
-                if pool.max_lag is not None and pool.refresh():  # announced, versions not known (yet)
+                if (pool.max_lag is not None or min_version is not None) and pool.refresh():  # versions to read
                     await self.serving_version(http)
-                    url = pool.acquire(avoid=tried)
+                    url = pool.acquire(avoid=tried, min_version=min_version)
                     if url is not None:
                         break
                 waited += 1
                 if waited % 60 == 0:
-                    log.warning("no %s server to take a request for %d s (announced: %s)", pool.folder, waited,
+                    log.warning("no %s server%s to take a request for %d s (announced: %s)", pool.folder,
+                                "" if min_version is None else f" at version >= {min_version}", waited,
                                 ", ".join(pool.refresh()) or "none")
                 await asyncio.sleep(1.0)
-                url = pool.acquire(avoid=tried)
+                url = pool.acquire(avoid=tried, min_version=min_version)
             tried.add(url)
             try:
                 resp = await http.post(f"{url}/v1/completions", json=body, timeout=a.request_timeout_s)

@@ -10,8 +10,9 @@ on-policy RL. The bound is exact when groups finish in the order they started; t
 
 Only servers within max_lag of the newest version any reports take groups (client.ServerPool), and v is
 the oldest of theirs: a server restarted on an old checkpoint waits until it catches up, without holding
-the throttle back. In conventional mode only servers at the newest version take groups (a batch needs one
-exact version).
+the throttle back. Each group's request carries the version the throttle waited for (min_version), and only
+a server that reported at least that one takes it or a retry of it. In conventional mode only servers at
+the newest version take groups (a batch needs one exact version).
 
 A restarted actor continues after its last started prompt and counts the groups it lost in flight
 (resume.py defines both).
@@ -91,9 +92,11 @@ class Actor:
     def prompt_ids(self, item: PromptItem) -> list[int]:
         return item.token_ids(self.tokenizer)
 
-    async def run_group(self, http: httpx.AsyncClient, index: int, item: PromptItem) -> list[Rollout]:
+    async def run_group(self, http: httpx.AsyncClient, index: int, item: PromptItem,
+                        min_version: int | None = None) -> list[Rollout]:
         prompt_ids = self.prompt_ids(item)
-        completions = await self.client.complete(http, prompt_ids, greedy=False, n=self.cfg.actor.attempts)
+        completions = await self.client.complete(http, prompt_ids, greedy=False, n=self.cfg.actor.attempts,
+                                                 min_version=min_version)
         if self.client.reference_pool is not None:
             await self.client.score_reference(http, prompt_ids, completions)
         return await self.score(f"{self.actor_id}/{index}", item, prompt_ids, completions, {"prompt_index": index})
@@ -146,6 +149,16 @@ class Actor:
             c = self.cfg.conventional
             return self.version >= self.started_samples // c.batch_size * c.steps_per_batch
         return a.max_lag is None or self.started_samples // S <= self.version + a.max_lag
+
+    def min_version(self) -> int | None:
+        """The oldest policy version the next group may be generated with (None: no bound): the version
+        may_start waits for. Its request carries it, so that a retry on another server (one restarted on an
+        older checkpoint meanwhile) keeps the bound."""
+        a = self.cfg.actor
+        if self.cfg.mode == "conventional":
+            c = self.cfg.conventional
+            return self.started_samples // c.batch_size * c.steps_per_batch
+        return None if a.max_lag is None else self.started_samples // self.cfg.trainer.samples_per_step - a.max_lag
 
     async def evaluate(self, http: httpx.AsyncClient, version: int) -> dict[str, float]:
         """Every eval suite (actor_suites) on the servers' weights of `version`: each item's completions go to the
@@ -204,7 +217,8 @@ class Actor:
         """Start every group the throttle allows, and record them before they run (at the next await)."""
         while self.may_start():
             index, self.next_prompt = self.next_prompt, self.next_prompt + 1
-            self.in_flight[asyncio.create_task(self.run_group(http, index, next(prompts)))] = index
+            task = self.run_group(http, index, next(prompts), self.min_version())
+            self.in_flight[asyncio.create_task(task)] = index
             self.started_samples += self.cfg.actor.attempts
         if self.next_prompt != self.recorded:
             self._record_started()
