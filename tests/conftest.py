@@ -1,6 +1,8 @@
 """Shared fixtures. Everything runs on CPU, offline."""
 
 import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,14 @@ os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("PIPELINERL_MASTER_PORT_BASE", str(29400 + 500 * WORKER))  # trainer ranks' ports (helpers.py)
+
+# torch's JIT extension loader (DeepSpeed's CPU shm comm op, loaded by every trainer rank) holds a lock file
+# while it checks the build; a process killed meanwhile leaves it behind and every later load waits forever.
+# A build takes about a minute: a lock older than 10 minutes is such a leftover.
+_JIT_LOCK = (Path.home() / ".cache" / "torch_extensions" / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+             / "deepspeed_shm_comm" / "lock")
+if _JIT_LOCK.exists() and time.time() - _JIT_LOCK.stat().st_mtime > 600:
+    _JIT_LOCK.unlink(missing_ok=True)
 
 # Parallel workers (`make test`: pytest-xdist, --dist loadgroup): each module runs whole on one worker, and
 # modules sharing a session fixture run together on one (their runs and servers are made once). The slowest
