@@ -37,7 +37,7 @@ def result(tmp_path_factory, tiny_model_dir):
                  "streams.segment_max_seconds=0.5", f"inference.base_port={PORT}",
                  f"trainer.broadcast_port={PORT + 50}"]
     out = tmp_path_factory.mktemp("chaos") / "run"
-    res = chaos.run_chaos(str(REPO / "configs" / "tiny_cpu.yaml"), PLAN, out, overrides, timeout_s=900)
+    res = chaos.run_chaos(str(REPO / "configs" / "tiny_cpu.yaml"), PLAN, out, overrides, timeout_s=1500)
     print(res.table)
     return res, out
 
