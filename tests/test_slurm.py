@@ -23,6 +23,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pipelinerl.config import StreamsConfig, load_config
+from pipelinerl.inference.rundir import list_servers
 from pipelinerl.launch import slurm
 from pipelinerl.launch.slurm import check_config, dry_run_allocation, plan_roles, render
 from pipelinerl.launch.slurm_node import node_placement, node_server_roles
@@ -432,13 +433,15 @@ def _servers_step(env: dict, job: str) -> tuple[str, str]:
     return steps[0][0], steps[0][1]
 
 
-def _kill_servers_step_at_a_checkpoint(env: dict, job: str, run_dir: Path, slurm_log: Path) -> tuple[str, int]:
+def _kill_servers_step_at_a_checkpoint(env: dict, job: str, run_dir: Path, slurm_log: Path) -> tuple[str, int, int]:
     """SIGKILL the inference node's servers step at a moment that makes the restarted servers serve a
     checkpoint of at least the dead servers' version (a request retried on them then keeps the lag bound),
     and exactly the trainer's last one: the actor is stopped (SIGSTOP) first, so the trainer takes the steps
     the stream holds (N // S), broadcasts and checkpoints the last (checkpoints.every_steps=1), then waits for
     data. Once that checkpoint is complete: kill, wait until the launcher has run the step again (its command
-    computed from that checkpoint), and only then let the actor go on. Returns (the node, the checkpoint step)."""
+    computed from that checkpoint) and every restarted server announced itself. Returns (the node, the
+    checkpoint step, the actor's pid) with the actor still stopped: the trainer's next step then has every
+    restarted server in its weight-update group."""
     actor = _actor_pid(run_dir)
     os.kill(actor, signal.SIGSTOP)
     try:
@@ -452,9 +455,13 @@ def _kill_servers_step_at_a_checkpoint(env: dict, job: str, run_dir: Path, slurm
                                rf"started servers@{node} \(pid", re.DOTALL)
         _wait_until(f"the restart of servers@{node}", lambda: restarted.search(slurm_log.read_text()),
                     timeout_s=120, log=slurm_log)
-    finally:
+        # The launcher removed the dead servers' discovery files before it ran the step again: these are new.
+        _wait_until("the restarted servers' announcements", lambda: len(list_servers(run_dir)) == SERVERS,
+                    timeout_s=JOB_TIMEOUT_S, log=slurm_log)
+    except BaseException:
         os.kill(actor, signal.SIGCONT)
-    return node, steps
+        raise
+    return node, steps, actor
 
 
 @pytest.mark.slow
@@ -464,7 +471,7 @@ def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, tin
     --signal=KILL): the launcher runs it again from the latest checkpoint and the servers take updates
     again. Then USR1 (Slurm's warning before the time limit): the job checkpoints, requeues itself and
     resumes. The two ranks together train the stream's samples once."""
-    run_dir, max_steps, max_lag = tmp_path / "run", 10, 2
+    run_dir, max_steps, max_lag = tmp_path / "run", 12, 2
     overrides = _tiny_overrides(run_dir, tiny_model_dir, max_steps=max_steps, port=18430) + [
         f"actor.max_lag={max_lag}", "checkpoints.every_steps=1"]
     started = time.monotonic()
@@ -478,19 +485,33 @@ def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, tin
         return False
 
     _wait_until("trainer step 2", trained_2_steps, timeout_s=JOB_TIMEOUT_S, poll_s=0.3, log=slurm_log)
-    node, killed_at = _kill_servers_step_at_a_checkpoint(slurm_env, job, run_dir, slurm_log)
-    assert 2 <= killed_at <= max_steps - 3, killed_at  # room for updates after the restart and for the requeue
+    node, killed_at, actor = _kill_servers_step_at_a_checkpoint(slurm_env, job, run_dir, slurm_log)
+    assert 2 <= killed_at <= 2 + max_lag + 1, killed_at  # what the stream held when the actor stopped
 
-    def restarted_servers_updated() -> bool:
-        assert not _job_finished(slurm_env, job), f"job {job} ended:\n{slurm_log.read_text()[-3000:]}"
-        counts = _updates_per_server_start(run_dir, node).values()
-        return all(len(c) == 2 and c[1] >= 1 for c in counts)
+    def stepped(step: int):
+        def done() -> bool:
+            assert not _job_finished(slurm_env, job), f"job {job} ended:\n{slurm_log.read_text()[-3000:]}"
+            return f"step {step}:" in trainer_log.read_text()
+        return done
 
-    _wait_until("updates of the restarted servers", restarted_servers_updated, timeout_s=JOB_TIMEOUT_S, log=slurm_log)
-    restarted_at = time.monotonic()
-    # What Slurm sends signal_seconds before the time limit: USR1 to the batch shell only.
-    _slurm(slurm_env, "scancel", "--batch", "--signal=USR1", job)
-    signalled = time.monotonic()
+    # The actor goes on. The trainer's next step re-forms the group with both restarted servers (announced)
+    # and logs once they acknowledged its weights; then the actor stops again, so the trainer runs out of
+    # data within max_lag + 1 more steps, before max_steps, and the requeue comes while it waits.
+    try:
+        os.kill(actor, signal.SIGCONT)
+        _wait_until(f"trainer step {killed_at + 1}", stepped(killed_at + 1), timeout_s=JOB_TIMEOUT_S, log=slurm_log)
+        os.kill(actor, signal.SIGSTOP)
+        _wait_until("the actor stopped", lambda: _stopped(actor), timeout_s=30, poll_s=0.1)
+        updates = _updates_per_server_start(run_dir, node)
+        assert all(len(c) == 2 and c[1] >= 1 for c in updates.values()), updates  # the restarted servers took it
+        restarted_at = time.monotonic()
+        # What Slurm sends signal_seconds before the time limit: USR1 to the batch shell only.
+        _slurm(slurm_env, "scancel", "--batch", "--signal=USR1", job)
+        signalled = time.monotonic()
+        _wait_until("the trainer's checkpoint for the requeue",
+                    lambda: "checkpointed at step" in trainer_log.read_text(), timeout_s=JOB_TIMEOUT_S, log=slurm_log)
+    finally:
+        os.kill(actor, signal.SIGCONT)  # it stops with the other roles
     _wait_until(f"the end of requeued job {job}", lambda: _job_finished(slurm_env, job), timeout_s=JOB_TIMEOUT_S,
                 log=slurm_log)
     print(f"flagship pipeline + servers step killed + requeue: {time.monotonic() - started:.0f} s from sbatch to "
