@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from helpers import worker_port
 from prometheus_client import CollectorRegistry
 
+from pipelinerl.inference.rundir import server_file
 from pipelinerl.inference.server import control_router
 from pipelinerl.inference.updates import WeightUpdater
 from pipelinerl.launch.procs import free_port
@@ -363,14 +364,19 @@ def test_a_dead_server_is_left_out_and_its_restart_joins_at_the_next_update(tmp_
         retry = b.broadcast(2, _metas(trainer.wire()), list(trainer.wire().values()))  # the loop's retry
         assert "failed" not in retry and list(retry["servers"]) == [servers[0].url]
         _assert_serving(servers[0], trainer.wire())
+        server_file(tmp_path, "127.0.0.1", servers[1].port).unlink()  # the launcher saw it die
+        formed = b._sender._groups
+        trainer.step(lr=1e-5)
+        assert "failed" not in b.broadcast(3, _metas(trainer.wire()), list(trainer.wire().values()))
+        assert b._sender._groups == formed  # a left-out server's announcement gone: no group re-formed
         servers[1] = _restart(servers[1], checkpoint, tmp_path)
         trainer.step(lr=1e-5)
-        out = b.broadcast(3, _metas(trainer.wire()), list(trainer.wire().values()))
+        out = b.broadcast(4, _metas(trainer.wire()), list(trainer.wire().values()))
         assert sorted(out["servers"]) == sorted(s.url for s in servers)
         assert out["bytes"] == sum(m.nbytes for m in _metas(trainer.wire()))  # dense: the new one has no base
         for s in servers:
             _assert_serving(s, trainer.wire())
-            assert s.updater.version == 3
+            assert s.updater.version == 4
     finally:
         b.close()
         for s in servers:

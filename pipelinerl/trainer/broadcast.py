@@ -86,6 +86,14 @@ class ServerBroadcaster:
         except (WeightTransferError, TimeoutError) as err:
             log.warning("could not form the weight-update group (retried before the next update): %s", err)
 
+    def _roster_changed(self, roster: dict[str, int]) -> bool:
+        """A server announced since the group formed (new, or restarted: announced anew), or a member's
+        announcement gone (it stopped). A server left out that is no longer announced changes nothing (the
+        launcher removes a dead server's announcement: re-forming then would cost a round for nothing)."""
+        members = self._sender.server_urls
+        return (any(self._roster.get(url) != at for url, at in roster.items())
+                or any(url not in roster for url in members))
+
     def broadcast(self, version: int, metas, tensors: Iterable[torch.Tensor]) -> dict:
         from pipelinerl.inference.rundir import server_roster
         from pipelinerl.weights import WeightTransferError
@@ -94,7 +102,7 @@ class ServerBroadcaster:
             return {"bytes": float(sum(t.numel() * t.element_size() for t in tensors))}
         tensors = iter(tensors)
         try:
-            if not self._sender.connected or server_roster(self.cfg.run_dir) != self._roster:
+            if not self._sender.connected or self._roster_changed(server_roster(self.cfg.run_dir)):
                 self._reform()
             if not self._sender.connected:
                 raise WeightTransferError("no weight-update group")
