@@ -54,7 +54,6 @@ from pipelinerl.launch.procs import die_with_parent  # noqa: E402
 KINDS = ("server", "actor", "trainer")
 _STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
 STEP_LINE = re.compile(_STAMP + r"INFO .*?: step (\d+): ", re.M)
-RESUMED_LINE = re.compile(_STAMP + r"INFO .*?: resumed from .* \(step (\d+),", re.M)
 LOST_LINE = re.compile(_STAMP + r"WARNING .*? lost (\d+) group\(s\) in flight", re.M)
 
 
@@ -233,17 +232,16 @@ class Chaos:
 
     def _measure(self) -> None:
         steps = log_events(self.trainer_log, STEP_LINE)
-        resumed = log_events(self.trainer_log, RESUMED_LINE)
         lost = log_events(self.run_dir / "logs" / "actor.log", LOST_LINE)
         ends = [k.at for k in self.kills[1:]] + [float("inf")]
         for k, end in zip(self.kills, ends):
             k.down_s = next((t - k.at for t, _ in steps if t > k.at), None)
             times = [k.at, *(t for t, _ in steps if k.at < t <= end)]
             k.stall_s = float(np.diff(times).max()) if len(times) > 1 else k.down_s
-            if k.role == "actor":
-                k.lost_groups = next((n for t, n in lost if t > k.at), None)
-            if k.role == "trainer":
-                k.redone_steps = next((k.step - n for t, n in resumed if t > k.at), None)
+            if k.role == "actor":  # a restarted actor logs its lost groups only when there are some
+                k.lost_groups = next((n for t, n in lost if k.at < t <= end), 0)
+            if k.role == "trainer":  # the restarted trainer's first step follows the one it resumed at (or 0)
+                k.redone_steps = next((k.step - (n - 1) for t, n in steps if t > k.at), None)
 
     def step_time_s(self) -> float:
         """The median time between consecutive trainer steps (the unit of `down (steps)`)."""
