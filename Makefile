@@ -17,7 +17,7 @@ run: setup
 # worker and the slowest first (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: setup
-	$(VENV)/bin/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check pipelinerl tools tests

@@ -27,9 +27,10 @@ _JIT_LOCK = (Path.home() / ".cache" / "torch_extensions" / f"py{sys.version_info
 if _JIT_LOCK.exists() and time.time() - _JIT_LOCK.stat().st_mtime > 600:
     _JIT_LOCK.unlink(missing_ok=True)
 
-# Parallel workers (`make test`: pytest-xdist, --dist loadgroup): each module runs whole on one worker, and
+# Parallel workers (`make test`: pytest-xdist, --dist loadscope): each module runs whole on one worker, and
 # modules sharing a session fixture run together on one (their runs and servers are made once). The slowest
-# groups are handed out first so that no worker is left with a long one at the end.
+# groups are handed out first so that no worker is left with a long one at the end. (xdist's own
+# `loadgroup` marks do nothing under pytest 9, whose node ids no longer take xdist's suffix.)
 SHARED = {"test_conventional": "conventional_runs", "test_kl_analysis": "conventional_runs",
           "test_e2e_rl_options": "conventional_runs", "test_inference_recompute": "recompute_server",
           "test_sampling_logprobs": "recompute_server"}
@@ -38,15 +39,27 @@ SLOWEST_FIRST = ["test_slurm", "conventional_runs", "test_chaos", "test_trainer_
                  "test_eval", "test_trainer_critic"]
 
 
-def pytest_collection_modifyitems(config, items):
-    def group(item) -> str:
-        module = item.module.__name__.rpartition(".")[2]
-        return SHARED.get(module, module)
+def _group(nodeid: str) -> str:
+    module = Path(nodeid.split("::")[0]).stem
+    return SHARED.get(module, module)
 
+
+def pytest_collection_modifyitems(config, items):
     rank = {g: i for i, g in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(group(item), len(rank)))  # stable: file order within a group
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=lambda item: rank.get(_group(item.nodeid), len(rank)))  # stable: file order within a group
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """With --dist loadscope, a work unit is a module group (_group) instead of a module."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ModuleGroups(config, log)
 
 
 @pytest.fixture(scope="session")
