@@ -422,7 +422,7 @@ def test_a_member_failing_to_join_does_not_hold_up_the_next_group():
     trainer = Trainer()
     good, bad = Server(trainer.wire()), Server(trainer.wire())
     bad.engine.__class__ = BrokenJoinEngine
-    timeout_s = 30.0  # the abandoned rendezvous would block for this long
+    timeout_s = 60.0  # the abandoned rendezvous would block for this long
     b = WeightBroadcaster([good.url, bad.url], "gloo", "127.0.0.1", free_port(worker_port(18950)), timeout_s,
                           bucket_bytes=2048, token=TOKEN)
     try:
@@ -430,7 +430,7 @@ def test_a_member_failing_to_join_does_not_hold_up_the_next_group():
             b.connect()
         t0 = time.monotonic()
         assert b.connect([good.url]) == [good.url]
-        assert time.monotonic() - t0 < timeout_s / 3
+        assert time.monotonic() - t0 < timeout_s / 2
         trainer.step(lr=1e-5)
         assert "failed" not in b.broadcast(1, _metas(trainer.wire()), list(trainer.wire().values()))
         _assert_serving(good, trainer.wire())
