@@ -3,7 +3,7 @@ VENV ?= .venv
 CONFIG ?= configs/tiny_cpu.yaml
 export HF_HUB_OFFLINE = 1
 
-.PHONY: setup run test lint
+.PHONY: setup run test lint bench
 
 setup:
 	@bash tools/setup_venv.sh
@@ -18,6 +18,11 @@ run: setup
 TEST_WORKERS ?= 2
 test: setup
 	$(VENV)/bin/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(ARGS)
+
+# Every benchmark and one markdown table of their key rows (runs/bench_all/table.md): tools/bench_all.py.
+# `make bench ARGS=--quick` is a smoke test at small sizes; ARGS="--only streams,grading" picks benches.
+bench: setup
+	$(VENV)/bin/python tools/bench_all.py $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check pipelinerl tools tests

@@ -12,6 +12,7 @@ against a memcpy-speed read. `--cold` evicts the files first, so the reads come 
 trainer on another node.
 
     python tools/bench_streams.py [--samples 2048] [--input numpy|lists] [--cold] [--dir /path/on/disk]
+                                  [--summary PATH]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_summary import Summary
 
 from pipelinerl.config import StreamsConfig
 from pipelinerl.streams import StreamReader, StreamWriter
@@ -150,7 +152,9 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true",
                         help="evict the written files from the page cache before reading them back")
     parser.add_argument("--dir", default=None, help="folder on the disk to measure (default: a temp folder)")
+    parser.add_argument("--summary", default=None, help="also write the key rows there (tools/bench_summary.py)")
     args = parser.parse_args()
+    summary = Summary("streams")
     cfg = StreamsConfig(segment_max_rows=args.segment_rows)
     groups = make_groups(args)
     base = Path(tempfile.mkdtemp(prefix="bench_streams_", dir=args.dir))
@@ -178,12 +182,17 @@ def main() -> None:
     r = report("raw", size, *min(raw, key=lambda t: t[0] + t[1]))
     print(f"ratio    stream / raw write+read = {100 * s / r:.0f} %  (target >= 50 %)")
     print(f"ratio    jsonl / raw write+read = {100 * j / r:.0f} %;  stream / jsonl = {s / j:.1f}x  (target > 1)")
+    summary.add("stream / raw write+read", s / r, "ratio", ">= 0.5")
+    summary.add("stream / jsonl write+read", s / j, "ratio", ">= 1")
+    for name, rate in (("stream", s), ("jsonl", j), ("raw", r)):
+        summary.add(f"{name} write+read", rate, "MB/s")
     start = time.perf_counter()
     for rows in groups:
         group_batch(rows)
     convert = time.perf_counter() - start
     print(f"of the stream's {best[0]:.2f} s of writing, {convert:.2f} s is validating rows and converting them to "
           "Arrow (in the actor); segments are encoded, checksummed and fsynced in the background meanwhile")
+    summary.write(args.summary)
 
 
 if __name__ == "__main__":
