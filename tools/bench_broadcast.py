@@ -5,7 +5,7 @@ For each model (the tiny one and a ~20M-parameter one, both built offline) this 
 it, and times `broadcast_weights` over several versions: once gather-only (no server), once with the
 broadcast. It prints bytes per step, gather time, broadcast time and the server's own update time.
 
-    python tools/bench_broadcast.py [--steps 5] [--models tiny,20m] [--work-dir /tmp/bench_broadcast]
+    python tools/bench_broadcast.py [--steps 5] [--models tiny,20m] [--work-dir /tmp/bench_broadcast] [--summary PATH]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch.multiprocessing as mp
+from bench_summary import Summary
 
 from pipelinerl.config import TinyModelConfig
 from pipelinerl.launch.procs import free_port
@@ -31,8 +32,6 @@ SHAPES = {
     "20m": TinyModelConfig(hidden_size=512, num_layers=7, num_attention_heads=8, num_key_value_heads=2,
                            intermediate_size=1536),
 }
-
-
 
 
 def start_server(model_dir: Path, run_dir: Path) -> subprocess.Popen:
@@ -106,7 +105,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--models", default="tiny,20m")
     parser.add_argument("--work-dir", default="/tmp/bench_broadcast")
+    parser.add_argument("--summary", default=None, help="also write the key rows there (tools/bench_summary.py)")
     args = parser.parse_args()
+    summary = Summary("broadcast")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -117,6 +118,11 @@ def main() -> None:
         print(f"{r['model']:6s} {r['params']:11,d} {r['bytes_per_step'] / 1e6:8.2f} {r['gather_s']:9.3f} "
               f"{r['gather_and_broadcast_s']:14.3f} {r['wire_s']:7.3f} {r['server_pause_s']:11.3f} "
               f"{r['server_load_s']:10.3f}", flush=True)
+        summary.add(f"{name}: bytes per step", r["bytes_per_step"] / 1e6, "MB")
+        summary.add(f"{name}: gather", r["gather_s"], "s")
+        summary.add(f"{name}: gather + broadcast", r["gather_and_broadcast_s"], "s")
+        summary.add(f"{name}: server pause", r["server_pause_s"], "s")
+    summary.write(args.summary)
 
 
 if __name__ == "__main__":

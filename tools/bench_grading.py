@@ -1,6 +1,6 @@
 """Math grading throughput: completions graded per second by the grading pool for 1, 2 and 4 workers.
 
-    .venv/bin/python tools/bench_grading.py [--completions 600] [--workers 1 2 4]
+    .venv/bin/python tools/bench_grading.py [--completions 600] [--workers 1 2 4] [--summary PATH]
 
 Completions are made up here: a few paragraphs of reasoning ending in a \\boxed{} answer that is right,
 equivalent in another form, wrong, or missing. All are submitted at once (as the actor's threads do
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import random
 import time
+
+from bench_summary import Summary
 
 from pipelinerl.tasks.grading import GradingPool
 from pipelinerl.tasks.math_task import _import_math_verify, grade_completion, job_timeout_s
@@ -55,13 +57,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--completions", type=int, default=600)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--summary", default=None, help="also write the key rows there (tools/bench_summary.py)")
     args = parser.parse_args()
+    summary = Summary("grading")
     jobs = completions(args.completions)
     rates = {n: graded_per_second(n, jobs) for n in args.workers}
     base = rates[args.workers[0]]
     print(f"{'workers':>8} {'graded/s':>10} {'vs ' + str(args.workers[0]):>8}")
     for n, rate in rates.items():
         print(f"{n:>8} {rate:>10.1f} {rate / base:>7.2f}x")
+        summary.add(f"graded, {n} worker{'s' * (n > 1)}", rate, "graded/s")
+    summary.write(args.summary)
 
 
 if __name__ == "__main__":

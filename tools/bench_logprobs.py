@@ -4,7 +4,7 @@ A random-init Qwen2-shaped model with a real-size vocabulary (152k, as Qwen2.5) 
 LM head's [tokens, vocab] logits dominate as they do at 7B. Each variant runs in a fresh subprocess and
 reports its peak resident memory (getrusage maxrss) above what it held before the forward pass.
 
-    .venv/bin/python tools/bench_logprobs.py [--tokens 4096] [--chunk 1024] [--vocab 151936]
+    .venv/bin/python tools/bench_logprobs.py [--tokens 4096] [--chunk 1024] [--vocab 151936] [--summary PATH]
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import resource
 import subprocess
 import sys
 import time
+
+from bench_summary import Summary
 
 
 def maxrss_mib() -> float:
@@ -63,10 +65,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64, help="model width")
     parser.add_argument("--repeats", type=int, default=2, help="forward + backward passes; the fastest counts")
     parser.add_argument("--variant", choices=("unchunked", "chunked"), help=argparse.SUPPRESS)  # a child run
+    parser.add_argument("--summary", default=None, help="also write the key rows there (tools/bench_summary.py)")
     args = parser.parse_args()
     if args.variant:
         print(json.dumps(run_variant(args)))
         return
+    summary = Summary("logprobs")
     rows = []
     for variant in ("unchunked", "chunked"):
         out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--variant", variant], check=True,
@@ -80,6 +84,11 @@ def main() -> None:
     (u, c) = rows
     print(f"chunked/unchunked: peak memory x{c['peak_mib'] / u['peak_mib']:.3f}, "
           f"time x{c['time_s'] / u['time_s']:.2f}; log-prob sums {u['logprob_sum']:.6g} vs {c['logprob_sum']:.6g}")
+    summary.add("peak memory, chunked / whole", c["peak_mib"] / u["peak_mib"], "ratio")
+    summary.add("fwd+bwd time, chunked / whole", c["time_s"] / u["time_s"], "ratio")
+    summary.add("peak memory, whole", u["peak_mib"], "MiB")
+    summary.add("peak memory, chunked", c["peak_mib"], "MiB")
+    summary.write(args.summary)
 
 
 if __name__ == "__main__":
