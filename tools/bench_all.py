@@ -38,7 +38,7 @@ class Bench:
     args: tuple[str, ...] = ()
     quick_args: tuple[str, ...] = ()
     timeout_s: float = 1800
-    quick_timeout_s: float = 600
+    quick_timeout_s: float = 1200  # vLLM servers start in minutes on a loaded 2-CPU machine
 
 
 # In the order they run: the long end-to-end comparison last. Full runs use each bench's defaults.

@@ -9,7 +9,7 @@ in the same dtype) scores the same tokens. Nothing changes the weights in betwee
 train/inference numerics. KL is estimated on the sampled tokens (rl.stats): k1 = mean(behaviour - current),
 k3 = mean(r - 1 - log r).
 
-    .venv/bin/python tools/bench_lm_head_precision.py [--vocab 151936] [--dtype bfloat16]
+    .venv/bin/python tools/bench_lm_head_precision.py [--vocab 151936] [--dtype bfloat16] [--summary PATH]
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from bench_summary import Summary
 
 if TYPE_CHECKING:
     import torch
@@ -157,7 +159,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="launch.torch_threads of the server")
     parser.add_argument("--seed", type=int, default=0, help="model and prompts")
     parser.add_argument("--work-dir", default=None, help="model and run folders (default: a temporary folder)")
+    parser.add_argument("--summary", default=None, help="also write the key rows there (tools/bench_summary.py)")
     args = parser.parse_args()
+    summary = Summary("lm_head_precision")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="bench_lm_head_") as tmp:
         work = Path(args.work_dir or tmp)
@@ -176,6 +180,11 @@ def main() -> None:
           f"max|d| {off['max_abs'] / on['max_abs']:.1f}x")
     print("d = behaviour - current log-prob per sampled token; head only: mean |d| between the trainer's "
           "own low-precision and float32 heads on the same tokens (the part the option can remove)")
+    summary.add("KL k3, lm_head_fp32 off / on", off["kl_k3"] / on["kl_k3"], "ratio")
+    summary.add("KL k3, lm_head_fp32 off", off["kl_k3"], "nats")
+    summary.add("KL k3, lm_head_fp32 on", on["kl_k3"], "nats")
+    summary.add("max per-token gap, off / on", off["max_abs"] / on["max_abs"], "ratio")
+    summary.write(args.summary)
 
 
 if __name__ == "__main__":
