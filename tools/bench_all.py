@@ -180,11 +180,12 @@ def select(only: str | None, skip: str | None) -> dict[str, Bench]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", help="comma-separated benches to run (default: all): " + ",".join(BENCHES))
+    parser.add_argument("--only", help="comma-separated benches to run (default: all of " + ", ".join(BENCHES) + ")")
     parser.add_argument("--skip", help="comma-separated benches not to run")
     parser.add_argument("--quick", action="store_true", help="each bench at small sizes (a smoke test)")
     parser.add_argument("--timeout", type=float, help="seconds per bench, for all (default: each bench's own)")
-    parser.add_argument("--out-dir", type=Path, default=REPO / "runs" / "bench_all")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "runs" / "bench_all",
+                        help="the summaries, the benches' output, table.md and summary.json")
     parser.add_argument("--bench-dir", type=Path, default=REPO / "tools", help="folder of the bench_<name>.py")
     args = parser.parse_args(argv)
     try:
