@@ -44,8 +44,8 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> None:
         from pipelinerl.config import TaskConfig
         from pipelinerl.tasks.warm_start import build_warm_tiny_model
 
-        result = build_warm_tiny_model(args.out_dir, shape, TaskConfig(name="addition", seed=args.seed))
-        print(f"tiny Qwen2 model saved to {args.out_dir}, warm-started on addition: {result['steps']} steps in "
+        result = build_warm_tiny_model(args.out_dir, shape, TaskConfig(name=args.task, seed=args.seed))
+        print(f"tiny Qwen2 model saved to {args.out_dir}, warm-started on {args.task}: {result['steps']} steps in "
               f"{result['seconds']:.0f} s, held-out greedy success {result['heldout_greedy']:.3f}")
         return
     from pipelinerl.tiny_model import build_tiny_model
@@ -168,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", help="folder to write (replaced if it exists)")
     p.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default 0)")
     p.add_argument("--warm-start", action="store_true",
-                   help="then train it briefly (supervised) on the addition task so RL starts above 0 success")
+                   help="then train it briefly (supervised) on --task so RL starts above 0 success")
+    p.add_argument("--task", choices=("addition", "remainder"), default="addition",
+                   help="the tiny task of --warm-start (default addition)")
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("streams", help="rollout stream tools")

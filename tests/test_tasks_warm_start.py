@@ -3,6 +3,7 @@ measured like transformers' own generate."""
 
 import shutil
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -64,3 +65,18 @@ def test_zero_steps_leaves_the_model_untouched(tiny_model_dir, tmp_path):
     result = warm_start(model_dir, get_task(TaskConfig(eval_fraction=0.01)), TinyModelConfig(warm_start_steps=0))
     assert result["steps"] == 0 and result["heldout_greedy"] == 0.0
     assert (model_dir / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_greedy_completions_of_long_traces_equal_generate_one_at_a_time(tiny_model_dir):
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    task = get_task(TaskConfig(name="remainder"))
+    items = [i for i in task.train_items if i.id in ("99-2", "23-5", "10-9", "57-3")]  # 1 to 49 terms
+    assert greedy_completions(model, tok, items) == hf_generate_completions(model, tok, items)
+
+
+def test_a_task_without_exact_completions_is_refused(tiny_model_dir, tmp_path):
+    class Graded(type(get_task(TaskConfig()))):
+        name, exact_completions = "graded", False
+
+    with pytest.raises(ValueError, match="exact completions.*'graded'"):
+        warm_start(tiny_model_dir, Graded(TaskConfig()), TinyModelConfig(warm_start_steps=1))

@@ -18,7 +18,11 @@ def task_class(name: str) -> type[Task]:
         from pipelinerl.tasks.math_task import MathTask
 
         return MathTask
-    raise ValueError(f"unknown task {name!r}; choose addition or math")
+    if name == "remainder":
+        from pipelinerl.tasks.remainder import RemainderTask
+
+        return RemainderTask
+    raise ValueError(f"unknown task {name!r}; choose addition, remainder or math")
 
 
 def get_task(cfg: TaskConfig) -> Task:

@@ -21,6 +21,7 @@ def answer_text(a: int, b: int) -> str:
 class AdditionTask(Task):
     name = "addition"
     reports_greedy_success = True  # a 90 x 90 table and a tiny model: greedy decoding takes seconds
+    exact_completions = True  # the answer is the whole completion text (the warm start trains on it)
 
     def __init__(self, cfg: TaskConfig):
         items = [PromptItem(id=f"{a}+{b}", prompt=f"{a}+{b}=", answer=answer_text(a, b))

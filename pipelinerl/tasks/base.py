@@ -17,7 +17,7 @@ class PromptItem:
 
     id: str  # stable id (logged, written to the rollout stream)
     prompt: str  # the user message text
-    answer: str  # the gold answer: for addition the exact completion text, for math the gold expression
+    answer: str  # the gold answer: the exact completion text (addition, remainder), the gold expression (math)
 
     @property
     def messages(self) -> list[dict]:
@@ -37,6 +37,8 @@ class Task(abc.ABC):
     # Held-out greedy success with transformers is cheap enough for the launcher to report it before and
     # after RL (`pipelinerl run` prints both at the end); False for tasks whose model or data set is large.
     reports_greedy_success: bool = False
+    # The gold answer is the exact completion text, so a supervised warm start can train on it (tiny tasks).
+    exact_completions: bool = False
 
     def __init__(self, train_items: list[PromptItem], eval_items: list[PromptItem], seed: int):
         if not train_items or not eval_items:

@@ -1,5 +1,5 @@
-"""Supervised warm start of the tiny model on the addition task, so that RL starts from a non-zero
-success rate (FACTS.md: RL got stuck from 0.21 held-out greedy, worked from >= 0.30).
+"""Supervised warm start of the tiny model on a tiny task (its answers are exact completions), so that RL
+starts from a non-zero success rate (FACTS.md: RL got stuck from 0.21 held-out greedy, worked from >= 0.30).
 
 Recipe measured in FACTS.md: AdamW (betas 0.9/0.98), batch 128, loss on the answer tokens (and EOS)
 only, held-out greedy success checked every 20 steps, stop at the target or the step budget.
@@ -39,13 +39,13 @@ def encode_examples(tokenizer, items: list[PromptItem]) -> tuple[torch.Tensor, t
     return ids_BL, labels_BL
 
 
-def _greedy_batch(model, prompt_ids_BL: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Argmax decoding of equal-length prompts (no padding needed): new tokens [B, max_new_tokens]."""
-    ids = prompt_ids_BL
-    for _ in range(max_new_tokens):
-        next_B = model(ids).logits[:, -1].argmax(-1)
-        ids = torch.cat([ids, next_B[:, None]], dim=1)
-    return ids[:, prompt_ids_BL.shape[1]:]
+def _greedy_batch(model, prompt_ids_BL: torch.Tensor, max_new_tokens: int, eos_token_id: int) -> torch.Tensor:
+    """Argmax decoding of equal-length prompts (no padding needed) with transformers' generate and its KV
+    cache: new tokens [B, <= max_new_tokens], EOS-padded after a sequence's EOS."""
+    out = model.generate(prompt_ids_BL, attention_mask=torch.ones_like(prompt_ids_BL), do_sample=False,
+                         max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos_token_id,
+                         pad_token_id=eos_token_id)
+    return out[:, prompt_ids_BL.shape[1]:]
 
 
 @torch.inference_mode()
@@ -63,7 +63,7 @@ def greedy_completions(model, tokenizer, items: list[PromptItem], batch_size: in
     for group in by_length.values():
         for start in range(0, len(group), batch_size):
             chunk = group[start:start + batch_size]
-            new_BN = _greedy_batch(model, torch.tensor([ids for _, ids in chunk]), max_new)
+            new_BN = _greedy_batch(model, torch.tensor([ids for _, ids in chunk]), max_new, tokenizer.eos_token_id)
             for (index, _), tokens in zip(chunk, new_BN.tolist()):
                 tokens = tokens[:len(items[index].answer) + 1]
                 finished = tokenizer.eos_token_id in tokens
@@ -99,19 +99,21 @@ def warm_start(model_dir: str | Path, task: Task, shape: TinyModelConfig) -> dic
     or at the first check with held-out greedy success >= shape.warm_start_target. Deterministic given
     shape.seed (batch order) apart from floating-point thread effects.
     """
-    if task.name != "addition":
-        raise ValueError(f"the warm start knows the addition task only (its answers are exact completions), "
-                         f"not {task.name!r}")
+    if not task.exact_completions:
+        raise ValueError(f"the warm start trains on exact completions (the tiny tasks: addition, remainder); "
+                         f"task {task.name!r} has none")
     started = time.monotonic()
     model, tokenizer = _load(model_dir)
     ids_BL, labels_BL = encode_examples(tokenizer, task.train_items)
+    lengths_B = (labels_BL != IGNORE).int().cumsum(1).argmax(1) + 1  # up to each row's last labelled token
     generator = torch.Generator().manual_seed(shape.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=shape.warm_start_lr, betas=(0.9, 0.98))
     model.train()
     steps, success, losses = 0, None, []
     while steps < shape.warm_start_steps:
         batch = torch.randint(0, len(ids_BL), (BATCH_SIZE,), generator=generator)
-        loss = model(input_ids=ids_BL[batch], labels=labels_BL[batch]).loss
+        width = int(lengths_B[batch].max())  # only the padding every row of this batch has is cut
+        loss = model(input_ids=ids_BL[batch, :width], labels=labels_BL[batch, :width]).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
