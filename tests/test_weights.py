@@ -1,6 +1,7 @@
 """The weight-update wire format and the trainer/receiver pair over real gloo, without vLLM."""
 
 import gc
+import os
 import threading
 import time
 
@@ -12,6 +13,7 @@ from pipelinerl.inference.rundir import list_servers, publish_server, run_token
 from pipelinerl.weights import (
     ALIGN_BYTES,
     InitRequest,
+    StagingBuffers,
     TensorMeta,
     UpdateRequest,
     WeightTransferError,
@@ -91,6 +93,72 @@ def test_receive_staged_round_trips_and_checks_checksums(corrupt):
         for (_, got), want in zip(staged, tensors):
             assert got.dtype == want.dtype and torch.equal(got, want)
     sender.join()
+
+
+def test_receive_reuses_its_buffers_until_forgotten():
+    """Two updates through one StagingBuffers land in the same memory, each with its own values; forgotten
+    buffers stay with whoever holds the tensors and the next update gets new ones."""
+    buffers, g, staged = StagingBuffers(), torch.Generator().manual_seed(1), []
+    for version in (1, 2):
+        port = helpers.worker_port(18540) + version
+        tensors = [torch.randn(3, 5, generator=g), torch.randn(7, generator=g).bfloat16(),
+                   torch.randn(40, generator=g), torch.tensor(version)]
+        req = UpdateRequest(version, 160, _metas(), checksums=True)
+        sender = threading.Thread(target=_trainer_send, args=(port, tensors, req))
+        sender.start()
+        group = open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 10.0), 1)
+        staged.append(receive_staged(group, req, torch.device("cpu"), time.monotonic() + 10, "trainer",
+                                     buffers=buffers))
+        sender.join()
+        assert all(torch.equal(got, want) for (_, got), want in zip(staged[-1], tensors))
+    ptrs = [s[0][1].untyped_storage().data_ptr() for s in staged]
+    assert ptrs[0] == ptrs[1]
+    buffers.forget()  # staged[1] still holds the old buffers: new memory, necessarily
+    assert buffers.take(0, 160, torch.device("cpu")).untyped_storage().data_ptr() != ptrs[1]
+
+
+def _gloo_thread_cores() -> dict[int, frozenset[int]]:
+    """This process's gloo threads (its TCP loops and workers): thread id -> the cores it may run on."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if "gloo" in f.read():
+                out[int(tid)] = frozenset(os.sched_getaffinity(int(tid)))
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_gloo_threads_take_the_cores_they_are_given_not_the_callers():
+    """Both ranks open the group from a thread bound to one core (as a vLLM CPU worker's main thread is);
+    rank 1 passes every core: its gloo threads may use them all, rank 0's keep the caller's one core."""
+    cores, port, before, groups = sorted(os.sched_getaffinity(0)), helpers.worker_port(18545), _gloo_thread_cores(), []
+
+    def open_rank(rank: int, cpus) -> None:
+        os.sched_setaffinity(0, cores[:1])  # this thread only
+        groups.append(open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 10.0), rank, cpus=cpus))
+
+    threads = [threading.Thread(target=open_rank, args=(0, None)), threading.Thread(target=open_rank, args=(1, cores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    new = {tid: c for tid, c in _gloo_thread_cores().items() if tid not in before}
+    assert len(groups) == 2 and set(new.values()) == {frozenset(cores[:1]), frozenset(cores)}
+
+
+def test_packing_copies_the_bytes_of_every_dtype_and_layout():
+    """The trainer's bucket copy (single-threaded on the host) against torch's own copy."""
+    from pipelinerl.weights.sender import _copy_into
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(64, 33, generator=g), torch.randn(5, 9, generator=g).t(),
+               torch.randn(7, generator=g).bfloat16(), torch.tensor(12345), torch.randn(3, requires_grad=True)]
+    buf = torch.zeros(9000, dtype=torch.uint8)
+    offsets = [0, 8448, 8704, 8768, 8832]  # ALIGN_BYTES apart, as plan_buckets places them
+    for off, t in zip(offsets, tensors):
+        _copy_into(buf[off:off + t.nbytes], t)
+    for off, t in zip(offsets, tensors):
+        assert torch.equal(buf[off:off + t.nbytes].view(t.dtype).view(t.shape), t.detach())
 
 
 def _joined_pair(port: int) -> tuple[list, object]:

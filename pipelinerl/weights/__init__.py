@@ -10,7 +10,7 @@ delta.py      delta updates: only the elements that changed (DeltaEncoder on the
 from pipelinerl.dtypes import dtype_name, torch_dtype
 from pipelinerl.weights.collective import broadcast_async, open_group, wait_work
 from pipelinerl.weights.delta import Delta, DeltaBase, DeltaEncoder, changed_positions
-from pipelinerl.weights.receiver import receive_staged
+from pipelinerl.weights.receiver import StagingBuffers, receive_staged
 from pipelinerl.weights.sender import WeightBroadcaster
 from pipelinerl.weights.wire import (
     ALIGN_BYTES,
@@ -38,6 +38,7 @@ __all__ = [
     "DeltaEncoder",
     "InitRequest",
     "TensorMeta",
+    "StagingBuffers",
     "UpdateRejected",
     "UpdateRequest",
     "WeightBroadcaster",

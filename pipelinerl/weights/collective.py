@@ -17,9 +17,12 @@ rendezvous then cannot hold up the next.
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from datetime import timedelta
+from threading import Thread
 
 import torch
 
@@ -43,9 +46,11 @@ def group_store(req: InitRequest):
 class WeightGroup:
     """A weight-update process group and its name-prefixed view of rank 0's store."""
 
-    def __init__(self, req: InitRequest, rank: int, store=None, stop: Callable[[], None] | None = None):
+    def __init__(self, req: InitRequest, rank: int, store=None, stop: Callable[[], None] | None = None,
+                 cpus: Iterable[int] | None = None):
         """Join (rank > 0: a new client of the trainer's store) or open (rank 0: in `store`, else as the
-        store's master). `stop` (rank 0) is called while members are awaited and may raise to give up."""
+        store's master). `stop` (rank 0) is called while members are awaited and may raise to give up.
+        `cpus`: the cores gloo's threads may run on (None: the calling thread's cores)."""
         timeout = timedelta(seconds=req.timeout_s)
         if store is None:
             store = torch.distributed.TCPStore(req.master_addr, req.master_port, None, rank == 0, timeout,
@@ -61,7 +66,7 @@ class WeightGroup:
             self.store.set(f"joined/{rank}", "1")
             self._await(["go"], deadline, self.check_abandoned, "the trainer's go")
         if req.backend == "gloo":
-            self.pg = torch.distributed.ProcessGroupGloo(self.store, rank, req.world_size, timeout)
+            self.pg = _gloo_group(self.store, rank, req.world_size, timeout, cpus)
         else:
             options = torch.distributed.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -108,10 +113,35 @@ class WeightGroup:
             self.pg.abort()
 
 
-def open_group(req: InitRequest, rank: int, store=None, stop: Callable[[], None] | None = None) -> WeightGroup:
+def _gloo_group(store, rank: int, world_size: int, timeout: timedelta, cpus: Iterable[int] | None):
+    """A ProcessGroupGloo whose threads may run on `cpus`. Gloo starts its threads (the TCP loop that copies
+    the bytes, its workers) in the constructor and they keep the creating thread's CPU affinity: a vLLM CPU
+    worker binds itself to its compute cores (one core on a 2-core machine), where the receive would then
+    share one core with everything else the worker does. So the group is made on a thread of its own, allowed
+    `cpus`."""
+    if cpus is None:
+        return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
+    made: Future = Future()
+
+    def make() -> None:
+        try:
+            os.sched_setaffinity(0, cpus)  # this thread only: 0 is the calling thread on Linux
+            made.set_result(torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout))
+        except BaseException as err:  # noqa: BLE001 -- handed to the waiting caller
+            made.set_exception(err)
+
+    thread = Thread(target=make, name="weights-gloo", daemon=True)
+    thread.start()
+    thread.join()
+    return made.result()
+
+
+def open_group(req: InitRequest, rank: int, store=None, stop: Callable[[], None] | None = None,
+               cpus: Iterable[int] | None = None) -> WeightGroup:
     """Join (rank > 0) or open (rank 0) the weight-update process group `req.group`. The group is private to
-    the weight updates, next to each program's own default group."""
-    return WeightGroup(req, rank, store, stop)
+    the weight updates, next to each program's own default group. `cpus`: the cores gloo's threads may use
+    (None: the calling thread's)."""
+    return WeightGroup(req, rank, store, stop, cpus)
 
 
 def abandon_open(store, group: str, reason: str) -> None:

@@ -11,8 +11,34 @@ from pipelinerl.weights.delta import Delta, DeltaBase
 from pipelinerl.weights.wire import UpdateRequest, plan_buckets, wire_parts
 
 
+class StagingBuffers:
+    """The receive buffers, kept from one update to the next: bucket k lands in buffer k. A fresh buffer costs
+    a page fault per 4 KiB page on first touch, which halved gloo's receive bandwidth on CPU.
+
+    An update's tensors are views into these buffers until loaded, so the owner hands them on only when
+    nothing refers to them any more: after the load, unless the delta base keeps the tensors (`forget` then),
+    and never after a failed collective (one that gave up may still be writing: `forget`)."""
+
+    def __init__(self) -> None:
+        self._bufs: list[torch.Tensor] = []
+
+    def take(self, k: int, nbytes: int, device: torch.device, pinned: bool = False) -> torch.Tensor:
+        """The first `nbytes` of buffer `k` on `device` (page-locked host memory with `pinned`)."""
+        while len(self._bufs) <= k:
+            self._bufs.append(torch.empty(0, dtype=torch.uint8))
+        buf = self._bufs[k]
+        if buf.numel() < nbytes or buf.device.type != device.type or buf.is_pinned() != pinned:
+            buf = self._bufs[k] = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pinned)
+        return buf[:nbytes]
+
+    def forget(self) -> None:
+        """Let the buffers go to whoever still refers to them; the next update allocates new ones."""
+        self._bufs = []
+
+
 def receive_staged(group: WeightGroup, req: UpdateRequest, device: torch.device, deadline: float, peer: str,
-                   staging: str = "host", base: DeltaBase | None = None) -> list[tuple[str, torch.Tensor]]:
+                   staging: str = "host", base: DeltaBase | None = None,
+                   buffers: StagingBuffers | None = None) -> list[tuple[str, torch.Tensor]]:
     """Server side: receive every bucket, return the update's (name, full tensor) pairs; nothing is loaded
     here, so a receive that fails part-way leaves the served model untouched (the caller drops the list).
 
@@ -22,21 +48,23 @@ def receive_staged(group: WeightGroup, req: UpdateRequest, device: torch.device,
     but the full model in device memory. On CPU both are the same: the bucket buffers are the staging
     memory and the tensors are views into them (inference.update_staging). Deltas (delta.py) are applied to
     `base` once every byte has arrived; a request with deltas and no base fails. Every wait gives up early
-    when the trainer abandons the group or dies (collective.py).
+    when the trainer abandons the group or dies (collective.py). The buckets land in `buffers` (new ones
+    when None).
     """
     assert staging in ("host", "device"), staging
     staged: list[tuple[str, torch.Tensor | Delta]] = []
     parts = wire_parts(req)
     buckets = plan_buckets(parts, req.bucket_bytes)
     pending: list[torch.Tensor] = []  # a delta's counts and offsets, until its values arrive
+    buffers = buffers if buffers is not None else StagingBuffers()
+    to_host = staging == "host" and device.type != "cpu"  # one device buffer, then bucket k in pinned 1 + k
     for k, bucket in enumerate(buckets):
-        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        buf = buffers.take(0 if to_host else k, bucket.nbytes, device)
         if bucket.nbytes:  # a bucket of unchanged tensors' empty deltas is not sent (sender.py skips it too)
             wait_work(broadcast_async(group, buf), deadline, f"bucket {k + 1}/{len(buckets)} from {peer}",
                       poll=group.check_abandoned)
-        if staging == "host" and buf.device.type != "cpu":
-            host = torch.empty(bucket.nbytes, dtype=torch.uint8, pin_memory=True)
-            buf = host.copy_(buf)
+        if to_host:
+            buf = buffers.take(1 + k, bucket.nbytes, torch.device("cpu"), pinned=True).copy_(buf)
         for i, off in zip(bucket.indexes, bucket.offsets):
             part = parts[i]
             meta = req.tensors[part.tensor]

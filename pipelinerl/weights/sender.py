@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -77,6 +79,7 @@ class WeightBroadcaster:
         self._bases: dict[str, int | None] = {}  # each server's delta base version (None: none)
         self._encoder = DeltaEncoder() if delta else None
         self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+        self._buffers: list[torch.Tensor | None] = [None, None]  # the two bucket buffers (_send_buckets)
 
     @property
     def connected(self) -> bool:
@@ -218,15 +221,18 @@ class WeightBroadcaster:
         UpdateRejectedByServers with the group still open."""
         started = time.monotonic()
         deadline = started + self.timeout_s
+        packer = _Packer(req, parts, self._buffer)
+        first = packer.pack(0)  # before the servers pause: gathering and packing bucket 1 stays off their pause
         posts = self._post_all("/request_weight_update", dict.fromkeys(self.server_urls, update_body(req)))
         try:
-            send_s = self._send_buckets(req, parts, deadline, posts)
+            send_s = self._send_buckets(packer, first, deadline, posts)
             if req.checksums:
                 self._send(torch.tensor(sums, dtype=torch.int64, device=self._device), deadline, posts,
                            "the checksum tensor")
             replies, errors = posts.settle(deadline + HTTP_MARGIN_S)
         except BaseException as err:
             self._abandon(f"update {req.version} failed on the trainer: {err}")  # the members stop waiting
+            self._buffers = [None, None]  # an abandoned send may still read them: the next round takes new ones
             raise
         if errors:
             if may_resend and all(err.body.get("group_ready") for err in errors.values()):
@@ -259,34 +265,34 @@ class WeightBroadcaster:
             thread.join(timeout=RELEASE_WAIT_S)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _send_buckets(self, req: UpdateRequest, tensors: Iterable[torch.Tensor], deadline: float,
-                      posts: Replies) -> float:
-        """Pack and send bucket by bucket, the request's parts in order; two buffers let packing overlap the
-        previous send. Returns the seconds spent sending (and waiting for sends)."""
-        parts = wire_parts(req)
-        it: Iterator[torch.Tensor] = iter(tensors)
-        in_flight: list = []
-        send_s = 0.0
-        for k, bucket in enumerate(plan_buckets(parts, req.bucket_bytes)):
-            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device)
-            for i, off in zip(bucket.indexes, bucket.offsets):
-                t = _next_checked(it, req.tensors[parts[i].tensor], parts[i])
-                buf[off:off + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+    def _send_buckets(self, packer: _Packer, first: torch.Tensor, deadline: float, posts: Replies) -> float:
+        """Send bucket by bucket (`first`: bucket 1, already packed), through two buffers: bucket k+1 is
+        gathered (the iterable may gather ZeRO-3 shards) and packed while bucket k is on the wire. Returns the
+        broadcast's wall time: from the first send to the last one completed (packing that does not overlap a
+        send counts)."""
+        in_flight: dict[int, tuple] = {}  # buffer slot -> (work, label) of the bucket it holds
+        first_send = None
+        for k, bucket in enumerate(packer.buckets):
+            if (pending := in_flight.pop(k % 2, None)) is not None:
+                self._wait(pending[0], deadline, posts, pending[1])
+            buf = packer.pack(k) if k else first
             if not bucket.nbytes:  # only empty deltas: nothing to send (receiver.py skips it too)
                 continue
-            t0 = time.monotonic()
-            if len(in_flight) == 2:
-                work, _, label = in_flight.pop(0)
-                self._wait(work, deadline, posts, label)
-            # the buffer stays referenced until its broadcast is waited for
-            in_flight.append((broadcast_async(self._group, buf), buf, f"bucket {k + 1}"))
-            send_s += time.monotonic() - t0
-        if next(it, None) is not None:
-            raise ValueError(f"the tensors iterable yields more than the {len(parts)} parts of the update")
-        t0 = time.monotonic()
-        for work, _, label in in_flight:
+            first_send = first_send or time.monotonic()
+            in_flight[k % 2] = (broadcast_async(self._group, buf), f"bucket {k + 1}")
+        packer.check_exhausted()
+        for work, label in in_flight.values():
             self._wait(work, deadline, posts, label)
-        return send_s + time.monotonic() - t0
+        return time.monotonic() - first_send if first_send is not None else 0.0
+
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of send buffer `slot` (0 or 1). The two buffers are kept from round to round: a
+        fresh one costs a page fault per 4 KiB page on first touch, which halved gloo's bandwidth on CPU."""
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers[slot] = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8,
+                                                    device=self._device)
+        return buf[:nbytes]
 
     def _send(self, tensor: torch.Tensor, deadline: float, posts: Replies, what: str) -> None:
         self._wait(broadcast_async(self._group, tensor), deadline, posts, what)
@@ -301,6 +307,30 @@ class WeightBroadcaster:
     def _post_all(self, path: str, bodies: dict[str, dict]) -> Replies:
         """POST bodies[url] to url + path for every server at once, on the pool."""
         return Replies({url: self._pool.submit(self._request, url, path, body) for url, body in bodies.items()})
+
+
+class _Packer:
+    """An update's parts packed bucket by bucket (wire.plan_buckets), in order, into the buffer that
+    `buffer(slot, nbytes)` returns: bucket k into slot k % 2."""
+
+    def __init__(self, req: UpdateRequest, tensors: Iterable[torch.Tensor],
+                 buffer: Callable[[int, int], torch.Tensor]):
+        self.req, self.parts, self._it, self._buffer = req, wire_parts(req), iter(tensors), buffer
+        self.buckets = plan_buckets(self.parts, req.bucket_bytes)
+
+    def pack(self, k: int) -> torch.Tensor:
+        """Bucket k, taking its parts from the tensors iterable (so buckets are packed in order)."""
+        bucket = self.buckets[k]
+        buf = self._buffer(k % 2, bucket.nbytes)
+        for i, off in zip(bucket.indexes, bucket.offsets):
+            part = self.parts[i]
+            t = _next_checked(self._it, self.req.tensors[part.tensor], part)
+            _copy_into(buf[off:off + t.nbytes], t)
+        return buf
+
+    def check_exhausted(self) -> None:
+        if next(self._it, None) is not None:
+            raise ValueError(f"the tensors iterable yields more than the {len(self.parts)} parts of the update")
 
 
 class UpdateRejectedByServers(WeightTransferError):
@@ -355,7 +385,7 @@ def http_json(url: str, path: str, body: dict | None, headers: dict, read_timeou
     method = "GET" if body is None else "POST"
     try:
         resp = httpx.request(method, url + path, json=body, headers=headers,
-                             timeout=httpx.Timeout(read_timeout_s, connect=10.0))
+                             timeout=httpx.Timeout(read_timeout_s, connect=10.0), verify=_ssl_context())
     except httpx.HTTPError as err:
         raise WeightTransferError(f"{method} {url}{path} failed: {err}") from err
     if resp.status_code != 200:
@@ -366,6 +396,13 @@ def http_json(url: str, path: str, body: dict | None, headers: dict, read_timeou
         raise WeightTransferError(f"{method} {url}{path} -> HTTP {resp.status_code}: {resp.text[:500]}",
                                   resp.status_code, body if isinstance(body, dict) else {})
     return resp.json()
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """The SSL context of every request: without one, httpx builds a new one per request (loading the CA
+    bundle: ~50 ms of CPU holding the GIL, measured on CPU), which delayed each update's first bucket."""
+    return httpx.create_ssl_context()
 
 
 def _on_thread(fn: Callable[[], object]) -> Future:
@@ -398,6 +435,16 @@ def _next_checked(it: Iterator[torch.Tensor], meta: TensorMeta, part: Part | Non
         raise ValueError(f"tensor for {what!r} is {dtype_name(t.dtype)} {list(t.shape)}, "
                          f"but the update says {dtype} {shape}")
     return t
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A bucket's bytes `dst` <- the bytes of `src`. Host to host as one single-threaded memcpy (through numpy):
+    torch's copy_ splits a large copy over its OpenMP threads, which wait for each other when the cores are
+    busy (1-2 GB/s instead of 6 on 2 shared cores, measured), and packing must keep up with gloo."""
+    if dst.is_cpu and src.is_cpu and src.is_contiguous():
+        dst.numpy()[:] = src.detach().reshape(-1).view(torch.uint8).numpy()
+    else:
+        dst.view(src.dtype).view(src.shape).copy_(src)
 
 
 def _checksummed(tensors: Iterable[torch.Tensor], sums: list[int]) -> Iterator[torch.Tensor]:

@@ -33,7 +33,12 @@ class VllmEngine:
 
     async def pause(self, recompute: bool) -> None:
         # "keep" freezes running requests in place; clearing the cache preempts them (re-prefill later).
-        await self.client.pause_generation(mode="keep", clear_cache=recompute)
+        # AsyncLLM.pause_generation is this call and a 20 ms sleep that, by its comment, only orders the final
+        # outputs of finishing requests before it returns: none finish in "keep" mode, and a token's version
+        # comes from the engine, not from when its output arrives. The sleep was most of the pause call.
+        if recompute:
+            await self.client.renderer.clear_mm_cache_async()
+        await self.client.engine_core.pause_scheduler_async(mode="keep", clear_cache=recompute)
 
     async def receive(self, req: UpdateRequest) -> None:
         await self.client.start_weight_update()

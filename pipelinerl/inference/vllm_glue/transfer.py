@@ -23,6 +23,7 @@ shards as it does for a checkpoint.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -35,7 +36,15 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from pipelinerl.inference.vllm_glue import ENGINE_NAME
-from pipelinerl.weights import DeltaBase, InitRequest, UpdateRejected, open_group, parse_update_request, receive_staged
+from pipelinerl.weights import (
+    DeltaBase,
+    InitRequest,
+    StagingBuffers,
+    UpdateRejected,
+    open_group,
+    parse_update_request,
+    receive_staged,
+)
 
 
 @dataclass
@@ -73,6 +82,7 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
         self.staging = "host"
         self.staged: list[tuple[str, torch.Tensor]] | None = None
         self.base = DeltaBase()  # the weights delta updates apply to (weights/delta.py), when the trainer sends them
+        self.buffers = StagingBuffers()  # where the buckets land, kept from one update to the next
         self.timings: dict[str, float] = {}
 
     @property
@@ -87,7 +97,11 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
         staging = fields.pop("staging")
         request = InitRequest(**fields)
         pc = self.parallel_config
-        group = open_group(request, request.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank)
+        # gloo's threads get the server's cores, not only the compute cores vLLM bound this worker to: the
+        # worker's parent, vLLM's engine core, keeps the server's (the launcher's launch.inference_cpus)
+        cpus = os.sched_getaffinity(os.getppid()) if request.backend == "gloo" else None
+        group = open_group(request, request.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank,
+                           cpus=cpus)
         self.shutdown()
         self.group, self.request, self.staging = group, request, staging
 
@@ -107,7 +121,7 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
         started = time.monotonic()
         try:
             self.staged = receive_staged(self.group, req, device, started + self.request.timeout_s, self.peer,
-                                         self.staging, self.base)
+                                         self.staging, self.base, self.buffers)
         except UpdateRejected:
             self.staged = None  # every collective completed: the group stays usable, the base is dropped
             raise
@@ -115,8 +129,11 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
             # A collective that failed half-way leaves the group unusable: the trainer must re-init.
             self.staged = None
             self.base.drop()
+            self.buffers.forget()  # a collective that gave up may still write into them
             self.shutdown()
             raise
+        if req.keep_base:
+            self.buffers.forget()  # the base holds views into them
         self.timings = {"receive_s": time.monotonic() - started}
 
     def finish_weight_update(self) -> None:
