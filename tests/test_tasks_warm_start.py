@@ -28,11 +28,11 @@ def test_encoding_puts_loss_on_answer_and_eos_only(tiny_model_dir):
 
 
 def hf_generate_completions(model, tok, items):
-    """Reference: transformers' generate, one prompt at a time."""
-    completions = []
+    """Reference: transformers' generate, one prompt at a time, up to the longest answer + EOS."""
+    completions, max_new = [], max(len(item.answer) for item in items) + 1
     for item in items:
         ids = tok(item.prompt, return_tensors="pt").input_ids
-        out = model.generate(ids, max_new_tokens=len(item.answer) + 1, do_sample=False)[0, ids.shape[1]:].tolist()
+        out = model.generate(ids, max_new_tokens=max_new, do_sample=False)[0, ids.shape[1]:].tolist()
         finished = tok.eos_token_id in out
         completions.append((tok.decode(out[:out.index(tok.eos_token_id)] if finished else out,
                                        skip_special_tokens=True), finished))
@@ -69,7 +69,7 @@ def test_zero_steps_leaves_the_model_untouched(tiny_model_dir, tmp_path):
 
 def test_greedy_completions_of_long_traces_equal_generate_one_at_a_time(tiny_model_dir):
     model, tok = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
-    task = get_task(TaskConfig(name="remainder"))
+    task = get_task(TaskConfig(name="arithmetic"))
     items = [i for i in task.train_items if i.id in ("99-2", "23-5", "10-9", "57-3")]  # 1 to 49 terms
     assert greedy_completions(model, tok, items) == hf_generate_completions(model, tok, items)
 

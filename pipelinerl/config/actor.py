@@ -128,12 +128,13 @@ def parse_eval_set(name: str, value) -> EvalSetConfig:
 class TaskConfig:
     """The data set and its reward."""
 
-    name: str = doc("addition", "addition (2-digit sums, answer written units-first; CPU) | remainder (n mod d by "
-                                "repeated subtraction: long-tailed traces; CPU) | math (math-verify)")
+    name: str = doc("addition", "addition (2-digit sums, answer written units-first; CPU) | arithmetic (sums "
+                                "mixed with remainders by repeated subtraction: long-tailed lengths; CPU) | "
+                                "math (math-verify)")
     dataset_path: str | None = doc(None, "math training rows: a .jsonl/.json/.parquet file (or a Hugging Face "
                                          "`datasets` folder) of {question, answer} "
                                          "rows (or problem/answer, or Open-Reasoner-Zero pairs)",
-                                   null="none: the tiny tasks (addition, remainder) read no file")
+                                   null="none: the tiny tasks (addition, arithmetic) read no file")
     eval_dataset_path: str | None = doc(None, "math test rows (e.g. MATH-500, AIME 2024), same formats",
                                         null="hold out eval_fraction of dataset_path instead")
     eval_fraction: float = doc(0.06, "share of the data held out for evaluation (never trained on)")
@@ -165,7 +166,7 @@ class TaskConfig:
                                        "that a correct answer always outscores a wrong one")
 
     def __post_init__(self) -> None:
-        check_choice(self.name, ("addition", "remainder", "math"), "task.name")
+        check_choice(self.name, ("addition", "arithmetic", "math"), "task.name")
         check(self.name != "math" or bool(self.dataset_path), "task.dataset_path",
               "the math task needs a file of {question, answer} rows (.jsonl, .json or .parquet)")
         check(0.0 < self.eval_fraction < 1.0, "task.eval_fraction", "must be in (0, 1)")

@@ -18,11 +18,11 @@ def task_class(name: str) -> type[Task]:
         from pipelinerl.tasks.math_task import MathTask
 
         return MathTask
-    if name == "remainder":
-        from pipelinerl.tasks.remainder import RemainderTask
+    if name == "arithmetic":
+        from pipelinerl.tasks.arithmetic import ArithmeticTask
 
-        return RemainderTask
-    raise ValueError(f"unknown task {name!r}; choose addition, remainder or math")
+        return ArithmeticTask
+    raise ValueError(f"unknown task {name!r}; choose addition, arithmetic or math")
 
 
 def get_task(cfg: TaskConfig) -> Task:

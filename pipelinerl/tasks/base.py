@@ -17,7 +17,7 @@ class PromptItem:
 
     id: str  # stable id (logged, written to the rollout stream)
     prompt: str  # the user message text
-    answer: str  # the gold answer: the exact completion text (addition, remainder), the gold expression (math)
+    answer: str  # the gold answer: the exact completion text (addition, arithmetic), the gold expression (math)
 
     @property
     def messages(self) -> list[dict]:

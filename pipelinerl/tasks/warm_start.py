@@ -50,8 +50,9 @@ def _greedy_batch(model, prompt_ids_BL: torch.Tensor, max_new_tokens: int, eos_t
 
 @torch.inference_mode()
 def greedy_completions(model, tokenizer, items: list[PromptItem], batch_size: int = 1024) -> list[tuple[str, bool]]:
-    """(completion text without EOS, finished) of each item's greedy decoding, capped at its answer's
-    length + 1 tokens (room for EOS): a longer completion could not earn the reward anyway."""
+    """(completion text without EOS, finished) of each item's greedy decoding, capped at the longest answer
+    of `items` + 1 tokens (room for EOS): the tiny tasks reward only the exact answer, so a longer completion
+    could not earn the reward anyway."""
     was_training = model.training
     model.eval()
     by_length: dict[int, list[tuple[int, list[int]]]] = {}
@@ -65,7 +66,6 @@ def greedy_completions(model, tokenizer, items: list[PromptItem], batch_size: in
             chunk = group[start:start + batch_size]
             new_BN = _greedy_batch(model, torch.tensor([ids for _, ids in chunk]), max_new, tokenizer.eos_token_id)
             for (index, _), tokens in zip(chunk, new_BN.tolist()):
-                tokens = tokens[:len(items[index].answer) + 1]
                 finished = tokenizer.eos_token_id in tokens
                 tokens = tokens[:tokens.index(tokenizer.eos_token_id)] if finished else tokens
                 results[index] = (tokenizer.decode(tokens, skip_special_tokens=True), finished)
@@ -100,7 +100,7 @@ def warm_start(model_dir: str | Path, task: Task, shape: TinyModelConfig) -> dic
     shape.seed (batch order) apart from floating-point thread effects.
     """
     if not task.exact_completions:
-        raise ValueError(f"the warm start trains on exact completions (the tiny tasks: addition, remainder); "
+        raise ValueError(f"the warm start trains on exact completions (the tiny tasks: addition, arithmetic); "
                          f"task {task.name!r} has none")
     started = time.monotonic()
     model, tokenizer = _load(model_dir)
