@@ -1,14 +1,18 @@
-"""PipelineRL against conventional RL on the same model, task, seed and machine, one after the other.
+"""PipelineRL against conventional RL on the same model, task, seed, budget and machine, one after the other.
 
-Each mode is a real `pipelinerl run` (tiny_cpu.yaml, then tiny_cpu_conventional.yaml, same overrides)
-while this process samples the servers' running-requests gauge from /metrics. Then, side by side:
-samples trained per second and generated tokens per second (over the same window: first to last
-optimizer step), mean inference batch occupancy (running requests / inference.max_num_seqs), trainer
-idle fraction (time waiting for data / step time), token lag mean and max, and the wall time from the
-first held-out evaluation (version 0) to the first one at or above --target; then pipeline /
-conventional ratios, and tools/lag_model.py's lag predicted from the measured occupancy and rates.
+Each mode is a real `pipelinerl run` of one config (default configs/tiny_long_tail.yaml: the long-tailed
+arithmetic task, server and trainer on their own cores), the conventional one with `mode=conventional`, G
+steps per batch and the whole batch in flight, while this process samples the servers' running-requests
+gauge from /metrics. Then, side by side: samples trained per second and generated tokens per second (over
+the same window: first to last optimizer step), inference batch occupancy (running requests /
+inference.max_num_seqs: mean, and per quarter of the window), trainer idle fraction (time waiting for data
+/ step time), token lag mean and max next to tools/lag_model.py's prediction from the measured occupancy and
+rates, mean ESS and KL(behaviour||current) (k3) of the steps, the completion lengths, and the wall time from
+the first held-out evaluation (version 0) to the first one at or above --target; then pipeline /
+conventional ratios (goal: >= 1.5 in samples/s and in time to the target, the inverse ratio for time).
 
-    python tools/bench_pipeline_vs_conventional.py [--steps 96] [--target 0.75] [--G 4] [key=value ...]
+    python tools/bench_pipeline_vs_conventional.py [--config C] [--steps 120] [--target T] [--G 4]
+        [--summary PATH] [key=value ...]
 """
 
 from __future__ import annotations
@@ -24,10 +28,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_summary import Summary
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = {"pipeline": REPO / "configs" / "tiny_cpu.yaml",
-           "conventional": REPO / "configs" / "tiny_cpu_conventional.yaml"}
 
 
 def _lag_model():
@@ -64,18 +67,31 @@ def _running_requests(prometheus_text: str) -> float:
                if line.startswith("vllm:num_requests_running"))
 
 
-def run_mode(mode: str, out_dir: Path, overrides: list[str], target: float) -> dict:
+def mode_overrides(config: Path, mode: str, G: int) -> list[str]:
+    """What turns the (pipeline) config into `mode`: conventional = G optimizer steps per generated batch of
+    G x samples_per_step, all of it in flight at once, the lag bounded by construction."""
+    from pipelinerl.config import load_config
+
+    if mode == "pipeline":
+        return []
+    cfg = load_config(config, [])
+    groups = G * cfg.trainer.samples_per_step // cfg.actor.attempts
+    return ["mode=conventional", f"conventional.steps_per_batch={G}", "actor.max_lag=null",
+            f"actor.max_groups_in_flight={groups}"]
+
+
+def run_mode(config: Path, mode: str, out_dir: Path, overrides: list[str], target: float) -> dict:
     """One `pipelinerl run` with the gauge sampled throughout; returns its measurements."""
     from pipelinerl.config import load_config
 
     run_dir = out_dir / mode
     args = [f"run_dir={run_dir}", *overrides]
-    cfg = load_config(CONFIGS[mode], args)
+    cfg = load_config(config, args)
     urls = [f"http://{cfg.inference.host}:{cfg.inference.base_port + i}" for i in range(cfg.inference.num_servers)]
     sampler = GaugeSampler(urls)
     sampler.start()
     started = time.time()
-    proc = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", str(CONFIGS[mode]), *args,
+    proc = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", str(config), *args,
                            "logging.progress_bar=false"], check=False, cwd=REPO, capture_output=True, text=True,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
     sampler.stop.set()
@@ -132,16 +148,25 @@ def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float,
     tokens, lengths = _generated_tokens(run_dir, t0, t1)
     busy = [sum(e.value for e in trainer[k]) for k in ("read_s", "train_s", "broadcast_s")]
     running = [v for t, v in gauge if t0 <= t <= t1]
+    slots = cfg.inference.max_num_seqs * cfg.inference.num_servers
+    quarters = [[v for t, v in gauge if t0 + q * window_s / 4 <= t < t0 + (q + 1) * window_s / 4] for q in range(4)]
     lag = read_token_stats(run_dir)["lag"]
     to_target_s, at_version = _time_to_target(_scalars(run_dir, "actor0").get("eval/success", []), target)
     return {"mode": cfg.mode, "samples_per_s": (len(steps) - 1) * cfg.trainer.samples_per_step / window_s,
             "tokens_per_s": tokens / window_s, "running_mean": float(np.mean(running)) if running else 0.0,
-            "occupancy": (float(np.mean(running)) if running else 0.0)
-            / (cfg.inference.max_num_seqs * cfg.inference.num_servers),
+            "occupancy": (float(np.mean(running)) if running else 0.0) / slots,
+            "occupancy_quarters": " ".join(f"{np.mean(q) / slots:.2f}" if q else "-" for q in quarters),
+            "ess": _step_mean(trainer, "ess"), "kl_k3": _step_mean(trainer, "kl_k3"),
+            "length_median": float(np.median(lengths)), "length_p99": float(np.percentile(lengths, 99)),
             "trainer_idle": busy[0] / sum(busy), "lag_mean": float(lag.mean()), "lag_max": int(lag.max()),
             "time_to_target_s": to_target_s, "target_version": at_version, "wall_s": wall_s,
             "mean_length": float(np.mean(lengths)), "lengths": lengths,
             "steps": steps[-1].step, "samples_per_step": cfg.trainer.samples_per_step, "max_lag": cfg.actor.max_lag}
+
+
+def _step_mean(scalars: dict[str, list], tag: str) -> float | None:
+    """Mean over the optimizer steps of a trainer scalar (None when the trainer did not log it)."""
+    return float(np.mean([e.value for e in scalars[tag]])) if tag in scalars else None
 
 
 def predicted_lag(result: dict, G: int) -> tuple[float, float]:
@@ -160,8 +185,11 @@ def predicted_lag(result: dict, G: int) -> tuple[float, float]:
 
 ROWS = [("samples trained / s", "samples_per_s", "{:.1f}"), ("generated tokens / s", "tokens_per_s", "{:.0f}"),
         ("mean running requests", "running_mean", "{:.1f}"), ("inference batch occupancy", "occupancy", "{:.3f}"),
+        ("occupancy per quarter", "occupancy_quarters", "{}"),
         ("trainer idle fraction", "trainer_idle", "{:.3f}"), ("lag mean (tokens)", "lag_mean", "{:.3f}"),
         ("lag max", "lag_max", "{}"), ("lag mean / max, lag model", "predicted", "{}"),
+        ("ESS (mean of steps)", "ess", "{:.3f}"), ("KL(behaviour||current) k3", "kl_k3", "{:.4f}"),
+        ("completion length median", "length_median", "{:.0f}"), ("completion length p99", "length_p99", "{:.0f}"),
         ("s to target success", "time_to_target_s", "{:.0f}"), ("  reached at version", "target_version", "{}"),
         ("wall s (whole run)", "wall_s", "{:.0f}")]
 
@@ -178,26 +206,47 @@ def print_table(results: dict[str, dict], target: float) -> None:
         print(f"{label:<28}{show[0]:>14}{show[1]:>14}{ratio:>11}")
 
 
+def write_summary(results: dict[str, dict], target: float, path: Path | None) -> None:
+    """The ratios with their goals (tools/bench_summary.py), and each mode's samples/s."""
+    pipe, conv = results["pipeline"], results["conventional"]
+    summary = Summary("pipeline_vs_conventional")
+    summary.add("samples/s, pipeline / conventional", pipe["samples_per_s"] / conv["samples_per_s"], "ratio",
+                ">= 1.5")
+    speedup = None
+    if pipe["time_to_target_s"] is not None and conv["time_to_target_s"] is not None:
+        speedup = conv["time_to_target_s"] / pipe["time_to_target_s"]
+    summary.add(f"time to held-out {target:.2f}, conventional / pipeline", speedup, "ratio", ">= 1.5")
+    for mode, r in results.items():
+        summary.add(f"{mode}: samples trained/s", r["samples_per_s"], "samples/s")
+        summary.add(f"{mode}: inference batch occupancy", r["occupancy"], "fraction")
+        summary.add(f"{mode}: trainer idle fraction", r["trainer_idle"], "fraction")
+    summary.write(path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="PipelineRL vs conventional RL, side by side (tiny model, CPU)")
-    parser.add_argument("--steps", type=int, default=96, help="optimizer steps per mode (a multiple of G)")
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "tiny_long_tail.yaml",
+                        help="the pipeline-mode config both modes run (conventional: with mode overrides)")
+    parser.add_argument("--steps", type=int, default=120, help="optimizer steps per mode (a multiple of G)")
     parser.add_argument("--G", type=int, default=4, help="conventional: optimizer steps per generated batch")
     parser.add_argument("--target", type=float, default=0.75, help="held-out greedy success to time")
     parser.add_argument("--out-dir", type=Path, default=REPO / "runs" / "bench_pipeline_vs_conventional")
     parser.add_argument("--base-port", type=int, default=18650)
+    parser.add_argument("--summary", type=Path, default=None, help="also write the ratios here (bench_all)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides applied to both modes")
     args = parser.parse_args()
-    common = [f"trainer.max_steps={args.steps}", f"conventional.steps_per_batch={args.G}",
-              f"actor.eval_every_steps={args.G}", f"inference.base_port={args.base_port}",
-              f"trainer.broadcast_port={args.base_port + 40}", *args.overrides]
+    common = [f"trainer.max_steps={args.steps}", f"actor.eval_every_steps={args.G}",
+              f"inference.base_port={args.base_port}", f"trainer.broadcast_port={args.base_port + 40}", *args.overrides]
     results = {}
     for mode in ("pipeline", "conventional"):
         print(f"running {mode} ({args.steps} steps)...", flush=True)
-        results[mode] = run_mode(mode, args.out_dir, common, args.target)  # `conventional.*` unused by pipeline
+        overrides = mode_overrides(args.config, mode, args.G) + common
+        results[mode] = run_mode(args.config, mode, args.out_dir, overrides, args.target)
         results[mode]["predicted"] = "{:.2f} / {:.2f}".format(*predicted_lag(results[mode], args.G))
     print_table(results, args.target)
     summary = {m: {k: v for k, v in r.items() if k != "lengths"} for m, r in results.items()}
     (args.out_dir / "results.json").write_text(json.dumps(summary, indent=1))
+    write_summary(results, args.target, args.summary)
     print(f"\nwrote {args.out_dir / 'results.json'}")
     return 0
 
