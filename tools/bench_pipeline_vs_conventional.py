@@ -227,9 +227,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="PipelineRL vs conventional RL, side by side (tiny model, CPU)")
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "tiny_long_tail.yaml",
                         help="the pipeline-mode config both modes run (conventional: with mode overrides)")
-    parser.add_argument("--steps", type=int, default=120, help="optimizer steps per mode (a multiple of G)")
+    parser.add_argument("--steps", type=int, default=160, help="optimizer steps per mode (a multiple of G)")
     parser.add_argument("--G", type=int, default=4, help="conventional: optimizer steps per generated batch")
-    parser.add_argument("--target", type=float, default=0.75, help="held-out greedy success to time")
+    parser.add_argument("--target", type=float, default=0.5, help="held-out greedy success to time")
     parser.add_argument("--out-dir", type=Path, default=REPO / "runs" / "bench_pipeline_vs_conventional")
     parser.add_argument("--base-port", type=int, default=18650)
     parser.add_argument("--summary", type=Path, default=None, help="also write the ratios here (bench_all)")
