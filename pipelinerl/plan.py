@@ -24,8 +24,10 @@ policy server vLLM takes gpu_memory_utilization x GPU for weights (b x P / TP), 
               float32 logits of max_num_seqs rows, 4 copies), CUDA graphs and runtime (a fixed 2.5 GB); the rest
               is KV cache, which must hold at least one max_model_len sequence. Beyond vLLM's share: the update
               staging (inference.update_staging: host = one bucket, at least the largest tensor; device = the
-              full model, since every TP worker receives full tensors) and the weight-update group's NCCL
-              buffers (0.5 GB). Host RAM of host staging: the full model per TP worker.
+              full model, TP 1 only) and the weight-update group's NCCL buffers (0.5 GB), both on the GPU of
+              the server's first TP worker, the only one that receives. Host RAM per server (`host`): host
+              staging, b x P (one copy: with TP > 1 in /dev/shm, which every TP worker loads from), and with
+              delta updates the base, b x P more.
 reference     the same without staging, plus the prompt log-probs it computes outside vLLM's profiled share:
               max_num_batched_tokens x V x (b + 8) (logits, their float32 copy, the log-softmax).
 """
@@ -129,6 +131,7 @@ class RolePlan:
     per_gpu_gb: float
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    host: dict[str, float] = field(default_factory=dict)  # host RAM in GB, per server (servers only)
 
 
 @dataclass
@@ -159,6 +162,7 @@ class MemoryPlan:
         for role in self.roles.values():
             lines.append(f"\n{role.title}: {role.per_gpu_gb:.1f} GB per GPU")
             lines += [f"  {k:<28} {v:8.2f} GB" for k, v in role.items.items()]
+            lines += [f"  host RAM: {k:<18} {v:8.2f} GB per server" for k, v in role.host.items()]
             lines += [f"  - {note}" for note in role.notes]
             lines += [f"  DOES NOT FIT: {p}" for p in role.problems]
         lines.append("\nfits" if self.fits else "\ndoes not fit")
@@ -283,13 +287,14 @@ def _server_checks(cfg: Config, shape: ModelShape, gpu_gb: float, role: RolePlan
                       f"{kv_tokens:,.0f} tokens ({kv_tokens / max(seq, 1):.0f} sequences of {seq} tokens; "
                       f"max_num_seqs {inf.max_num_seqs})")
     if not reference and inf.update_staging == "host":
-        role.notes.append(f"host staging: {model_gb * tp:.1f} GB of host RAM per server ({model_gb:.1f} GB per "
-                          f"TP worker: each receives full tensors), {model_gb * tp * inf.num_servers:.1f} GB "
-                          f"per inference node")
+        role.host["update_staging"] = model_gb
+        shm = " in /dev/shm, which every TP worker loads from" if tp > 1 else ""
+        role.notes.append(f"host staging: {model_gb:.1f} GB of host RAM per server (one copy, received by its first "
+                          f"TP worker{shm}), {model_gb * inf.num_servers:.1f} GB per inference node")
     if not reference and cfg.trainer.broadcast_delta == "auto":
-        role.notes.append(f"delta base: {model_gb * tp:.1f} GB of host RAM per server ({model_gb:.1f} GB per TP "
-                          "worker; host staging's dense tensors become the base, so a dense update needs up to "
-                          "twice that while it lands)")
+        role.host["delta_base"] = model_gb
+        role.notes.append(f"delta base: {model_gb:.1f} GB of host RAM per server (host staging's dense tensors "
+                          "become the base, so a dense update needs up to twice that while it lands)")
     if role.per_gpu_gb > gpu_gb:
         most = math.floor(100 * (gpu_gb - outside) / gpu_gb) / 100
         what = ("prompt log-probs" if reference else f"update staging ({inf.update_staging})") + \

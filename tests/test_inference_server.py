@@ -37,17 +37,19 @@ def server(tiny_model_dir, tmp_path_factory):
     yield from serve(tiny_model_dir, tmp_path_factory.mktemp("run"), PORT)
 
 
-def serve(model_dir: Path, run_dir: Path, port: int, *overrides: str):
-    """Run one `pipelinerl serve` until the generator is closed (a fixture body)."""
+def serve(model_dir: Path, run_dir: Path, port: int, *overrides: str, env: dict | None = None):
+    """Run one `pipelinerl serve` until the generator is closed (a fixture body); `env`: more variables.
+    Its processes are the session `pid` (the server's own pid)."""
     cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", str(TINY_CONFIG), "--model", str(model_dir),
            "--port", str(port), "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3",
            "inference.max_model_len=256", *overrides]
     with open(run_dir / "server.log", "w") as log:  # the server keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     try:
         url = _wait_published(run_dir, proc)
-        yield {"url": url, "run_dir": run_dir, "token": run_token(run_dir), "model": str(model_dir)}
+        yield {"url": url, "run_dir": run_dir, "token": run_token(run_dir), "model": str(model_dir),
+               "pid": proc.pid}
     finally:
         _stop(proc)
     assert list_servers(run_dir) == [], "a cleanly stopped server must remove its discovery file"

@@ -18,7 +18,7 @@ import torch
 from helpers import worker_port
 
 from pipelinerl import cli
-from pipelinerl.config import load_config
+from pipelinerl.config import ConfigError, load_config
 from pipelinerl.launch.procs import free_port
 from pipelinerl.plan import BUILTIN_SHAPES, check_before_start, load_shape, plan_for
 from pipelinerl.weights import (
@@ -101,8 +101,24 @@ def test_32b_on_80_and_141_gb_matches_the_hand_budget():
         assert plan.roles["trainer"].per_gpu_gb == pytest.approx(trainer / GB) and round(trainer / GB, 1) == 54.4
         server = plan.roles["server"]
         assert server.items["weights"] == pytest.approx(2 * P_32B / 4 / GB)  # TP 4
-        assert server.items["update_staging"] == pytest.approx(V * 5120 * 2 / GB)  # the embedding > 1 GiB
+        # on the receiving worker's GPU: one bucket, at least the embedding (> 1 GiB); the other three receive none
+        assert server.items["update_staging"] == pytest.approx(V * 5120 * 2 / GB)
         assert server.per_gpu_gb == pytest.approx(0.9 * gpu + (V * 5120 * 2 + 0.5e9) / GB)
+
+
+def test_32b_tp4_stages_one_model_copy_of_host_ram_per_server():
+    """The server receives once (its first TP worker, into /dev/shm) and its 4 workers load from that copy:
+    2 B x 32,763,876,352 = 65.53 GB per server, not 4 x 65.53 = 262.1 GB; 2 servers per inference node."""
+    plan = plan_for(_cfg("qwen32b_orz.yaml", "launch.gpu_memory_gb=141"))
+    server = plan.roles["server"]
+    assert server.host["update_staging"] == pytest.approx(2 * P_32B / GB) and round(2 * P_32B / GB, 2) == 65.53
+    assert server.host["delta_base"] == pytest.approx(2 * P_32B / GB)  # broadcast_delta=auto: the base, once
+    assert "host staging: 65.5 GB of host RAM per server" in " ".join(server.notes)
+    assert "131.1 GB per inference node" in " ".join(server.notes)  # 2 servers x 65.53
+    assert "host RAM: update_staging" in plan.render() and "65.53 GB per server" in plan.render()
+    device = plan_for(_cfg("qwen7b_orz.yaml", "launch.gpu_memory_gb=141", "inference.update_staging=device",
+                           "inference.gpu_memory_utilization=0.85"))
+    assert "update_staging" not in device.roles["server"].host  # device staging: no host copy
 
 
 def test_device_staging_costs_the_full_model_per_gpu_and_names_the_knobs():
@@ -116,9 +132,9 @@ def test_device_staging_costs_the_full_model_per_gpu_and_names_the_knobs():
     ok = plan_for(_cfg("qwen7b_orz.yaml", "launch.gpu_memory_gb=141", "inference.update_staging=device",
                        "inference.gpu_memory_utilization=0.85"))
     assert ok.fits  # 0.85 x 141 + 15.7 = 135.6 GB
-    tp4 = plan_for(_cfg("qwen32b_orz.yaml", "launch.gpu_memory_gb=141", "inference.update_staging=device"))
-    assert tp4.roles["server"].items["update_staging"] == pytest.approx(2 * P_32B / GB)  # full tensors per worker
-    assert not tp4.fits
+    # with TP > 1 one worker receives for the server and the others read host memory: device staging is refused
+    with pytest.raises(ConfigError, match="update_staging.*tensor_parallel_size 1.*update_staging=host"):
+        _cfg("qwen32b_orz.yaml", "inference.update_staging=device")
 
 
 def test_a_trainer_that_does_not_fit_names_the_number_and_the_knob():
@@ -217,7 +233,7 @@ def test_the_policy_travels_to_the_worker_engine_and_a_broken_broadcast_stages_n
     engine around it: one complete update, then one whose broadcast stops after a bucket."""
     from pipelinerl.inference.vllm_glue.transfer import StagedWeightEngine
 
-    pc = SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
+    pc = SimpleNamespace(data_parallel_index=0, world_size=1, rank=0, tensor_parallel_size=1)
     engine = StagedWeightEngine(None, SimpleNamespace(parallel_config=pc, model_config=None), torch.device("cpu"),
                                 model=None)
     port, tensors = free_port(worker_port(18720)), _tensors()

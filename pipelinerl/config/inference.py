@@ -31,10 +31,11 @@ class InferenceConfig:
         "host", "where a server keeps an incoming weight update until every byte has arrived (the served model is "
                 "untouched until then, so a failed broadcast never leaves it half-updated): host (each bucket lands "
                 "on the GPU and is copied to host RAM: one bucket of GPU memory beyond gpu_memory_utilization, the "
-                "full model of host RAM per tensor-parallel worker, since each receives full tensors) | device (the "
-                "buckets stay on the GPU: no device->host->device copies, but the full model of GPU memory per "
-                "worker beyond gpu_memory_utilization). On CPU both are the same memory. `pipelinerl plan` shows "
-                "which fits")
+                "full model of host RAM per server; with tensor_parallel_size > 1 only the server's first worker "
+                "receives, into /dev/shm, which must hold it, and every worker loads its shard from that one copy) "
+                "| device (the buckets stay on the GPU: no device->host->device copies, but the full model of GPU "
+                "memory beyond gpu_memory_utilization; tensor_parallel_size 1 only). On CPU both are the same "
+                "memory. `pipelinerl plan` shows which fits")
     weight_update_timeout_s: float = doc(600.0, "how long any weight-update wait may take (group join, each "
                                                 "bucket, each reply); the trainer sends it to the servers", unit="s")
     auth_token: str | None = doc(None, "bearer token of the control routes",
@@ -61,6 +62,9 @@ class InferenceConfig:
               "inference.cpu_kv_cache_gb", "vLLM takes whole GiB here (e.g. 1 or 4)")
         check_choice(self.kv_on_update, ("keep", "recompute"), "inference.kv_on_update")
         check_choice(self.update_staging, UPDATE_STAGING, "inference.update_staging")
+        check(self.update_staging == "host" or self.tensor_parallel_size == 1, "inference.update_staging",
+              "device staging needs tensor_parallel_size 1 (with more, one worker receives for the server and the "
+              "others read its staging from host memory): set update_staging=host")
         check(not (self.kv_on_update == "keep" and self.enable_prefix_caching), "inference.enable_prefix_caching",
               "kv_on_update=keep continues on stale KV, and vLLM cannot reset the prefix cache while those "
               "requests hold blocks: set enable_prefix_caching=false, or kv_on_update=recompute")

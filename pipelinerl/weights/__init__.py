@@ -4,6 +4,7 @@ wire.py       the wire format (request bodies, bucket layout, checksums): what b
 collective.py the private process group both sides join, and deadline-bounded waits on it
 sender.py     the trainer's side (rank 0): WeightBroadcaster
 receiver.py   the server's side: receive_staged
+shared.py     a tensor-parallel server's staging, received once and shared by its workers through /dev/shm
 delta.py      delta updates: only the elements that changed (DeltaEncoder on the trainer, DeltaBase on a server)
 """
 

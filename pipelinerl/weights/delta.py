@@ -13,7 +13,8 @@ costs 4 bytes where a dense one costs 2. Exact by construction:
 
 DeltaEncoder (trainer rank 0) keeps the weights of the last broadcast; DeltaBase (each server worker) keeps
 the same weights, applies a delta to them and hands the full tensors to the load. Both in host memory: one
-copy of the model each (per tensor-parallel worker on a server, since each receives full tensors).
+copy of the model each (on a server, in its receiving worker; with tensor parallelism in the /dev/shm staging
+that its other workers load from, weights/shared.py).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class DeltaEncoder:
 
 
 class DeltaBase:
-    """Server side, one per worker: the weights of `version` that deltas apply to (host memory)."""
+    """Server side, one per receiving worker: the weights of `version` that deltas apply to (host memory)."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}

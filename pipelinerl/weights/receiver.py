@@ -19,17 +19,29 @@ class StagingBuffers:
     nothing refers to them any more: after the load, unless the delta base keeps the tensors (`forget` then),
     and never after a failed collective (one that gave up may still be writing: `forget`)."""
 
+    can_pin = True  # host buffers may be page-locked (shared.SharedBuffers' may not)
+
     def __init__(self) -> None:
         self._bufs: list[torch.Tensor] = []
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory the buffers hold."""
+        return sum(buf.numel() for buf in self._bufs if buf.device.type == "cpu")
+
     def take(self, k: int, nbytes: int, device: torch.device, pinned: bool = False) -> torch.Tensor:
-        """The first `nbytes` of buffer `k` on `device` (page-locked host memory with `pinned`)."""
+        """The first `nbytes` of buffer `k` on `device` (page-locked host memory with `pinned`, where it can be)."""
+        pinned = pinned and self.can_pin
         while len(self._bufs) <= k:
             self._bufs.append(torch.empty(0, dtype=torch.uint8))
         buf = self._bufs[k]
         if buf.numel() < nbytes or buf.device.type != device.type or buf.is_pinned() != pinned:
-            buf = self._bufs[k] = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pinned)
+            buf = self._bufs[k] = (self._host(nbytes, pinned) if device.type == "cpu" else
+                                   torch.empty(nbytes, dtype=torch.uint8, device=device))
         return buf[:nbytes]
+
+    def _host(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     def forget(self) -> None:
         """Let the buffers go to whoever still refers to them; the next update allocates new ones."""
@@ -43,13 +55,13 @@ def receive_staged(group: WeightGroup, req: UpdateRequest, device: torch.device,
     here, so a receive that fails part-way leaves the served model untouched (the caller drops the list).
 
     Each bucket lands on `device`. staging="host" copies it to host memory before the next bucket (pinned
-    when `device` is a GPU, for the later host->device load): one bucket of device memory, the full model
-    of host RAM. staging="device" keeps the buckets where they landed: no device->host->device round trip,
-    but the full model in device memory. On CPU both are the same: the bucket buffers are the staging
-    memory and the tensors are views into them (inference.update_staging). Deltas (delta.py) are applied to
-    `base` once every byte has arrived; a request with deltas and no base fails. Every wait gives up early
-    when the trainer abandons the group or dies (collective.py). The buckets land in `buffers` (new ones
-    when None).
+    when `device` is a GPU and `buffers` can pin, for the later host->device load): one bucket of device
+    memory, the full model of host RAM. staging="device" keeps the buckets where they landed: no
+    device->host->device round trip, but the full model in device memory. On CPU both are the same: the
+    bucket buffers are the staging memory and the tensors are views into them (inference.update_staging).
+    Deltas (delta.py) are applied to `base` once every byte has arrived; a request with deltas and no base
+    fails. Every wait gives up early when the trainer abandons the group or dies (collective.py). The
+    buckets land in `buffers` (new ones when None).
     """
     assert staging in ("host", "device"), staging
     staged: list[tuple[str, torch.Tensor | Delta]] = []

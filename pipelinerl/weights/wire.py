@@ -4,7 +4,7 @@ Defined once here, imported by the trainer (sender.py) and by the server's worke
 
 1. ``POST /init_process_group`` with an :class:`InitRequest` body; the trainer opens the group as rank 0
    (TCPStore master) while every server joins as ranks ``rank_offset .. rank_offset + num_ranks - 1``
-   (one rank per vLLM worker, so tensor parallelism needs no special case).
+   (its /status ``num_ranks``: 1, its tensor-parallel rank 0 worker, which receives for the others).
 2. ``POST /request_weight_update`` with an :class:`UpdateRequest` body, then rank 0 broadcasts the
    request's parts (:func:`wire_parts`, in ``tensors`` order) packed into buckets (:func:`plan_buckets`:
    greedy, in order, each part at a 64-byte-aligned offset, a bucket never exceeds ``bucket_bytes`` unless
@@ -64,7 +64,7 @@ class InitRequest:
     master_addr: str  # host of the trainer's TCPStore (rank 0)
     master_port: int  # its port
     rank_offset: int  # rank of this server's first worker in the group (>= 1)
-    world_size: int  # 1 trainer rank + every worker of every server
+    world_size: int  # 1 trainer rank + every server's num_ranks (1 each: one receiving worker per server)
     backend: str  # "nccl" (GPU) | "gloo" (CPU)
     timeout_s: float  # every collective of the group fails after this many seconds
     group: str = "weights"  # the group's name in rank 0's store: unique per group the trainer forms

@@ -10,6 +10,7 @@ from dataclasses import asdict
 
 from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
+from pipelinerl.inference.vllm_glue.transfer import group_members
 from pipelinerl.weights import InitRequest, UpdateRequest, update_body
 
 
@@ -19,8 +20,9 @@ class VllmEngine:
 
     @property
     def num_ranks(self) -> int:
-        """Workers that each join the weight-update group (one per tensor-parallel rank)."""
-        return self.client.vllm_config.parallel_config.world_size
+        """Workers that join the weight-update group: one per server (its tensor-parallel rank 0 receives for
+        the others, transfer.py), one per pipeline stage with pipeline parallelism."""
+        return group_members(self.client.vllm_config.parallel_config)
 
     async def set_version(self, version: int) -> None:
         # vLLM versions are strings; the per-token spans carry them back (serving.per_token_versions).
@@ -30,6 +32,7 @@ class VllmEngine:
         # staging is this server's inference.update_staging: a server-side choice, so not in the trainer's body
         info = {**asdict(req), "staging": staging}
         await self.client.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+        await self._raise_failure()
 
     async def pause(self, recompute: bool) -> None:
         # "keep" freezes running requests in place; clearing the cache preempts them (re-prefill later).
@@ -43,6 +46,18 @@ class VllmEngine:
     async def receive(self, req: UpdateRequest) -> None:
         await self.client.start_weight_update()
         await self.client.update_weights(WeightTransferUpdateRequest(update_info=update_body(req)))
+        try:
+            await self._raise_failure()
+        except RuntimeError:
+            await self.client.finish_weight_update()  # ends vLLM's update session; the workers load nothing
+            raise
+
+    async def _raise_failure(self) -> None:
+        """The workers keep the error of their latest join or receive instead of raising it
+        (transfer.StagedWeightEngine._recorded): raise the first, in worker rank order."""
+        failures = [f for f in await self.client.collective_rpc("pipelinerl_failure") if f is not None]
+        if failures:
+            raise RuntimeError(failures[0])
 
     async def load(self, version: int) -> None:
         await self.client.finish_weight_update(str(version))
@@ -54,5 +69,5 @@ class VllmEngine:
         return await self.client.collective_rpc("pipelinerl_update_timings")
 
     async def in_group(self) -> bool:
-        """Whether every worker still holds its group (a worker drops one whose collective failed)."""
+        """Whether every receiving worker still holds its group (it drops one whose collective failed)."""
         return all(await self.client.collective_rpc("pipelinerl_has_group"))
