@@ -82,6 +82,15 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+@torch.no_grad()
+def perturb_sparsely(model, g: torch.Generator) -> None:
+    """Move 1 % of each parameter's elements (at least one) by noise: a step a delta update sends sparsely."""
+    for p in model.parameters():
+        flat = p.view(-1)
+        picked = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
+        flat[picked] += torch.randn(picked.numel(), generator=g) * 0.5
+
+
 def _send(b: WeightBroadcaster, version: int, model) -> dict:
     params = list(model.named_parameters())
     metas = [TensorMeta(n, dtype_name(p.dtype), list(p.shape)) for n, p in params]
@@ -167,11 +176,7 @@ def test_twenty_delta_updates_are_exact_and_match_transformers(server, models, b
         _send(delta, 30, model)
         dense = sum(p.numel() * 4 for p in model.parameters())
         for version in range(31, 51):
-            with torch.no_grad():
-                for p in model.parameters():
-                    flat = p.view(-1)
-                    picked = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
-                    flat[picked] += torch.randn(picked.numel(), generator=g) * 0.5
+            perturb_sparsely(model, g)
             reply = _send(delta, version, model)
             assert reply["servers"][server["url"]]["delta_base"] == version
             assert reply["bytes"] < 0.05 * dense and reply["delta_tensors"] == len(list(model.parameters()))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import connect_broadcaster
 from helpers import hf_greedy, worker_port
-from test_inference_server import HTTP_TIMEOUT_S, PROMPTS, _auth, _complete, _ids, _send, serve
+from test_inference_server import HTTP_TIMEOUT_S, PROMPTS, _auth, _complete, _ids, _send, perturb_sparsely, serve
 
 from pipelinerl.weights import (
     InitRequest,
@@ -97,11 +97,7 @@ def test_delta_updates_from_the_shared_base_are_exact(server, models, broadcaste
     try:
         _send(delta, 10, model)
         for version in range(11, 16):
-            with torch.no_grad():
-                for p in model.parameters():
-                    flat = p.view(-1)
-                    picked = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
-                    flat[picked] += torch.randn(picked.numel(), generator=g) * 0.5
+            perturb_sparsely(model, g)
             reply = _send(delta, version, model)
             assert reply["servers"][server["url"]]["delta_base"] == version and reply["delta_tensors"] > 0
     finally:
