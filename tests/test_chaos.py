@@ -48,7 +48,9 @@ def test_the_run_survives_a_kill_of_each_role(result):
     assert [k.role for k in res.kills] == ["server0", "actor", "trainer", "server0"], res.table
     assert res.kills[0].broadcast, "the first server kill did not come during a weight update"
     assert all(k.down_s is not None for k in res.kills), res.table  # the trainer stepped after every kill
-    assert 0 <= res.kills[2].redone_steps <= 1  # checkpoints every 2 steps
+    # Checkpoints every 2 steps: a kill after step k is logged but before its checkpoint is complete redoes k - 1
+    # and k (the chaos check's run under load did: step 8 killed while writing checkpoint 8); never more.
+    assert 0 <= res.kills[2].redone_steps <= 2, res.table
     cfg = chaos.load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={out}", f"inference.base_port={PORT}"])
     assert chaos.role_leaders(cfg) == {}  # nothing left running
 
