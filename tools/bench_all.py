@@ -88,6 +88,13 @@ def wait(proc: subprocess.Popen, timeout_s: float) -> str | None:
     return None if rc == 0 else f"exit code {rc}"
 
 
+def _default_sigint() -> None:
+    """In the bench's process before it execs: SIGINT back to its default, so that Python turns it into
+    KeyboardInterrupt. A shell ignores SIGINT in the commands it starts in the background (`make bench &`),
+    every descendant inherits that, and a timed-out bench would then never run its finally blocks."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def tail(path: Path, lines: int = STDERR_LINES) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
@@ -101,7 +108,8 @@ def run_bench(name: str, script: Path, args: list[str], out_dir: Path, timeout_s
     load_before, start = list(os.getloadavg()), time.monotonic()
     with open(out_dir / f"{name}.out", "w") as out, open(out_dir / f"{name}.err", "w") as err:
         cmd = [sys.executable, str(script.resolve()), *args, "--summary", str(summary_path)]
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True,
+                                preexec_fn=_default_sigint)  # noqa: PLW1509 (a signal reset only)
         failed = wait(proc, timeout_s)
     if failed is None and not summary_path.exists():
         failed = "exited 0 without writing its summary"
