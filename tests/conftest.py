@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from helpers import WORKER, worker_port
 
+from pipelinerl.trainer.dist import jit_extensions_dir
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # vLLM 0.32's AOT compile cache never loads on CPU ("'function' object has no attribute 'finalize_loading'"),
@@ -22,8 +24,7 @@ os.environ.setdefault("PIPELINERL_MASTER_PORT_BASE", str(29400 + 500 * WORKER)) 
 # torch's JIT extension loader (DeepSpeed's CPU shm comm op, loaded by every trainer rank) holds a lock file
 # while it checks the build; a process killed meanwhile leaves it behind and every later load waits forever.
 # A build takes about a minute: a lock older than 10 minutes is such a leftover.
-_JIT_LOCK = (Path.home() / ".cache" / "torch_extensions" / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
-             / "deepspeed_shm_comm" / "lock")
+_JIT_LOCK = jit_extensions_dir() / "deepspeed_shm_comm" / "lock"
 if _JIT_LOCK.exists() and time.time() - _JIT_LOCK.stat().st_mtime > 600:
     _JIT_LOCK.unlink(missing_ok=True)
 
@@ -92,7 +93,6 @@ def _run_overrides(run_dir: Path, model_dir: Path, max_steps: int, port: int) ->
 def run_pipelinerl(config: Path, run_dir: Path, model_dir: Path, max_steps: int, port: int, *extra: str) -> Path:
     """`pipelinerl run` to completion; every step checkpointed (the KL analysis reads them)."""
     import subprocess
-    import sys
 
     out = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", str(config),
                           *_run_overrides(run_dir, model_dir, max_steps, port), *extra],

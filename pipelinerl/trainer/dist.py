@@ -7,8 +7,10 @@ LOCAL_RANK, MASTER_ADDR and MASTER_PORT; a bare `python` process is rank 0 of 1.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,16 @@ def read_dist_env(environ=os.environ) -> DistInfo:
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend)
 
 
+def jit_extensions_dir() -> Path:
+    """Where torch builds DeepSpeed's CPU shm comm op (loaded by every CPU trainer rank): TORCH_EXTENSIONS_DIR, or
+    a folder of this virtual environment. torch's default, ~/.cache/torch_extensions, is shared by every
+    environment of the user, and each one rebuilds the op over the other's build (its sources' paths differ)."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(sys.prefix) / "torch_extensions")
+
+
 def init_process_group(info: DistInfo, timeout_s: float) -> None:
     """Join the trainer's default group. A collective that waits longer than timeout_s fails (no hang)."""
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(jit_extensions_dir())
     import deepspeed
     import torch
 
