@@ -51,6 +51,7 @@ BENCHES = {
     "lm_head_precision": Bench(quick_args=("--vocab", "8192", "--hidden", "128", "--prompts", "4", "--n", "2",
                                            "--new-tokens", "16")),
     "grading": Bench(quick_args=("--completions", "60", "--workers", "1", "2"), timeout_s=900, quick_timeout_s=300),
+    "placement": Bench(quick_args=("--steps", "8"), timeout_s=3600, quick_timeout_s=1800),
     "pipeline_vs_conventional": Bench(quick_args=("--steps", "8"), timeout_s=7200, quick_timeout_s=1800),
 }
 

@@ -8,8 +8,11 @@ the same window: first to last optimizer step), inference batch occupancy (runni
 inference.max_num_seqs: mean, and per quarter of the window), trainer idle fraction (time waiting for data
 / step time), token lag mean and max next to tools/lag_model.py's prediction from the measured occupancy and
 rates, mean ESS and KL(behaviour||current) (k3) of the steps, the completion lengths, and the wall time from
-the first held-out evaluation (version 0) to the first one at or above --target; then pipeline /
-conventional ratios (goal: >= 1.5 in samples/s and in time to the target, the inverse ratio for time).
+the first held-out evaluation (version 0) to the first one at or above --target; then where the time goes:
+the trainer's mean seconds per step waiting for data, training and broadcasting, and each role's CPU time
+per trained sample (vLLM's engine core apart from its API server) with the cores all roles kept busy, from the
+run's process tree sampled every 0.5 s; then pipeline / conventional ratios (goal: >= 1.5 in samples/s and
+in time to the target, the inverse ratio for time).
 
     python tools/bench_pipeline_vs_conventional.py [--config C] [--steps 120] [--target T] [--G 4]
         [--summary PATH] [key=value ...]
@@ -62,6 +65,71 @@ class GaugeSampler(threading.Thread):
                 self.stop.wait(self.period_s)
 
 
+# A run's roles, by the `pipelinerl.cli` command of the process or its nearest such ancestor; vLLM's engine
+# core (a child of its server, named by vLLM) is split out of its server.
+ROLE_COMMANDS = {"serve": "server API", "train": "trainer", "actor": "actor", "run": "launcher"}
+ENGINE_CORE = "server engine core"
+
+
+def role_of(proc) -> str | None:
+    """The role a process of the run belongs to (a psutil.Process), None when it is not one of them."""
+    import psutil
+
+    try:
+        # vLLM's engine core (and, with several ranks, its workers): vLLM retitles them (command line, name)
+        if any(title.startswith("VLLM::") for title in (proc.name(), *proc.cmdline()[:1])):
+            return ENGINE_CORE
+        for p in (proc, *proc.parents()):
+            argv = p.cmdline()
+            if "pipelinerl.cli" in argv[:-1]:
+                return ROLE_COMMANDS.get(argv[argv.index("pipelinerl.cli") + 1])
+    except psutil.Error:
+        return None
+    return None
+
+
+class RoleCpuSampler(threading.Thread):
+    """Every `period_s`: (unix time, {role: CPU seconds used so far}) over the process tree of `root_pid` (the
+    `pipelinerl run` launcher). A process that exits keeps the CPU time of its last sample."""
+
+    def __init__(self, root_pid: int, period_s: float = 0.5):
+        super().__init__(daemon=True)
+        self.root_pid, self.period_s, self.samples, self.stop = root_pid, period_s, [], threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        seen: dict[int, tuple[str, float]] = {}  # pid -> (role, CPU seconds at its latest sample)
+        while not self.stop.is_set():
+            try:
+                root = psutil.Process(self.root_pid)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:  # the run has exited
+                break
+            for proc in procs:  # classified afresh each time: vLLM retitles its engine core after it starts
+                role = role_of(proc)
+                try:
+                    times = proc.cpu_times()
+                except psutil.Error:
+                    continue
+                if role is not None:
+                    seen[proc.pid] = (role, times.user + times.system)
+            totals: dict[str, float] = {}
+            for role, cpu_s in seen.values():
+                totals[role] = totals.get(role, 0.0) + cpu_s
+            self.samples.append((time.time(), totals))
+            self.stop.wait(self.period_s)
+
+
+def cpu_per_role(samples: list[tuple[float, dict[str, float]]], t0: float, t1: float) -> dict[str, float]:
+    """CPU seconds each role used between the samples nearest to t0 and t1."""
+    if not samples:
+        return {}
+    start = min(samples, key=lambda s: abs(s[0] - t0))[1]
+    end = min(samples, key=lambda s: abs(s[0] - t1))[1]
+    return {role: end[role] - start.get(role, 0.0) for role in end}
+
+
 def _running_requests(prometheus_text: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in prometheus_text.splitlines()
                if line.startswith("vllm:num_requests_running"))
@@ -91,14 +159,18 @@ def run_mode(config: Path, mode: str, out_dir: Path, overrides: list[str], targe
     sampler = GaugeSampler(urls)
     sampler.start()
     started = time.time()
-    proc = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", str(config), *args,
-                           "logging.progress_bar=false"], check=False, cwd=REPO, capture_output=True, text=True,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    sampler.stop.set()
-    sampler.join()
+    proc = subprocess.Popen([sys.executable, "-m", "pipelinerl.cli", "run", str(config), *args,
+                             "logging.progress_bar=false"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    cpu = RoleCpuSampler(proc.pid)
+    cpu.start()
+    stdout, stderr = proc.communicate()
+    for thread in (sampler, cpu):
+        thread.stop.set()
+        thread.join()
     if proc.returncode != 0:
-        raise RuntimeError(f"{mode} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return measure(cfg, run_dir, sampler.samples, time.time() - started, target)
+        raise RuntimeError(f"{mode} run failed:\n{stdout[-2000:]}\n{stderr[-4000:]}")
+    return measure(cfg, run_dir, sampler.samples, time.time() - started, target, cpu.samples)
 
 
 def _scalars(run_dir: Path, role: str) -> dict[str, list]:
@@ -138,7 +210,8 @@ def _generated_tokens(run_dir: Path, t0: float, t1: float) -> tuple[int, list[in
     return tokens, lengths
 
 
-def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float, target: float) -> dict:
+def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float, target: float,
+            cpu_samples: list[tuple[float, dict[str, float]]]) -> dict:
     from pipelinerl.metrics import read_token_stats
 
     trainer = _scalars(run_dir, "trainer")
@@ -151,6 +224,7 @@ def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float,
     slots = cfg.inference.max_num_seqs * cfg.inference.num_servers
     quarters = [[v for t, v in gauge if t0 + q * window_s / 4 <= t < t0 + (q + 1) * window_s / 4] for q in range(4)]
     lag = read_token_stats(run_dir)["lag"]
+    cpu = cpu_per_role(cpu_samples, t0, t1)
     to_target_s, at_version = _time_to_target(_scalars(run_dir, "actor0").get("eval/success", []), target)
     return {"mode": cfg.mode, "samples_per_s": (len(steps) - 1) * cfg.trainer.samples_per_step / window_s,
             "tokens_per_s": tokens / window_s, "running_mean": float(np.mean(running)) if running else 0.0,
@@ -161,7 +235,14 @@ def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float,
             "trainer_idle": busy[0] / sum(busy), "lag_mean": float(lag.mean()), "lag_max": int(lag.max()),
             "time_to_target_s": to_target_s, "target_version": at_version, "wall_s": wall_s,
             "mean_length": float(np.mean(lengths)), "lengths": lengths,
-            "steps": steps[-1].step, "samples_per_step": cfg.trainer.samples_per_step, "max_lag": cfg.actor.max_lag}
+            "steps": steps[-1].step, "samples_per_step": cfg.trainer.samples_per_step, "max_lag": cfg.actor.max_lag,
+            # where the trainer's time goes, per optimizer step
+            **{f"step_{k}": float(np.mean([e.value for e in trainer[k]]))
+               for k in ("read_s", "train_s", "broadcast_s")},
+            # where the CPU goes: each role's CPU seconds over the window, per trained sample, and in cores
+            **{f"cpu_ms_{role}": 1e3 * cpu_s / ((len(steps) - 1) * cfg.trainer.samples_per_step)
+               for role, cpu_s in cpu.items()},
+            "cores_busy": sum(cpu.values()) / window_s}
 
 
 def _step_mean(scalars: dict[str, list], tag: str) -> float | None:
@@ -191,19 +272,25 @@ ROWS = [("samples trained / s", "samples_per_s", "{:.1f}"), ("generated tokens /
         ("ESS (mean of steps)", "ess", "{:.3f}"), ("KL(behaviour||current) k3", "kl_k3", "{:.4f}"),
         ("completion length median", "length_median", "{:.0f}"), ("completion length p99", "length_p99", "{:.0f}"),
         ("s to target success", "time_to_target_s", "{:.0f}"), ("  reached at version", "target_version", "{}"),
-        ("wall s (whole run)", "wall_s", "{:.0f}")]
+        ("wall s (whole run)", "wall_s", "{:.0f}"),
+        ("trainer s/step: waiting", "step_read_s", "{:.3f}"), ("trainer s/step: training", "step_train_s", "{:.3f}"),
+        ("trainer s/step: broadcast", "step_broadcast_s", "{:.3f}"),
+        *[(f"CPU ms/sample: {role}", f"cpu_ms_{role}", "{:.2f}") for role in (ENGINE_CORE, *ROLE_COMMANDS.values())],
+        ("cores busy (of all roles)", "cores_busy", "{:.2f}")]
 
 
 def print_table(results: dict[str, dict], target: float) -> None:
-    pipe, conv = results["pipeline"], results["conventional"]
-    print(f"\n{'':<28}{'pipeline':>14}{'conventional':>14}{'ratio p/c':>11}")
+    """The two runs side by side (in `results`' order), and the first / second ratio."""
+    (first, pipe), (second, conv) = results.items()
+    print(f"\n{'':<28}{first:>21}{second:>21}{'ratio ' + first[0] + '/' + second[0]:>11}")
     for label, key, fmt in ROWS:
         p, c = pipe.get(key), conv.get(key)
-        show = [fmt.format(v) if v is not None else "not reached" for v in (p, c)]
+        missing = "not reached" if "target" in key else "-"
+        show = [fmt.format(v) if v is not None else missing for v in (p, c)]
         numbers = isinstance(p, (int, float)) and isinstance(c, (int, float)) and c and key != "target_version"
         ratio = f"{p / c:.2f}" if numbers else ""
         label = label.replace("target", f"{target:.2f}")
-        print(f"{label:<28}{show[0]:>14}{show[1]:>14}{ratio:>11}")
+        print(f"{label:<28}{show[0]:>21}{show[1]:>21}{ratio:>11}")
 
 
 def write_summary(results: dict[str, dict], target: float, path: Path | None) -> None:

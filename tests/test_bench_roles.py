@@ -1,0 +1,89 @@
+"""tools/bench_pipeline_vs_conventional.py's CPU time per role, on a fake run: a `pipelinerl.cli run` process
+that starts an actor and a server (each leading a process group of its own, as the launcher starts roles),
+the server with an engine-core child named as vLLM names it. Each burns a known amount of CPU time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+sys.path.insert(0, str(TOOLS))
+
+from bench_pipeline_vs_conventional import ENGINE_CORE, RoleCpuSampler, cpu_per_role  # noqa: E402
+
+# burns `cpu_s` of its own CPU time, then waits for the file `stop`
+BURN = """
+import sys, time
+cpu_s, stop = float(sys.argv[1]), sys.argv[2]
+t = time.process_time()
+while time.process_time() - t < cpu_s:
+    pass
+while not __import__("os").path.exists(stop):
+    time.sleep(0.05)
+"""
+LAUNCHER = """
+import subprocess, sys
+burn, stop = sys.argv[1], sys.argv[2]
+engine = "open('/proc/self/comm', 'w').write('VLLM::EngineCore')\\n" + burn
+server = ("import subprocess, sys\\n"
+          f"subprocess.run([sys.executable, '-c', {engine!r}, '0.6', {stop!r}])")
+roles = [subprocess.Popen([sys.executable, "-c", burn, "1.0", stop, "pipelinerl.cli", "actor"], start_new_session=True),
+         subprocess.Popen([sys.executable, "-c", server, "pipelinerl.cli", "serve"], start_new_session=True)]
+for role in roles:
+    role.wait()
+"""
+
+
+def test_cpu_time_is_split_by_role(tmp_path):
+    stop = tmp_path / "stop"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, BURN, str(stop), "pipelinerl.cli", "run"])
+    sampler = RoleCpuSampler(launcher.pid, period_s=0.05)
+    sampler.start()
+    try:
+        # every role has burnt its CPU time once the sampler has seen it (bounded: a loaded machine is slower)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            latest = sampler.samples[-1][1] if sampler.samples else {}
+            if latest.get("actor", 0) >= 1.0 and latest.get(ENGINE_CORE, 0) >= 0.6:
+                break
+            time.sleep(0.1)
+    finally:
+        stop.touch()
+        launcher.wait(timeout=60)
+        sampler.stop.set()
+        sampler.join()
+    first, last = sampler.samples[0], sampler.samples[-1]
+    totals = last[1]
+    assert 1.0 <= totals["actor"] < 1.5
+    assert 0.6 <= totals[ENGINE_CORE] < 1.0
+    assert totals["server API"] < 0.5 and totals["launcher"] < 0.5  # they only start processes and wait
+    assert set(totals) == {"actor", ENGINE_CORE, "server API", "launcher"}
+    # over a window: the difference of the samples nearest to its ends
+    window = cpu_per_role(sampler.samples, first[0], last[0])
+    assert window == {role: cpu_s - first[1].get(role, 0.0) for role, cpu_s in totals.items()}
+    assert cpu_per_role([], 0, 1) == {}
+
+
+def test_processes_outside_the_roles_are_not_counted(tmp_path):
+    stop = tmp_path / "stop"
+    other = textwrap.dedent("""
+        import subprocess, sys
+        subprocess.run([sys.executable, "-c", sys.argv[1], "0.3", sys.argv[2]])
+    """)
+    launcher = subprocess.Popen([sys.executable, "-c", other, BURN, str(stop)])  # no `pipelinerl.cli` role
+    sampler = RoleCpuSampler(launcher.pid, period_s=0.05)
+    sampler.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(sampler.samples) < 20:
+            time.sleep(0.1)
+    finally:
+        stop.touch()
+        launcher.wait(timeout=60)
+        sampler.stop.set()
+        sampler.join()
+    assert len(sampler.samples) >= 20 and all(totals == {} for _, totals in sampler.samples)
