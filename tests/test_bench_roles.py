@@ -62,6 +62,10 @@ def test_cpu_time_is_split_by_role(tmp_path):
     assert 0.6 <= totals[ENGINE_CORE] < 1.0
     assert totals["server API"] < 0.5 and totals["launcher"] < 0.5  # they only start processes and wait
     assert set(totals) == {"actor", ENGINE_CORE, "server API", "launcher"}
+    # a role seen stays, through the roles' exits too (an exiting process keeps its last sample: its command
+    # line is gone by then, and its parents' would count it as the launcher's)
+    roles_seen = [set(t) for _, t in sampler.samples]
+    assert all(a <= b for a, b in zip(roles_seen, roles_seen[1:]))
     # over a window: the difference of the samples nearest to its ends
     window = cpu_per_role(sampler.samples, first[0], last[0])
     assert window == {role: cpu_s - first[1].get(role, 0.0) for role, cpu_s in totals.items()}

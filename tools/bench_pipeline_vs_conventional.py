@@ -76,8 +76,11 @@ def role_of(proc) -> str | None:
     import psutil
 
     try:
+        argv = proc.cmdline()
+        if not argv:  # exiting: its command line is gone, and its parents' would name the wrong role
+            return None
         # vLLM's engine core (and, with several ranks, its workers): vLLM retitles them (command line, name)
-        if any(title.startswith("VLLM::") for title in (proc.name(), *proc.cmdline()[:1])):
+        if proc.name().startswith("VLLM::") or argv[0].startswith("VLLM::"):
             return ENGINE_CORE
         for p in (proc, *proc.parents()):
             argv = p.cmdline()
@@ -106,7 +109,9 @@ class RoleCpuSampler(threading.Thread):
                 procs = [root, *root.children(recursive=True)]
             except psutil.Error:  # the run has exited
                 break
-            for proc in procs:  # classified afresh each time: vLLM retitles its engine core after it starts
+            # classified afresh each time (vLLM retitles its engine core after it starts); a process that is
+            # exiting (no role) keeps its last sample
+            for proc in procs:
                 role = role_of(proc)
                 try:
                     times = proc.cpu_times()
