@@ -24,6 +24,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -158,6 +159,7 @@ def run_mode(config: Path, mode: str, out_dir: Path, overrides: list[str], targe
     from pipelinerl.config import load_config
 
     run_dir = out_dir / mode
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run directory left by an earlier bench would be resumed
     args = [f"run_dir={run_dir}", *overrides]
     cfg = load_config(config, args)
     urls = [f"http://{cfg.inference.host}:{cfg.inference.base_port + i}" for i in range(cfg.inference.num_servers)]
