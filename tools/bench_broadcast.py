@@ -97,7 +97,8 @@ def bench(name: str, work: Path, steps: int) -> dict:
             "gather_s": statistics.median(gather_s), "gather_and_broadcast_s": statistics.median(send_s),
             "wire_s": statistics.median(float(r["broadcast_s"]) for r in result["send"]),
             "server_load_s": statistics.median(float(r.get("load_s", "nan")) for r in replies),
-            "server_pause_s": statistics.median(float(r.get("pause_s", "nan")) for r in replies)}
+            # the whole pause, from stopping generation to resuming it (the reply's pause_s is the stop call alone)
+            "server_pause_s": statistics.median(float(r.get("paused_s", "nan")) for r in replies)}
 
 
 def main() -> None:
@@ -121,7 +122,7 @@ def main() -> None:
         summary.add(f"{name}: bytes per step", r["bytes_per_step"] / 1e6, "MB")
         summary.add(f"{name}: gather", r["gather_s"], "s")
         summary.add(f"{name}: gather + broadcast", r["gather_and_broadcast_s"], "s")
-        summary.add(f"{name}: server pause", r["server_pause_s"], "s")
+        summary.add(f"{name}: server pause (receive + load)", r["server_pause_s"], "s")
     summary.write(args.summary)
 
 
