@@ -4,6 +4,7 @@ the server with an engine-core child named as vLLM names it. Each burns a known 
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -38,12 +39,25 @@ for role in roles:
 """
 
 
-def test_cpu_time_is_split_by_role(tmp_path):
-    stop = tmp_path / "stop"
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, BURN, str(stop), "pipelinerl.cli", "run"])
+@contextlib.contextmanager
+def sampling(argv: list[str], stop: Path):
+    """Start the fake launcher and a sampler of its tree; on exit, let its processes end (the file `stop`) and
+    stop the sampler."""
+    launcher = subprocess.Popen(argv)
     sampler = RoleCpuSampler(launcher.pid, period_s=0.05)
     sampler.start()
     try:
+        yield sampler
+    finally:
+        stop.touch()
+        launcher.wait(timeout=60)
+        sampler.stop.set()
+        sampler.join()
+
+
+def test_cpu_time_is_split_by_role(tmp_path):
+    stop = tmp_path / "stop"
+    with sampling([sys.executable, "-c", LAUNCHER, BURN, str(stop), "pipelinerl.cli", "run"], stop) as sampler:
         # every role has burnt its CPU time once the sampler has seen it (bounded: a loaded machine is slower)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -51,11 +65,6 @@ def test_cpu_time_is_split_by_role(tmp_path):
             if latest.get("actor", 0) >= 1.0 and latest.get(ENGINE_CORE, 0) >= 0.6:
                 break
             time.sleep(0.1)
-    finally:
-        stop.touch()
-        launcher.wait(timeout=60)
-        sampler.stop.set()
-        sampler.join()
     first, last = sampler.samples[0], sampler.samples[-1]
     totals = last[1]
     assert 1.0 <= totals["actor"] < 1.5
@@ -78,16 +87,8 @@ def test_processes_outside_the_roles_are_not_counted(tmp_path):
         import subprocess, sys
         subprocess.run([sys.executable, "-c", sys.argv[1], "0.3", sys.argv[2]])
     """)
-    launcher = subprocess.Popen([sys.executable, "-c", other, BURN, str(stop)])  # no `pipelinerl.cli` role
-    sampler = RoleCpuSampler(launcher.pid, period_s=0.05)
-    sampler.start()
-    try:
+    with sampling([sys.executable, "-c", other, BURN, str(stop)], stop) as sampler:  # no `pipelinerl.cli` role
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(sampler.samples) < 20:
             time.sleep(0.1)
-    finally:
-        stop.touch()
-        launcher.wait(timeout=60)
-        sampler.stop.set()
-        sampler.join()
     assert len(sampler.samples) >= 20 and all(totals == {} for _, totals in sampler.samples)
