@@ -278,6 +278,23 @@ def test_reference_servers_must_fit_the_first_node_and_leave_a_policy_server():
 
 # -- real jobs on the local cluster (slow) ------------------------------------------------------------------
 
+def test_a_query_that_died_of_sigpipe_is_asked_again_and_an_action_runs_once(tmp_path, monkeypatch):
+    """Fake clients that die of SIGPIPE on their first call (as squeue did under load when its controller
+    dropped the connection): squeue answers on its second call; scancel is not run again."""
+    for name in ("squeue", "scancel"):
+        client = tmp_path / name
+        client.write_text(f"#!/bin/bash\necho call >> {tmp_path}/{name}.calls\n"
+                          f"[ $(wc -l < {tmp_path}/{name}.calls) -gt 1 ] || kill -PIPE $$\necho 42\n")
+        client.chmod(0o755)
+    monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
+    out = slurm.slurm_command("squeue", "-h", "-j", "42", env=env)
+    assert (out.returncode, out.stdout) == (0, "42\n")
+    assert (tmp_path / "squeue.calls").read_text().count("call") == 2
+    assert slurm.slurm_command("scancel", "42", env=env).returncode == -signal.SIGPIPE
+    assert (tmp_path / "scancel.calls").read_text().count("call") == 1
+
+
 @pytest.fixture(scope="session")
 def slurm_env():
     """A throw-away cluster for this session (installs slurm-wlm, munge, MariaDB when missing)."""
@@ -298,16 +315,35 @@ def slurm_env():
 
 
 def _slurm(env: dict, *argv: str) -> str:
-    return subprocess.run(argv, env=env, capture_output=True, text=True, check=True, timeout=60).stdout
+    """A Slurm command's output (launch.slurm's runner: a query that did not reach the controller is asked
+    again); a failure names the command and its error."""
+    out = slurm.slurm_command(*argv, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"`{' '.join(argv)}` failed ({out.returncode}): {out.stderr.strip()}")
+    return out.stdout
 
 
-def _sbatch(env: dict, tmp_path: Path, script: str, overrides: list[str], config: str | None = None) -> str:
+@pytest.fixture
+def submitted(slurm_env):
+    """The ids of the jobs a test submits (_sbatch appends); the ones still queued at its end are cancelled
+    and awaited, so a failed test leaves neither a job nor its load to the next one."""
+    jobs: list[str] = []
+    yield jobs
+    for job in jobs:
+        if not _job_finished(slurm_env, job):
+            slurm.slurm_command("scancel", job, env=slurm_env)
+            _wait_until(f"the end of cancelled job {job}", lambda j=job: _job_finished(slurm_env, j), timeout_s=300)
+
+
+def _sbatch(env: dict, jobs: list[str], tmp_path: Path, script: str, overrides: list[str],
+            config: str | None = None) -> str:
     """Submit slurm/<script> from the repository root (as users do), optionally with another config file
-    (PIPELINERL_CONFIG); returns the job id."""
+    (PIPELINERL_CONFIG); returns the job id, also appended to `jobs` (the `submitted` fixture)."""
     env = env if config is None else dict(env, PIPELINERL_CONFIG=config)
     out = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", f"slurm/{script}",
                           *overrides], env=env, cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
-    return out.stdout.strip()
+    jobs.append(out.stdout.strip())
+    return jobs[-1]
 
 
 def _wait_until(what: str, ready, timeout_s: float, poll_s: float = 1.0, log: Path | None = None) -> None:
@@ -327,13 +363,19 @@ def _sacct(env: dict, job_id: str, components: int = 2) -> list[dict]:
     """Accounting rows of a job (every restart: -D), once slurmdbd has the finished components."""
     fields = ["JobID", "JobName", "NodeList", "State"]
 
-    def rows() -> list[dict]:
-        out = _slurm(env, "sacct", "-D", "-n", "-P", "-j", job_id, "-o", ",".join(fields))
-        return [dict(zip(fields, line.split("|"))) for line in out.splitlines()]
+    seen: list[dict] = []
 
-    _wait_until(f"sacct records of job {job_id}", lambda: sum(r["State"] == "COMPLETED" and "." not in r["JobID"]
-                                                                for r in rows()) >= components, timeout_s=60)
-    return rows()
+    def completed() -> bool:
+        out = _slurm(env, "sacct", "-D", "-n", "-P", "-j", job_id, "-o", ",".join(fields))
+        seen[:] = [dict(zip(fields, line.split("|"))) for line in out.splitlines()]
+        return sum(r["State"] == "COMPLETED" and "." not in r["JobID"] for r in seen) >= components
+
+    # slurmctld sends the records to slurmdbd from a queue: seconds when quiet, a bound for a loaded machine.
+    try:
+        _wait_until(f"{components} completed components of job {job_id} in sacct", completed, timeout_s=300)
+    except TimeoutError as err:
+        raise TimeoutError(f"{err}; its records: {seen}") from None
+    return seen
 
 
 def _meta(run_dir: Path) -> dict:
@@ -466,7 +508,7 @@ def _kill_servers_step_at_a_checkpoint(env: dict, job: str, run_dir: Path, slurm
 
 @pytest.mark.slow
 @pytest.mark.timeout(3 * JOB_TIMEOUT_S + 300)  # two starts of the job, one restart of its servers; ~8 min quiet
-def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, tiny_model_dir, tmp_path):
+def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, submitted, tiny_model_dir, tmp_path):
     """Pipeline mode, max_lag 2. After step 2 the inference node's servers step is killed (scancel
     --signal=KILL): the launcher runs it again from the latest checkpoint and the servers take updates
     again. Then USR1 (Slurm's warning before the time limit): the job checkpoints, requeues itself and
@@ -475,7 +517,7 @@ def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, tin
     overrides = _tiny_overrides(run_dir, tiny_model_dir, max_steps=max_steps, port=18430) + [
         f"actor.max_lag={max_lag}", "checkpoints.every_steps=1"]
     started = time.monotonic()
-    job = _sbatch(slurm_env, tmp_path, "run_tiny_flagship.sh", overrides)
+    job = _sbatch(slurm_env, submitted, tmp_path, "run_tiny_flagship.sh", overrides)
     trainer_log, slurm_log = run_dir / "logs" / "trainer_rank0.log", tmp_path / f"slurm-{job}.out"
 
     def trained_2_steps() -> bool:
@@ -553,14 +595,15 @@ def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, tin
 
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S + 300)
-def test_flagship_shape_in_conventional_mode(slurm_env, tiny_model_dir, tmp_path):
+def test_flagship_shape_in_conventional_mode(slurm_env, submitted, tiny_model_dir, tmp_path):
     """configs/tiny_cpu_conventional.yaml (G = 4 steps per generated batch, one sync per batch) on the same
     shape: each component on its own nodes, every sample trained once, lag <= G - 1 on every rank."""
     run_dir, max_steps, G = tmp_path / "run", 8, 4
     overrides = _tiny_overrides(run_dir, tiny_model_dir, max_steps=max_steps, port=18440) + [
         f"conventional.steps_per_batch={G}", f"actor.max_groups_in_flight={G * SAMPLES_PER_STEP // 8}"]
     started = time.monotonic()
-    job = _sbatch(slurm_env, tmp_path, "run_tiny_flagship.sh", overrides, config="configs/tiny_cpu_conventional.yaml")
+    job = _sbatch(slurm_env, submitted, tmp_path, "run_tiny_flagship.sh", overrides,
+                  config="configs/tiny_cpu_conventional.yaml")
     _wait_until(f"the end of job {job}", lambda: _job_finished(slurm_env, job), timeout_s=JOB_TIMEOUT_S,
                 log=tmp_path / f"slurm-{job}.out")
     print(f"flagship conventional: {time.monotonic() - started:.0f} s from sbatch to its end")

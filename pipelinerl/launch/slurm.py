@@ -79,9 +79,28 @@ class Allocation:
     #              servers advertise when bound to a wildcard address (missing: the node name itself)
 
 
-def slurm_command(*argv: str) -> subprocess.CompletedProcess:
-    """A Slurm client command; the caller judges its exit code."""
-    return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60)
+QUERY_ATTEMPTS = 4  # tries of a read-only Slurm query that failed to reach the controller (1, 2, 4 s apart)
+_UNREACHED = ("Unable to contact slurm controller", "Socket timed out", "Zero Bytes were transmitted",
+              "Connection reset", "Connection refused")  # a query that never got its answer
+
+
+def slurm_command(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A Slurm client command; the caller judges its exit code.
+
+    A read-only query (squeue, sacct, sinfo, scontrol show) that did not reach the controller is asked
+    again: the clients do not ignore SIGPIPE, so one whose controller or munged drops the connection
+    mid-request dies of it (seen under load), and a busy controller times out. Commands that act
+    (scancel, requeue) run once: a retry could act twice."""
+    query = argv[0] in ("squeue", "sacct", "sinfo") or argv[:2] == ("scontrol", "show")
+    attempts = QUERY_ATTEMPTS if query else 1
+    for attempt in range(1, attempts + 1):
+        out = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60, env=env)
+        unreached = out.returncode < 0 or (out.returncode > 0 and any(s in out.stderr for s in _UNREACHED))
+        if not unreached or attempt == attempts:
+            return out
+        log.warning("`%s` did not reach Slurm (%s); asking again", " ".join(argv),
+                    f"signal {-out.returncode}" if out.returncode < 0 else out.stderr.strip())
+        time.sleep(2 ** (attempt - 1))
 
 
 def hostnames(nodelist: str) -> list[str]:
