@@ -68,24 +68,7 @@ def _rank_main(rank: int, port: int, run_dir: str, out_dir: str, steps: int, dat
                              "trainer.dist_timeout_s=120", "streams.poll_interval_s=0.05"])
     signals = StopSignals()
     signals.install()
-
-    def resync_due() -> bool:  # rank 0: once, when the test creates `announce` (a server announced itself)
-        announce = Path(out_dir, "announce")
-        if announce.exists():
-            announce.rename(Path(out_dir, "announced"))
-            return True
-        return False
-
-    def resync() -> None:  # every rank, together: a collective, as the weights' broadcast is
-        import torch
-
-        total = torch.tensor([rank + 1])
-        dist.all_reduce(total)
-        with open(Path(out_dir, f"resync{rank}"), "a") as f:
-            f.write(f"{int(total)}\n")
-
-    data = StepData(cfg, DistInfo(rank, WORLD, rank, "gloo"), None, lambda: signals.received is not None,
-                    resync_due, resync)
+    data = StepData(cfg, DistInfo(rank, WORLD, rank, "gloo"), None, lambda: signals.received is not None)
     got, outcome = [], "done"
     for step in range(steps):
         Path(out_dir, f"waiting{rank}_{step}").touch()
@@ -141,40 +124,6 @@ def test_three_ranks_get_exact_shares_then_a_clear_starvation_error(tmp_path):
         assert "got 0" in r["outcome"] and "stream cursor at the step's start" in r["outcome"]
     assert time.monotonic() - started < 120
     assert results[0]["cursor"]["next"]["actor0"][1] >= 0 and results[1]["cursor"] is None
-
-
-def test_a_resync_while_rank0_waits_runs_on_every_rank_and_keeps_the_groups_read(tmp_path):
-    """Half of step 0's groups, then a server announces itself: every rank runs the resync (a collective)
-    once, then rank 0 waits on; with the other half written, step 0 holds all 6 groups, each once."""
-    write_uneven_segments(tmp_path, GROUPS_PER_STEP // 2)
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(tmp_path), str(tmp_path), 1, 100.0))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "waiting0_0").exists():
-            assert time.monotonic() < deadline and procs[0].is_alive(), "rank 0 never reached step 0"
-            time.sleep(0.05)
-        (tmp_path / "announce").touch()
-        while not all((tmp_path / f"resync{r}").exists() for r in range(WORLD)):
-            assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "no resync on every rank"
-            time.sleep(0.05)
-        with StreamWriter(tmp_path, "rollouts", "actor1", StreamsConfig(segment_max_seconds=3600)) as writer:
-            for g in range(GROUPS_PER_STEP // 2, GROUPS_PER_STEP):
-                writer.write_group([_row(g, a) for a in range(G)])
-    finally:
-        for p in procs:
-            p.join(timeout=180)
-    assert [p.exitcode for p in procs] == [0] * WORLD
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    assert [r["outcome"] for r in results] == ["done"] * WORLD
-    assert [(tmp_path / f"resync{r}").read_text() for r in range(WORLD)] == ["6\n"] * WORLD  # 1 + 2 + 3, once
-    shares = [r["got"][0] for r in results]
-    assert [len(s) for s in shares] == [GROUPS_PER_RANK] * WORLD, shares
-    assert sorted(g for s in shares for g in s) == sorted(f"g{g}" for g in range(GROUPS_PER_STEP))
 
 
 def test_a_stop_signal_while_rank0_waits_for_data_stops_every_rank_within_seconds(tmp_path):

@@ -91,18 +91,8 @@ class ServerBroadcaster:
         announcement gone (it stopped). A server left out that is no longer announced changes nothing (the
         launcher removes a dead server's announcement: re-forming then would cost a round for nothing)."""
         members = self._sender.server_urls
-        return self._announced(roster) or any(url not in roster for url in members)
-
-    def _announced(self, roster: dict[str, int]) -> bool:
-        return any(self._roster.get(url) != at for url, at in roster.items())
-
-    def server_announced(self) -> bool:
-        """A server announced itself since the group was last formed. Asked while the trainer waits for data:
-        a restarted server serves a checkpoint's older weights, which can hold the actor at its lag bound
-        until the trainer's next update, and that update waits for the data (trainer/step_data.py)."""
-        from pipelinerl.inference.rundir import server_roster
-
-        return self._sender is not None and self._announced(server_roster(self.cfg.run_dir))
+        return (any(self._roster.get(url) != at for url, at in roster.items())
+                or any(url not in roster for url in members))
 
     def broadcast(self, version: int, metas, tensors: Iterable[torch.Tensor]) -> dict:
         from pipelinerl.inference.rundir import server_roster

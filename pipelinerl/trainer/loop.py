@@ -269,16 +269,7 @@ def train(cfg: Config) -> None:
     def stop_flag() -> bool:
         return signals.received is not None
 
-    def resync_due() -> bool:  # rank 0, while it waits for data (conventional mode: at a batch's start)
-        return broadcaster is not None and _sync_due(cfg, state.step) and broadcaster.server_announced()
-
-    def resync() -> None:  # every rank
-        if dist.is_main:
-            log.info("a server announced itself while step %d waited for data: sending it version %d",
-                     state.step + 1, state.step)
-        sync_weights(trainer, state.step)
-
-    data = StepData(cfg, dist, state.cursor, stop_flag, resync_due, resync)
+    data = StepData(cfg, dist, state.cursor, stop_flag)
     if broadcaster is not None:
         broadcaster.connect(stop_flag)  # no server before a stop signal: nothing is sent, the loop stops
     logger = StepLogger(cfg, dist, state.step)

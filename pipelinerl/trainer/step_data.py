@@ -11,18 +11,13 @@ so a checkpoint resumes exactly, at any rank count.
 While rank 0 waits for data the others wait in the scatter, so rank 0 answers every step in bounded
 time: with the groups, with `stop` when a stop signal (SIGTERM / SIGUSR1) arrives during the wait, or
 with the reason it starved once trainer.data_timeout_s has passed (less than dist_timeout_s, so no
-collective times out first), or with `resync` when a server needs the trainer's weights before the actor
-can go on (a server restarted on a checkpoint's older weights holds the actor at its lag bound, and the
-trainer's next update would wait for data that never comes): every rank then runs `resync` (a broadcast of
-the current weights, collectives included) and rank 0 waits on, keeping the groups it has read. Every rank
-acts on the same answer.
+collective times out first). Every rank then acts on the same answer.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import pyarrow as pa
 
@@ -62,18 +57,13 @@ def group_tokens(batch: pa.RecordBatch) -> int:
 class StepData:
     """The trainer's view of the rollout stream: `next_step()` on every rank, in step."""
 
-    def __init__(self, cfg: Config, dist: DistInfo, cursor: dict | None, stop_flag,
-                 resync_due: Callable[[], bool] = lambda: False, resync: Callable[[], None] = lambda: None):
-        """`stop_flag()` is true once this process received a stop signal; `resync_due()` once the servers
-        need the trainer's weights (both read on rank 0 only); `resync()` sends them (run on every rank)."""
+    def __init__(self, cfg: Config, dist: DistInfo, cursor: dict | None, stop_flag):
+        """`stop_flag()` is true once this process received a stop signal (read on rank 0 only)."""
         from pipelinerl.streams import ROLLOUT_TOPIC, StreamReader
 
         self.cfg, self.dist, self.stop_flag = cfg, dist, stop_flag
-        self.resync_due, self.resync = resync_due, resync
         self.groups = cfg.trainer.samples_per_step // cfg.actor.attempts
         self.reader = StreamReader(cfg.run_dir, ROLLOUT_TOPIC, cfg.streams, cursor=cursor) if dist.is_main else None
-        self._held: list[pa.RecordBatch] = []  # rank 0: the groups read for the step a resync interrupted
-        self._waiting: tuple[int, float, dict] | None = None  # rank 0: (step, its wait's start, cursor then)
 
     def cursor(self) -> dict | None:
         """The stream position after the last step handed out (rank 0; None elsewhere)."""
@@ -82,28 +72,22 @@ class StepData:
     def next_step(self, step: int) -> list[pa.RecordBatch] | None:
         """This rank's groups of the next step, or None when a stop signal came while rank 0 waited.
         Raises StreamStarved on every rank when the data did not come in time."""
-        while True:
-            answer = self._read(step) if self.dist.is_main else None
-            if self.dist.world_size > 1:
-                answer = _scatter(answer)
-            elif answer is not None:
-                answer = answer[0]
-            kind, payload = answer
-            if kind == "starved":
-                raise StreamStarved(payload)
-            if kind != "resync":
-                return payload if kind == "groups" else None
-            self.resync()
+        answer = self._read(step) if self.dist.is_main else None
+        if self.dist.world_size > 1:
+            answer = _scatter(answer)
+        elif answer is not None:
+            answer = answer[0]
+        kind, payload = answer
+        if kind == "starved":
+            raise StreamStarved(payload)
+        return payload if kind == "groups" else None
 
     def _read(self, step: int) -> list[tuple[str, object]]:
-        """Rank 0: one (kind, payload) per rank: ("groups", batches) | ("stop", None) | ("starved", why) |
-        ("resync", None). The step's wait and the groups read so far carry over a resync."""
-        world = self.dist.world_size
-        if self._waiting is None or self._waiting[0] != step:
-            self._waiting = (step, time.monotonic(), self.reader.cursor())
-        _, started, before = self._waiting
+        """Rank 0: one (kind, payload) per rank: ("groups", batches) | ("stop", None) | ("starved", why)."""
+        world, started = self.dist.world_size, time.monotonic()
         deadline = started + self.cfg.trainer.data_timeout_s
-        batches, self._held = self._held, []
+        before = self.reader.cursor()
+        batches: list[pa.RecordBatch] = []
         while len(batches) < self.groups:
             if self.stop_flag():
                 log.info("stop signal while waiting for step %d's data (%d of %d groups read)", step,
@@ -112,11 +96,7 @@ class StepData:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return [("starved", self._starved_message(step, len(batches), before))] * world
-            if self.resync_due():
-                self._held = batches
-                return [("resync", None)] * world
             batches += self._read_some(self.groups - len(batches), min(WAIT_SLICE_S, remaining))
-        self._waiting = None
         shares = split_groups([group_tokens(b) for b in batches], world)
         return [("groups", [batches[i] for i in share]) for share in shares]
 
