@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipelinerl.actor import Actor, Completion, ServerPool
 from pipelinerl.actor.client import CompletionsClient, _completion_logprobs, _parse_choice
 from pipelinerl.config import load_config, save_config
-from pipelinerl.inference.rundir import SERVERS_DIR, list_servers, run_token
+from pipelinerl.rundir import SERVERS_DIR, list_servers, run_token
 from pipelinerl.launch.local import wait_for_servers
 from pipelinerl.launch.procs import Role, Supervisor
 from pipelinerl.streams import Rollout, StreamReader, StreamTimeout, release
@@ -45,6 +45,11 @@ def _config(run_dir: Path, model_dir: Path, path: Path, *overrides: str):
                        "inference.max_model_len=64", "streams.segment_max_seconds=0.2", *overrides])
     save_config(cfg, path)
     return cfg
+
+
+def _status(version: int) -> dict:
+    """A policy server's GET /status body (pipelinerl.control.ServerStatus) at `version`."""
+    return {"version": version, "num_ranks": 1, "group_ready": False, "updating": False}
 
 
 def test_a_choice_parses_into_a_completion_and_mismatched_lengths_are_refused():
@@ -88,7 +93,7 @@ def test_the_serving_version_is_the_oldest_and_a_silent_server_is_set_aside(tmp_
 
     def status(request: httpx.Request) -> httpx.Response:
         version = reports[request.url.netloc.decode()]
-        return httpx.Response(200, json={"version": version}) if version is not None else httpx.Response(503)
+        return httpx.Response(200, json=_status(version)) if version is not None else httpx.Response(503)
 
     cfg = _config(tmp_path, Path("unused"), tmp_path / "actor.yaml")
     client = CompletionsClient(cfg.actor, str(tmp_path), reference=False)
@@ -123,7 +128,7 @@ def test_a_server_far_behind_takes_no_group_and_does_not_hold_the_throttle(tmp_p
     def server(request: httpx.Request) -> httpx.Response:
         host = request.url.netloc.decode()
         if request.url.path == "/status":
-            return httpx.Response(200, json={"version": reports[host]})
+            return httpx.Response(200, json=_status(reports[host]))
         completions.append(host)
         return httpx.Response(200, json={"choices": [_choice(k, "1", 2, True) for k in range(G)]})
 
@@ -168,7 +173,7 @@ def test_a_retried_request_keeps_its_lag_bound(tmp_path, tiny_model_dir):
     def server(request: httpx.Request) -> httpx.Response:
         host = request.url.netloc.decode()
         if request.url.path == "/status":
-            return httpx.Response(200, json={"version": reports[host]})
+            return httpx.Response(200, json=_status(reports[host]))
         served.append((host, pool.versions[f"http://{host}"]))
         if host == "h:1":
             reports["h:2"] = 9  # h:2 catches up (its next /status says so)
@@ -198,7 +203,7 @@ def test_without_a_lag_bound_every_server_takes_requests_and_at_lag_0_only_the_n
     cfg = _config(tmp_path, Path("unused"), tmp_path / "actor.yaml")
 
     def status(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"version": {"h:1": 2, "h:2": 1}[request.url.netloc.decode()]})
+        return httpx.Response(200, json=_status({"h:1": 2, "h:2": 1}[request.url.netloc.decode()]))
 
     async def serving(client: CompletionsClient) -> int:
         async with httpx.AsyncClient(transport=httpx.MockTransport(status)) as http:
@@ -222,7 +227,7 @@ def test_a_lag_bounded_client_reads_the_versions_itself_before_its_first_request
     def server(request: httpx.Request) -> httpx.Response:
         asked.append(request.url.path)
         if request.url.path == "/status":
-            return httpx.Response(200, json={"version": 3})
+            return httpx.Response(200, json=_status(3))
         return httpx.Response(200, json={"choices": [_choice(0, "1", 2, True)]})
 
     async def complete() -> list:
@@ -244,7 +249,7 @@ class _FakeServer:
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/status":
-            return httpx.Response(200, json={"version": 0})
+            return httpx.Response(200, json=_status(0))
         self.requests += 1
         if self.requests > self.answered:
             await asyncio.Event().wait()  # in flight until the actor dies

@@ -8,6 +8,7 @@ knows nothing of tasks, rewards or the stream.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -16,9 +17,13 @@ from dataclasses import dataclass, field
 import httpx
 
 from pipelinerl.config import ActorConfig
-from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, list_servers
+from pipelinerl.control import ControlError, read_status
+from pipelinerl.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, list_servers
 
 log = logging.getLogger(__name__)
+
+STATUS_TIMEOUT_S = 10.0  # serving_version's read of one server's /status; a server that misses it is set aside
+PROBE_EVERY_S = 5.0  # the watcher's period (at most; see CompletionsClient), also its probe's timeout
 
 
 @dataclass
@@ -33,7 +38,11 @@ class Completion:
 
 class ServerPool:
     """The servers announced in RUN_DIR/<folder>/, least-loaded first. A server that fails is set aside
-    until it is announced again after `retry_after_s` (a restarted server re-publishes its file).
+    (`aside`) and every request in flight on it is told to move (`track` gives each request an event that
+    `set_aside` sets), also when its discovery file disappears (the launcher removes the file of a dead or
+    hung server). It is announced again after `retry_after_s`; with `readmit_on_status` (the policy servers)
+    it then takes requests only once it has answered GET /status again (`heard`), so a hung server is not
+    handed new requests to hang.
 
     With a lag bound (`max_lag` not None) only eligible servers take requests: those whose last reported
     version (`versions`, filled by CompletionsClient.serving_version) is at least the newest one reported
@@ -41,17 +50,27 @@ class ServerPool:
     being set aside, is not eligible until it reports a recent version. None: every announced server."""
 
     def __init__(self, run_dir: str, retry_after_s: float = 10.0, folder: str = SERVERS_DIR,
-                 max_lag: int | None = None):
+                 max_lag: int | None = None, readmit_on_status: bool = False):
         self.run_dir, self.retry_after_s, self.folder, self.max_lag = run_dir, retry_after_s, folder, max_lag
+        self.readmit_on_status = readmit_on_status
         self.load: dict[str, int] = {}
-        self.failed_at: dict[str, float] = {}
+        self.aside: dict[str, tuple[float, str]] = {}  # url -> (when, why) it was set aside; gone once heard
         self.versions: dict[str, int] = {}  # url -> the policy version it last reported
         self.behind: set[str] = set()  # servers known to be too far behind (logged once each time)
+        self.requests: dict[str, set[asyncio.Event]] = {}  # url -> one event per request in flight on it
+        self.heard_at: dict[str, float] = {}  # url -> when it last answered (or got its first request)
+
+    @property
+    def kind(self) -> str:
+        return "policy" if self.folder == SERVERS_DIR else "reference"
 
     def refresh(self) -> list[str]:
+        listed = list_servers(self.run_dir, self.folder)
+        for url in self.busy():
+            if url not in listed:
+                self.set_aside(url, "its discovery file is gone")
         now = time.monotonic()
-        announced = [u for u in list_servers(self.run_dir, self.folder)
-                     if now - self.failed_at.get(u, -1e9) > self.retry_after_s]
+        announced = [u for u in listed if now - self.aside.get(u, (-1e9, ""))[0] > self.retry_after_s]
         for url in announced:
             self.load.setdefault(url, 0)
         for url in list(self.load):
@@ -64,6 +83,8 @@ class ServerPool:
     def eligible(self) -> list[str]:
         """The announced servers that may take requests (see the class)."""
         announced = self.refresh()
+        if self.readmit_on_status:
+            announced = [u for u in announced if u not in self.aside]
         if self.max_lag is None:
             return announced
         known = {u: self.versions[u] for u in announced if u in self.versions}
@@ -90,25 +111,101 @@ class ServerPool:
         self.load[url] += 1
         return url
 
-    def release(self, url: str, failed: bool) -> None:
-        self.load[url] = max(0, self.load.get(url, 0) - 1)
-        if failed:
-            self.set_aside(url)
+    def track(self, url: str) -> asyncio.Event:
+        """A request acquired on `url` is in flight: the event is set when it must move to another server."""
+        if not self.busy_on(url):  # its silence counts from now, not from its last answer before an idle time
+            self.heard_at[url] = time.monotonic()
+        moved = asyncio.Event()
+        self.requests.setdefault(url, set()).add(moved)
+        return moved
 
-    def set_aside(self, url: str) -> None:
-        self.failed_at[url] = time.monotonic()
+    def release(self, url: str, failed: bool, moved: asyncio.Event | None = None) -> None:
+        self.load[url] = max(0, self.load.get(url, 0) - 1)
+        self.requests.get(url, set()).discard(moved)
+        if failed:
+            self.set_aside(url, "a request failed")
+
+    def set_aside(self, url: str, why: str) -> None:
+        """No requests for `url` until it is announced again (see the class); its requests in flight move."""
+        self.aside[url] = (time.monotonic(), why)
+        moving = [e for e in self.requests.pop(url, set()) if not e.is_set()]
+        for moved in moving:
+            moved.set()
+        if moving:
+            log.warning("server %s set aside (%s): cancelling its %d request(s) in flight, retried on other "
+                        "servers", url, why, len(moving))
+
+    def heard(self, url: str, version: int | None = None) -> None:
+        """`url` answered (its /status with `version`, or a request): it is no longer set aside."""
+        self.heard_at[url] = time.monotonic()
+        self.aside.pop(url, None)
+        if version is not None:
+            self.versions[url] = version
+
+    def busy_on(self, url: str) -> bool:
+        return any(not e.is_set() for e in self.requests.get(url, ()))
+
+    def busy(self) -> list[str]:
+        """The servers with requests in flight."""
+        return [u for u in list(self.requests) if self.busy_on(u)]
+
+    def silent_s(self, url: str) -> float:
+        return time.monotonic() - self.heard_at.get(url, time.monotonic())
+
+    def describe(self, min_version: int | None) -> str:
+        """What a request that no server may take waits for: the version it needs, each announced server's
+        last reported version, the servers set aside and why."""
+        now = time.monotonic()
+        need = [] if min_version is None else [f"version >= {min_version}"]
+        if self.max_lag is not None:
+            need.append(f"within max_lag={self.max_lag} of the newest version reported "
+                        f"({max(self.versions.values(), default='none')})")
+        listed = list_servers(self.run_dir, self.folder)
+        servers = [f"{u} set aside {now - self.aside[u][0]:.0f} s ago ({self.aside[u][1]})" if u in self.aside
+                   else f"{u} at version {self.versions[u]}" if u in self.versions
+                   else f"{u} (no version reported)" for u in listed]
+        gone = [f"{u} ({why})" for u, (_, why) in self.aside.items() if u not in listed]
+        return (f"needs {' and '.join(need) or 'any server'}; announced: {', '.join(servers) or 'none'}"
+                + (f"; set aside and no longer announced: {', '.join(gone)}" if gone else ""))
+
+
+class _Moved(Exception):
+    """A request's server was set aside while the request was in flight."""
+
+
+async def _unless_set(work, moved: asyncio.Event):
+    """The result of the awaitable `work`, or _Moved once `moved` is set first (`work` is then cancelled)."""
+    task, waiter = asyncio.ensure_future(work), asyncio.ensure_future(moved.wait())
+    try:
+        done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    await asyncio.wait({task})  # the cancelled request closes its connection
+    raise _Moved
 
 
 class CompletionsClient:
     """Requests to the run's policy servers and, when `reference` is set, to its reference servers
     (RUN_DIR/reference_servers/). Every call takes the caller's `httpx.AsyncClient`. With `max_lag` (in
     versions; None: no bound) only servers within max_lag of the newest version take requests (ServerPool):
-    call `serving_version` before the first request, and then often, to learn their versions."""
+    call `serving_version` before the first request, and then often, to learn their versions.
+
+    While requests are in flight a watcher task re-lists the servers (a removed discovery file moves that
+    server's requests) and probes every policy server with requests in flight (GET /status); one silent for
+    `actor.server_silence_s` is set aside and its requests move to other servers. Reference servers have no
+    /status: they are not probed."""
 
     def __init__(self, cfg: ActorConfig, run_dir: str, reference: bool, max_lag: int | None = None):
         self.cfg = cfg
-        self.pool = ServerPool(run_dir, max_lag=max_lag)
+        self.pool = ServerPool(run_dir, max_lag=max_lag, readmit_on_status=True)
         self.reference_pool = ServerPool(run_dir, folder=REFERENCE_SERVERS_DIR) if reference else None
+        # The probe's period, and its timeout: a few probes fit in the silence that sets a server aside.
+        self.probe_every_s = min(PROBE_EVERY_S, cfg.server_silence_s / 2)
+        self._watcher: asyncio.Task | None = None
 
     async def complete(self, http: httpx.AsyncClient, prompt_ids: list[int], greedy: bool, n: int = 1,
                        temperature: float | None = None, min_version: int | None = None) -> list[Completion]:
@@ -149,57 +246,101 @@ class CompletionsClient:
         """The policy version every eligible policy server serves: the oldest one they report on /status
         (-1: none answered). A request goes to any of them, so only this version bounds the lag of its
         tokens; a server further behind takes no request and does not count. A server that does not answer
-        is set aside like one that failed a request."""
-        async def one(url: str) -> int | None:
+        is set aside like one that failed a request (its requests in flight move to other servers)."""
+        async def one(url: str) -> None:
             try:
-                resp = await http.get(f"{url}/status", timeout=10.0)
-                resp.raise_for_status()
-                return int(resp.json()["version"])
-            except (httpx.HTTPError, KeyError, ValueError) as err:
-                log.warning("could not read the version of %s (set aside): %r", url, err)
-                self.pool.set_aside(url)
-                return None
+                status = await read_status(http, url, timeout_s=STATUS_TIMEOUT_S)
+            except ControlError as err:
+                log.warning("could not read the version of %s (set aside): %s", url, err)
+                self.pool.set_aside(url, f"GET /status failed: {err}")
+                return
+            self.pool.heard(url, status.version)
 
-        urls = self.pool.refresh()
-        for url, version in zip(urls, await asyncio.gather(*map(one, urls))):
-            if version is not None:
-                self.pool.versions[url] = version
+        await asyncio.gather(*map(one, self.pool.refresh()))
         return min((self.pool.versions[u] for u in self.pool.eligible() if u in self.pool.versions), default=-1)
 
     async def _post_completions(self, http: httpx.AsyncClient, pool: ServerPool, body: dict,
                                 min_version: int | None = None) -> list[dict]:
         """POST /v1/completions to the pool's least-loaded server (of at least `min_version`) and return the
-        choices in index order; retried on another server (bounded) when the request fails or times out."""
+        choices in index order; retried on another server (bounded) when the request fails, times out, or
+        its server is set aside meanwhile (ServerPool.set_aside)."""
         a = self.cfg
         tried: set[str] = set()
         for attempt in range(a.max_retries + 1):
-            url = pool.acquire(avoid=tried, min_version=min_version)
-            waited = 0
-            while url is None:  # none announced (yet, or any more: the launcher restarts them), or none eligible
-                if (pool.max_lag is not None or min_version is not None) and pool.refresh():  # versions to read
-                    await self.serving_version(http)
-                    url = pool.acquire(avoid=tried, min_version=min_version)
-                    if url is not None:
-                        break
-                waited += 1
-                if waited % 60 == 0:
-                    log.warning("no %s server%s to take a request for %d s (announced: %s)", pool.folder,
-                                "" if min_version is None else f" at version >= {min_version}", waited,
-                                ", ".join(pool.refresh()) or "none")
-                await asyncio.sleep(1.0)
-                url = pool.acquire(avoid=tried, min_version=min_version)
+            url = await self._acquire(http, pool, tried, min_version)
             tried.add(url)
+            moved = pool.track(url)
+            self._watch(http)
             try:
-                resp = await http.post(f"{url}/v1/completions", json=body, timeout=a.request_timeout_s)
+                resp = await _unless_set(http.post(f"{url}/v1/completions", json=body, timeout=a.request_timeout_s),
+                                         moved)
                 resp.raise_for_status()
+            except _Moved:
+                pool.release(url, failed=False, moved=moved)  # set aside already
+                detail = f"moved off {url}: {pool.aside.get(url, (0, 'set aside'))[1]}"
+                log.info("a request on %s moves to another server (attempt %d/%d)", url, attempt + 1,
+                         a.max_retries + 1)
+                continue
             except httpx.HTTPError as err:
-                pool.release(url, failed=True)
+                pool.release(url, failed=True, moved=moved)
                 detail = f"{err!r}: {err.response.text[:500]}" if isinstance(err, httpx.HTTPStatusError) else repr(err)
                 log.warning("completion on %s failed (attempt %d/%d): %s", url, attempt + 1, a.max_retries + 1, detail)
                 continue
-            pool.release(url, failed=False)
+            pool.release(url, failed=False, moved=moved)
+            pool.heard(url)
             return sorted(resp.json()["choices"], key=lambda c: c["index"])
         raise RuntimeError(f"a completion failed on {sorted(tried)} after {a.max_retries + 1} attempts: {detail}")
+
+    async def _acquire(self, http: httpx.AsyncClient, pool: ServerPool, avoid: set[str],
+                       min_version: int | None) -> str:
+        """A server for the next attempt (ServerPool.acquire), waiting while none may take it: none announced
+        (yet, or any more: the launcher restarts them), none eligible, or none of `min_version`. Every
+        `actor.wait_log_s` of waiting logs what it waits for."""
+        url = pool.acquire(avoid=avoid, min_version=min_version)
+        started = time.monotonic()
+        next_log = started + self.cfg.wait_log_s
+        while url is None:
+            if pool is self.pool and pool.refresh():  # versions to read, servers back from being set aside
+                await self.serving_version(http)
+                url = pool.acquire(avoid=avoid, min_version=min_version)
+                if url is not None:
+                    break
+            if time.monotonic() >= next_log:
+                log.warning("no %s server has taken a request for %.0f s: it %s", pool.kind,
+                            time.monotonic() - started, pool.describe(min_version))
+                next_log += self.cfg.wait_log_s
+            await asyncio.sleep(1.0)
+            url = pool.acquire(avoid=avoid, min_version=min_version)
+        return url
+
+    def _watch(self, http: httpx.AsyncClient) -> None:
+        """Start the watcher (see the class) unless it runs; it ends once no request is in flight."""
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.ensure_future(self._watch_servers(http))
+
+    def _pools(self) -> list[ServerPool]:
+        return [self.pool] + ([self.reference_pool] if self.reference_pool is not None else [])
+
+    async def _watch_servers(self, http: httpx.AsyncClient) -> None:
+        while True:
+            await asyncio.sleep(self.probe_every_s)
+            if http.is_closed or not any(p.busy() for p in self._pools()):
+                return
+            for pool in self._pools():
+                pool.refresh()  # a removed discovery file moves that server's requests
+            await asyncio.gather(*map(functools.partial(self._probe, http), self.pool.busy()))
+
+    async def _probe(self, http: httpx.AsyncClient, url: str) -> None:
+        """GET /status of a policy server with requests in flight; set it aside once silent too long."""
+        try:
+            status = await read_status(http, url, timeout_s=self.probe_every_s)
+        except ControlError as err:
+            silent = self.pool.silent_s(url)
+            if silent >= self.cfg.server_silence_s and self.pool.busy_on(url):
+                self.pool.set_aside(url, f"no answer for {silent:.0f} s, actor.server_silence_s="
+                                         f"{self.cfg.server_silence_s:g}: {err}")
+            return
+        self.pool.heard(url, status.version)
 
 
 def _parse_choice(choice: dict) -> Completion:

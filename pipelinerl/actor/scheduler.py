@@ -45,6 +45,8 @@ from pipelinerl.tasks import PromptItem, get_task
 
 log = logging.getLogger(__name__)
 
+VERSION_WAIT_S = 1.0  # how long a loop turn waits for the servers' versions before it goes on without them
+
 
 class Actor:
     def __init__(self, cfg: Config, actor_id: str = "actor0"):
@@ -201,8 +203,10 @@ class Actor:
         async with httpx.AsyncClient(limits=limits) as http:
             prompts = self.task.iter_train(self.next_prompt)
             evaluated, last_log = -1, time.monotonic()
+            self.version = await self.client.serving_version(http)
+            poll = None
             while True:
-                self.version = await self.client.serving_version(http)
+                poll = await self._poll_version(http, poll)
                 every = self.cfg.actor.eval_every_steps
                 if self.eval_suites and self.version // every > evaluated and self.client.has_servers():
                     evaluated = self.version // every
@@ -212,6 +216,19 @@ class Actor:
                 if time.monotonic() - last_log > 5.0:
                     self.log_window()
                     last_log = time.monotonic()
+
+    async def _poll_version(self, http: httpx.AsyncClient, poll: asyncio.Task | None) -> asyncio.Task | None:
+        """Read the servers' version (client.serving_version) in a task of its own, waiting for a new read at
+        most VERSION_WAIT_S: a hung server's /status read, up to its timeout, then never holds up the writes
+        and the reaping of groups. The read still running, or None once self.version has its result."""
+        fresh = poll is None
+        if fresh:
+            poll = asyncio.create_task(self.client.serving_version(http))
+        done, _ = await asyncio.wait({poll}, timeout=VERSION_WAIT_S if fresh else 0)
+        if poll not in done:
+            return poll
+        self.version = poll.result()
+        return None
 
     def _start_groups(self, http: httpx.AsyncClient, prompts: Iterator[PromptItem]) -> None:
         """Start every group the throttle allows, and record them before they run (at the next await)."""

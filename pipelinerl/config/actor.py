@@ -54,6 +54,14 @@ class ActorConfig:
     request_timeout_s: float = doc(600.0, "one completion request; on timeout it is retried on another server",
                                    unit="s")
     max_retries: int = doc(3, "retries of one request before the actor fails with the server's error")
+    server_silence_s: float = doc(
+        60.0, "a policy server with requests in flight that answers no GET /status for this long (the actor "
+              "probes such servers every few seconds) is set aside: its requests are cancelled and retried on "
+              "another server, within max_retries, instead of waiting request_timeout_s for a hung server",
+        unit="s")
+    wait_log_s: float = doc(30.0, "while no server may take a request, a warning every this often names what the "
+                                  "request waits for: the version it needs, each announced server's last reported "
+                                  "version, the servers set aside and why", unit="s")
     eval_every_steps: int = doc(20, "held-out evaluation every N trainer versions; 0 = never", unit="versions")
     eval_samples: int = doc(200, "prompts of the `default` eval set (the task's held-out split) per evaluation, one "
                                  "completion each (pass@1); 0 = no `default` set (task.eval_sets still run)")
@@ -67,6 +75,8 @@ class ActorConfig:
         check_positive(self.max_groups_in_flight, "actor.max_groups_in_flight")
         check_positive(self.request_timeout_s, "actor.request_timeout_s")
         check(self.max_retries >= 0, "actor.max_retries", "must be >= 0")
+        check_positive(self.server_silence_s, "actor.server_silence_s")
+        check_positive(self.wait_log_s, "actor.wait_log_s")
         check(self.eval_every_steps >= 0, "actor.eval_every_steps", "must be >= 0 (0 disables evaluation)")
         check(self.eval_samples >= 0, "actor.eval_samples", "must be >= 0")
 
