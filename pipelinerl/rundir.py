@@ -1,4 +1,7 @@
-"""The inference servers' files in the run directory: the control token and server discovery.
+"""The run directory's shared files that every role reads: the control token and server discovery.
+
+No role owns this module (the servers write discovery files, the trainer, actor, launchers and tools read
+them), so it imports nothing of the package but `atomic`.
 
 RUN_DIR/auth_token            the run's secret bearer token for control endpoints (mode 0600)
 RUN_DIR/servers/*             one file per healthy policy server, holding its base URL
@@ -6,7 +9,8 @@ RUN_DIR/reference_servers/*   the same for the frozen reference-model servers (`
                               a folder of their own, so the trainer never broadcasts weights to them
                               and the actor never samples from them
 
-Files are published whole by rename/link (parallel filesystems give no locks; DESIGN.md).
+Files are published whole by rename/link: parallel filesystems (Lustre, GPFS, NFS) give no reliable locks,
+inotify or append visibility, so writers publish whole files and readers poll.
 """
 
 from __future__ import annotations

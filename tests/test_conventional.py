@@ -63,7 +63,7 @@ def test_each_batch_is_generated_by_one_version_and_trained_for_g_steps(conventi
 
 @pytest.mark.slow
 def test_weights_are_synced_once_per_batch(conventional_g2_run):
-    sent = trainer_scalar(conventional_g2_run, "broadcast_bytes")
+    sent = trainer_scalar(conventional_g2_run, "publish_bytes")
     assert sorted(sent) == [1, 2, 3, 4, 5, 6]
     assert [step for step, nbytes in sorted(sent.items()) if nbytes > 0] == [2, 4, 6]
 
@@ -77,4 +77,4 @@ def test_g1_conventional_and_max_lag_0_pipeline_train_on_policy(conventional_g1_
         stats = read_token_stats(run_dir)
         assert len(stats["lag"]) == sum(len(r["versions"]) for r in rows)
         assert stats["lag"].max() == 0 and stats["lag"].min() == 0
-    assert min(trainer_scalar(g1, "broadcast_bytes").values()) > 0  # G = 1 syncs after every step
+    assert min(trainer_scalar(g1, "publish_bytes").values()) > 0  # G = 1 syncs after every step

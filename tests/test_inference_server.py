@@ -20,8 +20,9 @@ import torch
 from conftest import GROUP_TIMEOUT_S, connect_broadcaster
 from helpers import hf_greedy, worker_port
 
-from pipelinerl.inference.rundir import list_servers, run_token
-from pipelinerl.weights import TensorMeta, WeightBroadcaster, WeightTransferError, dtype_name
+from pipelinerl.control import ControlError
+from pipelinerl.rundir import list_servers, run_token
+from pipelinerl.weights import TensorMeta, WeightBroadcaster, dtype_name
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
 
@@ -328,7 +329,7 @@ def test_stalled_broadcast_times_out_and_server_resumes_old_weights(server, mode
     assert status["version"] == 20 and not status["group_ready"]
     assert replies["completion"]["token_ids"] == hf_greedy(models["A"], ids, 30)
     assert replies["completion"]["policy_versions"] == [20] * 30
-    with pytest.raises(WeightTransferError, match=re.escape(url)):  # the server left the group
+    with pytest.raises(ControlError, match=re.escape(url)):  # the server left the group (HTTP 409)
         _send(broadcaster, 22, models["B"])
     again = connect_broadcaster(server)  # a new group is accepted after the failed one
     _send(again, 22, models["B"])

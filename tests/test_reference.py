@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM
 
 from pipelinerl.actor import Actor, Completion
 from pipelinerl.config import load_config, save_config
-from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, list_servers
 from pipelinerl.launch.local import _roles, placement, wait_for_servers
 from pipelinerl.launch.procs import Supervisor
+from pipelinerl.rundir import REFERENCE_SERVERS_DIR, list_servers
 from pipelinerl.streams import StreamReader
 
 REPO = Path(__file__).resolve().parent.parent

@@ -23,11 +23,11 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pipelinerl.config import StreamsConfig, load_config
-from pipelinerl.inference.rundir import list_servers
 from pipelinerl.launch import slurm
 from pipelinerl.launch.slurm import check_config, dry_run_allocation, plan_roles, render
 from pipelinerl.launch.slurm_node import node_placement, node_server_roles
 from pipelinerl.metrics import read_token_stats
+from pipelinerl.rundir import list_servers
 from pipelinerl.streams import StreamReader, StreamTimeout
 from pipelinerl.trainer.checkpoints import latest_checkpoint
 

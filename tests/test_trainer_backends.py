@@ -12,14 +12,14 @@ CONTRACT = [name for name in vars(Trainer) if not name.startswith("_")]
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
-def test_every_backend_is_built_with_its_broadcaster_and_has_the_whole_contract(name):
+def test_every_backend_is_built_with_its_publisher_and_has_the_whole_contract(name):
     cfg = load_config(None, ["run_dir=x", "model.path=m", f"trainer.backend={name}", "rl.value_function=true",
                              "actor.sampling.temperature=0.7", "model.lm_head_fp32=true"])
     sender = object()
     trainer = build_trainer(cfg, MAIN, sender)  # construction loads nothing: `init` does
-    assert trainer.broadcaster is sender and trainer.value_head and trainer.temperature == 0.7
+    assert trainer.publisher is sender and trainer.value_head and trainer.temperature == 0.7
     assert trainer.lm_head_fp32
-    assert set(CONTRACT) >= {"device", "init", "accumulate", "optimizer_step", "broadcast_weights", "save_state",
+    assert set(CONTRACT) >= {"device", "init", "accumulate", "optimizer_step", "publish_weights", "save_state",
                              "load_state", "save_hf"}
     missing = [m for m in CONTRACT if not hasattr(type(trainer), m)]
     assert not missing, f"{name} lacks {missing}"

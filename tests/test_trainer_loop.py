@@ -48,7 +48,7 @@ def _stop(proc: subprocess.Popen) -> None:
 @contextlib.contextmanager
 def serving(model_dir: Path, run_dir: Path, version: int = 0):
     """One `pipelinerl serve` announced in run_dir; stopped (process group) on exit."""
-    from pipelinerl.inference.rundir import list_servers
+    from pipelinerl.rundir import list_servers
 
     port = free_port(worker_port(19400))
     cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", str(REPO / "configs" / "tiny_cpu.yaml"),

@@ -9,7 +9,7 @@ import helpers
 import pytest
 import torch
 
-from pipelinerl.inference.rundir import list_servers, publish_server, run_token
+from pipelinerl.rundir import list_servers, publish_server, run_token
 from pipelinerl.weights import (
     ALIGN_BYTES,
     InitRequest,

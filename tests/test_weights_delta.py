@@ -1,147 +1,27 @@
 """Delta weight updates (weights/delta.py) and the weight-update group's re-forming, end to end without
-vLLM: the real WeightBroadcaster, the real control routes and WeightUpdater (inference/server.py,
-updates.py) over HTTP, and a memory engine that receives with the real receive_staged over gloo and loads
-by keeping copies of the tensors.
+vLLM: the real WeightBroadcaster against tests/memory_servers.py's servers (the real control routes and
+WeightUpdater over HTTP, a memory engine receiving with the real receive_staged over gloo)."""
 
-The "training" is an fp32 master copy moved by Adam-sized steps (|step| = lr) and cast to bfloat16 for
-the wire, as DeepSpeed's bf16 mode does; references are bit-wise comparisons of integer views.
-"""
-
-import asyncio
-import threading
 import time
 
 import pytest
 import torch
-import uvicorn
-from fastapi import FastAPI
 from helpers import worker_port
-from prometheus_client import CollectorRegistry
+from memory_servers import TIMEOUT_S, TOKEN, MemoryEngine, Server, Trainer, assert_serving, bits
+from memory_servers import metas as wire_metas
 
-from pipelinerl.inference.rundir import server_file
-from pipelinerl.inference.server import control_router
-from pipelinerl.inference.updates import WeightUpdater
+from pipelinerl.control import ControlError
 from pipelinerl.launch.procs import free_port
 from pipelinerl.weights import (
     Delta,
-    DeltaBase,
     DeltaEncoder,
-    TensorMeta,
-    UpdateRejected,
-    UpdateRequest,
     WeightBroadcaster,
-    WeightTransferError,
     changed_positions,
-    open_group,
     parse_update_request,
-    receive_staged,
     wire_parts,
 )
 from pipelinerl.weights import sender as sender_module
 from pipelinerl.weights.delta import encode_positions
-
-TOKEN = "t" * 32
-TIMEOUT_S = 4.0  # the group's collectives: a broken broadcast fails on the servers within this
-
-
-class MemoryEngine:
-    """An UpdatableEngine whose model is a dict of tensors; receive as vllm_glue/transfer.py does."""
-
-    num_ranks = 1
-
-    def __init__(self, weights: dict[str, torch.Tensor]):
-        self.weights = {n: t.clone() for n, t in weights.items()}
-        self.group = self.req = self.staged = None
-        self.base = DeltaBase()
-
-    async def set_version(self, version: int) -> None:
-        pass
-
-    async def join_group(self, req, staging: str) -> None:
-        self.req = req
-        self.group = await asyncio.to_thread(open_group, req, req.rank_offset)
-
-    async def pause(self, recompute: bool) -> None:
-        pass
-
-    async def receive(self, req: UpdateRequest) -> None:
-        try:
-            self.staged = await asyncio.to_thread(receive_staged, self.group, req, torch.device("cpu"),
-                                                  time.monotonic() + self.req.timeout_s, "the trainer", "host",
-                                                  self.base)
-        except UpdateRejected:
-            raise
-        except BaseException:
-            self.base.drop()
-            self.group = None
-            raise
-
-    async def load(self, version: int) -> None:
-        self.weights.update((n, t.clone()) for n, t in self.staged)
-
-    async def resume(self) -> None:
-        pass
-
-    async def worker_timings(self) -> list[dict[str, float]]:
-        return [{}]
-
-    async def in_group(self) -> bool:
-        return self.group is not None
-
-
-class Server:
-    def __init__(self, weights: dict[str, torch.Tensor], port: int | None = None):
-        self.engine = MemoryEngine(weights)
-        self.updater = WeightUpdater(self.engine, {n: list(t.shape) for n, t in weights.items()}, "bfloat16",
-                                     "keep", 0, registry=CollectorRegistry())
-        app = FastAPI()
-        app.include_router(control_router(self.updater, TOKEN))
-        self.port = port or free_port(worker_port(18900))
-        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.uv.started:
-            assert time.monotonic() < deadline, "the test server did not start"
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.uv.should_exit = True
-        self.thread.join(timeout=10)
-
-
-class Trainer:
-    """An fp32 master copy, bf16 on the wire: most elements change in no step at lr 1e-5."""
-
-    def __init__(self, seed: int = 0):
-        g = torch.Generator().manual_seed(seed)
-        self.g = g
-        self.master = {"embed": torch.randn(64, 32, generator=g) * 0.05, "w1": torch.randn(48, 32, generator=g) * 0.05,
-                       "bias": torch.zeros(48), "frozen": torch.randn(16, generator=g)}
-
-    def step(self, lr: float) -> None:
-        for name, m in self.master.items():
-            if name == "frozen":
-                continue
-            big = 10.0 if name == "bias" else 1.0  # the bias moves a lot: sent dense, per tensor
-            m -= lr * big * torch.sign(torch.randn(m.shape, generator=self.g))
-
-    def wire(self) -> dict[str, torch.Tensor]:
-        return {n: m.bfloat16() for n, m in self.master.items()}
-
-
-def _metas(weights: dict[str, torch.Tensor]) -> list[TensorMeta]:
-    return [TensorMeta(n, "bfloat16", list(t.shape)) for n, t in weights.items()]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
-
-
-def _assert_serving(server: Server, weights: dict[str, torch.Tensor]) -> None:
-    for name, want in weights.items():
-        assert torch.equal(_bits(server.engine.weights[name]), _bits(want)), name
 
 
 @pytest.fixture
@@ -168,10 +48,10 @@ def test_twenty_delta_updates_are_bit_exact_on_two_servers(two_servers):
         for version in range(1, 21):
             trainer.step(lr=1e-5)
             wire = trainer.wire()
-            metas = _metas(wire)
+            metas = wire_metas(wire)
             out = b.broadcast(version, metas, list(wire.values()))
             for s in servers:
-                _assert_serving(s, wire)
+                assert_serving(s, wire)
                 assert s.updater.version == version and s.updater.delta_base == version
             dense = sum(m.nbytes for m in metas)
             if version == 1:  # nothing to diff against yet
@@ -179,7 +59,7 @@ def test_twenty_delta_updates_are_bit_exact_on_two_servers(two_servers):
                 prev = wire
                 continue
             # the hand count: changed elements of the tensors sent as deltas (all but the bias)
-            changed = {n: int((_bits(wire[n]) != _bits(prev[n])).sum()) for n in wire}
+            changed = {n: int((bits(wire[n]) != bits(prev[n])).sum()) for n in wire}
             assert out["changed_fraction"] == sum(changed.values()) / sum(t.numel() for t in wire.values())
             assert changed["frozen"] == 0 and changed["bias"] > 0.5 * wire["bias"].numel()
             assert out["delta_tensors"] == 3  # embed, w1, frozen (0 elements); the bias goes dense
@@ -210,10 +90,10 @@ def test_a_rejected_delta_is_resent_dense(two_servers, monkeypatch):
             trainer.step(lr=1e-5)
             wire = trainer.wire()
             monkeypatch.setattr(DeltaEncoder, "encode", corrupt if version == 2 else real)
-            out = b.broadcast(version, _metas(wire), list(wire.values()))
+            out = b.broadcast(version, wire_metas(wire), list(wire.values()))
             for s in servers:
-                _assert_serving(s, wire)
-        assert out.get("resent_dense") == 1 and out["bytes"] == sum(m.nbytes for m in _metas(wire))
+                assert_serving(s, wire)
+        assert out.get("resent_dense") == 1 and out["bytes"] == sum(m.nbytes for m in wire_metas(wire))
         assert all(s.updater.delta_base == 2 for s in servers)
     finally:
         b.close()
@@ -225,7 +105,7 @@ def test_a_broken_delta_broadcast_leaves_the_old_weights_and_the_next_update_is_
     try:
         for version in (1, 2):
             trainer.step(lr=1e-5)
-            b.broadcast(version, _metas(trainer.wire()), list(trainer.wire().values()))
+            b.broadcast(version, wire_metas(trainer.wire()), list(trainer.wire().values()))
         served = trainer.wire()
         trainer.step(lr=1e-5)
         real, calls = sender_module.broadcast_async, []
@@ -238,20 +118,20 @@ def test_a_broken_delta_broadcast_leaves_the_old_weights_and_the_next_update_is_
 
         monkeypatch.setattr(sender_module, "broadcast_async", dies_after_one_bucket)
         with pytest.raises(RuntimeError, match="killed"):
-            b.broadcast(3, _metas(trainer.wire()), list(trainer.wire().values()))
+            b.broadcast(3, wire_metas(trainer.wire()), list(trainer.wire().values()))
         monkeypatch.setattr(sender_module, "broadcast_async", real)
         deadline = time.monotonic() + 10 * TIMEOUT_S
         while any(s.updater.busy or s.updater.group_ready for s in servers):  # each times out on its own
             assert time.monotonic() < deadline, "a server never gave up on the broken broadcast"
             time.sleep(0.05)
         for s in servers:
-            _assert_serving(s, served)
+            assert_serving(s, served)
             assert s.updater.version == 2 and s.updater.delta_base is None
         b.connect()
-        out = b.broadcast(3, _metas(trainer.wire()), list(trainer.wire().values()))
-        assert out["bytes"] == sum(m.nbytes for m in _metas(trainer.wire()))  # dense: no server has a base
+        out = b.broadcast(3, wire_metas(trainer.wire()), list(trainer.wire().values()))
+        assert out["bytes"] == sum(m.nbytes for m in wire_metas(trainer.wire()))  # dense: no server has a base
         for s in servers:
-            _assert_serving(s, trainer.wire())
+            assert_serving(s, trainer.wire())
     finally:
         b.close()
 
@@ -262,13 +142,13 @@ def test_a_server_without_the_base_gets_a_dense_update(two_servers):
     try:
         for version in (1, 2):
             trainer.step(lr=1e-5)
-            b.broadcast(version, _metas(trainer.wire()), list(trainer.wire().values()))
+            b.broadcast(version, wire_metas(trainer.wire()), list(trainer.wire().values()))
         b._bases[servers[1].url] = None  # as connect() reads a restarted server's /status
         trainer.step(lr=1e-5)
-        out = b.broadcast(3, _metas(trainer.wire()), list(trainer.wire().values()))
-        assert out["bytes"] == sum(m.nbytes for m in _metas(trainer.wire()))
+        out = b.broadcast(3, wire_metas(trainer.wire()), list(trainer.wire().values()))
+        assert out["bytes"] == sum(m.nbytes for m in wire_metas(trainer.wire()))
         for s in servers:
-            _assert_serving(s, trainer.wire())
+            assert_serving(s, trainer.wire())
             assert s.updater.delta_base == 3
     finally:
         b.close()
@@ -281,7 +161,7 @@ def test_a_delta_against_another_base_is_refused_before_any_byte():
         import httpx
 
         body = {"version": 5, "bucket_bytes": 2048, "base_version": 4, "nnz": [0, 0, 0, 0],
-                "tensors": [{"name": m.name, "dtype": m.dtype, "shape": m.shape} for m in _metas(trainer.wire())]}
+                "tensors": [{"name": m.name, "dtype": m.dtype, "shape": m.shape} for m in wire_metas(trainer.wire())]}
         resp = httpx.post(server.url + "/request_weight_update", json=body,
                           headers={"Authorization": f"Bearer {TOKEN}"})
         assert resp.status_code == 412 and "delta base is None" in resp.json()["error"]
@@ -316,73 +196,6 @@ def test_changed_positions_is_bitwise():
     assert changed_positions(old, new).tolist() == [0, 3]  # -0.0 != 0.0 bit-wise; the same NaN is unchanged
 
 
-# Servers that come and go: trainer.broadcast.ServerBroadcaster over the same memory servers, announced in a
-# run directory as real servers announce themselves.
-
-def _run_broadcaster(tmp_path, servers):
-    from pipelinerl.config import load_config
-    from pipelinerl.inference.rundir import publish_server
-    from pipelinerl.trainer.broadcast import ServerBroadcaster
-    from pipelinerl.trainer.dist import DistInfo
-
-    for s in servers:
-        publish_server(tmp_path, "127.0.0.1", s.port)
-    cfg = load_config(None, [f"run_dir={tmp_path}", f"model.path={tmp_path}", f"inference.auth_token={TOKEN}",
-                             "model.dtype=bfloat16",
-                             "inference.weight_update_backend=gloo",
-                             f"trainer.broadcast_port={free_port(worker_port(18970))}",
-                             f"inference.weight_update_timeout_s={TIMEOUT_S * 5}", "trainer.broadcast_delta=auto",
-                             "trainer.broadcast_bucket_mb=0.002"])
-    b = ServerBroadcaster(cfg, DistInfo(0, 1, 0, "gloo"))
-    assert b.connect()
-    return b
-
-
-def _restart(old: Server, weights: dict[str, torch.Tensor], run_dir) -> Server:
-    """A new server on the old one's port, from older weights (a restart from a checkpoint), announced."""
-    from pipelinerl.inference.rundir import publish_server
-
-    old.stop()
-    new = Server(weights, port=old.port)
-    time.sleep(0.01)  # a distinct announcement time (ns clock) even on coarse filesystems
-    publish_server(run_dir, "127.0.0.1", new.port)
-    return new
-
-
-def test_a_dead_server_is_left_out_and_its_restart_joins_at_the_next_update(tmp_path):
-    trainer = Trainer()
-    checkpoint = trainer.wire()
-    servers = [Server(checkpoint), Server(checkpoint)]
-    b = _run_broadcaster(tmp_path, servers)
-    try:
-        trainer.step(lr=1e-5)
-        assert "failed" not in b.broadcast(1, _metas(trainer.wire()), list(trainer.wire().values()))
-        servers[1].stop()  # dies between updates; its announcement stays, as after a SIGKILL
-        trainer.step(lr=1e-5)
-        failed = b.broadcast(2, _metas(trainer.wire()), iter(list(trainer.wire().values())))
-        assert failed["failed"] == 1.0
-        retry = b.broadcast(2, _metas(trainer.wire()), list(trainer.wire().values()))  # the loop's retry
-        assert "failed" not in retry and list(retry["servers"]) == [servers[0].url]
-        _assert_serving(servers[0], trainer.wire())
-        server_file(tmp_path, "127.0.0.1", servers[1].port).unlink()  # the launcher saw it die
-        formed = b._sender._groups
-        trainer.step(lr=1e-5)
-        assert "failed" not in b.broadcast(3, _metas(trainer.wire()), list(trainer.wire().values()))
-        assert b._sender._groups == formed  # a left-out server's announcement gone: no group re-formed
-        servers[1] = _restart(servers[1], checkpoint, tmp_path)
-        trainer.step(lr=1e-5)
-        out = b.broadcast(4, _metas(trainer.wire()), list(trainer.wire().values()))
-        assert sorted(out["servers"]) == sorted(s.url for s in servers)
-        assert out["bytes"] == sum(m.nbytes for m in _metas(trainer.wire()))  # dense: the new one has no base
-        for s in servers:
-            _assert_serving(s, trainer.wire())
-            assert s.updater.version == 4
-    finally:
-        b.close()
-        for s in servers:
-            s.stop()
-
-
 def test_a_restarted_trainer_is_accepted_at_once():
     """A trainer dies between updates (nothing abandons its group): the servers still hold that group, and
     a new trainer's group replaces it without waiting for any timeout."""
@@ -391,16 +204,16 @@ def test_a_restarted_trainer_is_accepted_at_once():
     try:
         first = _broadcaster(servers)
         trainer.step(lr=1e-5)
-        first.broadcast(1, _metas(trainer.wire()), list(trainer.wire().values()))
+        first.broadcast(1, wire_metas(trainer.wire()), list(trainer.wire().values()))
         assert all(s.updater.group_ready for s in servers)
         t0 = time.monotonic()
         second = _broadcaster(servers)  # no close() of the first: it "died"
         assert time.monotonic() - t0 < TIMEOUT_S
         trainer.step(lr=1e-5)
-        out = second.broadcast(2, _metas(trainer.wire()), list(trainer.wire().values()))
-        assert out["bytes"] == sum(m.nbytes for m in _metas(trainer.wire()))  # a new trainer starts dense
+        out = second.broadcast(2, wire_metas(trainer.wire()), list(trainer.wire().values()))
+        assert out["bytes"] == sum(m.nbytes for m in wire_metas(trainer.wire()))  # a new trainer starts dense
         for s in servers:
-            _assert_serving(s, trainer.wire())
+            assert_serving(s, trainer.wire())
         second.close()
     finally:
         for s in servers:
@@ -426,14 +239,14 @@ def test_a_member_failing_to_join_does_not_hold_up_the_next_group():
     b = WeightBroadcaster([good.url, bad.url], "gloo", "127.0.0.1", free_port(worker_port(18950)), timeout_s,
                           bucket_bytes=2048, token=TOKEN)
     try:
-        with pytest.raises(WeightTransferError, match="fell off the bus"):
+        with pytest.raises(ControlError, match="fell off the bus"):
             b.connect()
         t0 = time.monotonic()
         assert b.connect([good.url]) == [good.url]
         assert time.monotonic() - t0 < timeout_s / 2
         trainer.step(lr=1e-5)
-        assert "failed" not in b.broadcast(1, _metas(trainer.wire()), list(trainer.wire().values()))
-        _assert_serving(good, trainer.wire())
+        assert "failed" not in b.broadcast(1, wire_metas(trainer.wire()), list(trainer.wire().values()))
+        assert_serving(good, trainer.wire())
     finally:
         b.close()
         good.stop()

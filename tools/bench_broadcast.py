@@ -1,9 +1,11 @@
-"""Weight broadcast per optimizer step: gather (ZeRO-3, module by module) and send to a real server.
+"""Weights per optimizer step: publish (ZeRO-3 gather, module by module, into rank 0's host memory) and deliver
+to a real server.
 
 For each model (the tiny one and a ~20M-parameter one, both built offline) this starts one
-`pipelinerl serve` (vLLM; CPU here), runs a 2-rank ZeRO-3 DeepSpeed trainer whose rank 0 connects to
-it, and times `broadcast_weights` over several versions: once gather-only (no server), once with the
-broadcast. It prints bytes per step, gather time, broadcast time and the server's own update time.
+`pipelinerl serve` (vLLM; CPU here), runs a 2-rank ZeRO-3 DeepSpeed trainer, and times `publish_weights` over
+several versions: once with no delivery running, once with rank 0's delivery thread (the trainer's own
+`start_delivery`) taking each version to the server before the next is published. It prints bytes per step,
+the publish time (what the training loop waits for), the delivery round and the server's pause.
 
     python tools/bench_broadcast.py [--steps 5] [--models tiny,20m] [--work-dir /tmp/bench_broadcast] [--summary PATH]
 """
@@ -35,7 +37,7 @@ SHAPES = {
 
 
 def start_server(model_dir: Path, run_dir: Path) -> subprocess.Popen:
-    from pipelinerl.inference.rundir import list_servers
+    from pipelinerl.rundir import list_servers
 
     cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", str(TINY_CONFIG), "--model", str(model_dir), "--port",
            str(free_port(19600)), "--run-dir", str(run_dir), "inference.gpu_memory_utilization=0.3",
@@ -55,24 +57,34 @@ def worker(rank: int, world: int, port: int, model_dir: str, run_dir: str, steps
                       MASTER_PORT=str(port))
     from pipelinerl.config import load_config
     from pipelinerl.trainer.backends import build_trainer
-    from pipelinerl.trainer.broadcast import ServerBroadcaster
     from pipelinerl.trainer.dist import init_process_group, read_dist_env
+    from pipelinerl.trainer.loop import start_delivery
+    from pipelinerl.weights import Publication
 
     dist = read_dist_env()
     init_process_group(dist, 300)
     cfg = load_config(None, [f"run_dir={run_dir}", f"model.path={model_dir}", "inference.weight_update_backend=gloo",
                              f"trainer.broadcast_port={free_port(19700)}", "trainer.zero_stage=3",
                              "trainer.deepspeed_config.zero_optimization.stage3_param_persistence_threshold=0"])
-    broadcaster = ServerBroadcaster(cfg, dist) if dist.is_main else None
-    trainer = build_trainer(cfg, dist, broadcaster)
+    publication = Publication() if dist.is_main else None
+    trainer = build_trainer(cfg, dist, publication)
     trainer.init(model_dir)
-    gather = [trainer.broadcast_weights(v) for v in range(1, steps + 1)]  # not connected yet: gather only
-    if broadcaster is not None:
-        broadcaster.connect()
-    send = [trainer.broadcast_weights(v) for v in range(steps + 1, 2 * steps + 1)]
+    gather = [trainer.publish_weights(v) for v in range(1, steps + 1)]  # no delivery yet: publish only
+    delivery = start_delivery(cfg, dist, publication) if dist.is_main else None
+    send = []
+    for v in range(steps + 1, 2 * steps + 1):
+        published = trainer.publish_weights(v)
+        if delivery is not None:  # the other ranks wait in the next gather meanwhile
+            deadline, done = time.monotonic() + 300, []
+            while not done:
+                assert time.monotonic() < deadline and delivery.failure is None, delivery.describe()
+                done = [r for r in delivery.reports() if r.ok and r.version == v]
+                time.sleep(0.01)
+            send.append({**published, "round_s": done[0].total_s, "wire_s": done[0].send_s,
+                         "bytes": done[0].bytes, "paused_s": done[0].paused_s})
     if dist.is_main:
         Path(out).write_text(json.dumps({"gather": gather, "send": send}, default=str))
-        broadcaster.close()
+        delivery.close()
 
 
 def bench(name: str, work: Path, steps: int) -> dict:
@@ -90,15 +102,14 @@ def bench(name: str, work: Path, steps: int) -> dict:
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=60)
-    gather_s = [r["broadcast_total_s"] for r in result["gather"]]
-    send_s = [r["broadcast_total_s"] for r in result["send"]]
-    replies = [next(iter(r["servers"].values())) for r in result["send"]]
-    return {"model": name, "params": n_params, "bytes_per_step": int(result["send"][0]["bytes"]),
-            "gather_s": statistics.median(gather_s), "gather_and_broadcast_s": statistics.median(send_s),
-            "wire_s": statistics.median(float(r["broadcast_s"]) for r in result["send"]),
-            "server_load_s": statistics.median(float(r.get("load_s", "nan")) for r in replies),
-            # the whole pause, from stopping generation to resuming it (the reply's pause_s is the stop call alone)
-            "server_pause_s": statistics.median(float(r.get("paused_s", "nan")) for r in replies)}
+    send = result["send"]
+    return {"model": name, "params": n_params, "bytes_per_step": int(send[0]["bytes"]),
+            "gather_s": statistics.median(r["publish_s"] for r in result["gather"]),
+            "publish_s": statistics.median(r["publish_s"] for r in send),
+            "round_s": statistics.median(r["round_s"] for r in send),
+            "wire_s": statistics.median(r["wire_s"] for r in send),
+            # the whole pause, from stopping generation to resuming it
+            "server_pause_s": statistics.median(r["paused_s"] for r in send)}
 
 
 def main() -> None:
@@ -112,16 +123,15 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    print(f"{'model':6s} {'params':>11s} {'MB/step':>8s} {'gather s':>9s} {'gather+send s':>14s} {'wire s':>7s} "
-          f"{'srv pause s':>11s} {'srv load s':>10s}")
+    print(f"{'model':6s} {'params':>11s} {'MB/step':>8s} {'publish s':>9s} {'+delivery':>9s} {'round s':>8s} "
+          f"{'wire s':>7s} {'srv pause s':>11s}")
     for name in args.models.split(","):
         r = bench(name, work, args.steps)
         print(f"{r['model']:6s} {r['params']:11,d} {r['bytes_per_step'] / 1e6:8.2f} {r['gather_s']:9.3f} "
-              f"{r['gather_and_broadcast_s']:14.3f} {r['wire_s']:7.3f} {r['server_pause_s']:11.3f} "
-              f"{r['server_load_s']:10.3f}", flush=True)
+              f"{r['publish_s']:9.3f} {r['round_s']:8.3f} {r['wire_s']:7.3f} {r['server_pause_s']:11.3f}", flush=True)
         summary.add(f"{name}: bytes per step", r["bytes_per_step"] / 1e6, "MB")
-        summary.add(f"{name}: gather", r["gather_s"], "s")
-        summary.add(f"{name}: gather + broadcast", r["gather_and_broadcast_s"], "s")
+        summary.add(f"{name}: publish (gather + host copy: the loop's wait)", r["gather_s"], "s")
+        summary.add(f"{name}: delivery round (off the loop)", r["round_s"], "s")
         summary.add(f"{name}: server pause (receive + load)", r["server_pause_s"], "s")
     summary.write(args.summary)
 

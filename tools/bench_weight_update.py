@@ -45,7 +45,7 @@ import torch
 from bench_summary import Summary, met
 
 from pipelinerl.config import TinyModelConfig
-from pipelinerl.inference.rundir import list_servers, run_token
+from pipelinerl.rundir import list_servers, run_token
 from pipelinerl.weights import (
     InitRequest,
     TensorMeta,

@@ -47,9 +47,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pipelinerl.config import Config, StreamsConfig, load_config  # noqa: E402
-from pipelinerl.inference.rundir import list_servers  # noqa: E402
 from pipelinerl.launch.commands import cli  # noqa: E402
 from pipelinerl.launch.procs import die_with_parent  # noqa: E402
+from pipelinerl.rundir import list_servers  # noqa: E402
 
 KINDS = ("server", "actor", "trainer")
 _STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "

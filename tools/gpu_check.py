@@ -143,7 +143,7 @@ class DeepSpeedStepper:
                           MASTER_PORT=str(free_port()))
         dist = read_dist_env()
         init_process_group(dist, cfg.trainer.dist_timeout_s)
-        self.trainer = build_trainer(cfg, dist, broadcaster=None)
+        self.trainer = build_trainer(cfg, dist, publisher=None)
         self.trainer.init(cfg.model.path)
         self.device = self.trainer.device
         self.vocab = self.trainer.lm.config.vocab_size

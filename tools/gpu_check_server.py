@@ -14,8 +14,8 @@ from gpu_check import Row, write_config
 
 def start_server(cfg_path: Path, run_dir: Path, port: int, timeout_s: float):
     """`pipelinerl serve` under a Supervisor (its own process group); the URL once it announces itself."""
-    from pipelinerl.inference.rundir import list_servers
     from pipelinerl.launch.procs import Role, Supervisor
+    from pipelinerl.rundir import list_servers
 
     sup = Supervisor()
     sup.start(Role("server", [sys.executable, "-m", "pipelinerl.cli", "serve", str(cfg_path), "--port", str(port)],
@@ -58,8 +58,8 @@ def update_and_sample(cfg, url: str, model, prompts: list[list[int]]) -> tuple[d
     import httpx
 
     from pipelinerl.actor.client import CompletionsClient
-    from pipelinerl.inference.rundir import run_token
     from pipelinerl.launch.procs import free_port
+    from pipelinerl.rundir import run_token
     from pipelinerl.weights import TensorMeta, WeightBroadcaster, dtype_name
 
     sender = WeightBroadcaster([url], "gloo", "127.0.0.1", free_port(), cfg.inference.weight_update_timeout_s,

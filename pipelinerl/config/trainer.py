@@ -61,6 +61,16 @@ class TrainerConfig:
     data_timeout_s: float = doc(1500.0, "fail, naming the stream and cursor, if a step's data does not arrive "
                                         "within this long; must be < dist_timeout_s (the other ranks wait in a "
                                         "collective meanwhile)", unit="s")
+    delivery_fail_after_versions: int = doc(
+        5, "weight delivery (rank 0's own thread: every announced server is brought to the newest published "
+           "version) stops the run when every server failed every attempt for this many consecutive published "
+           "versions and for at least delivery_fail_after_s; the error names the servers and their last errors",
+        unit="versions")
+    delivery_fail_after_s: float = doc(120.0, "see delivery_fail_after_versions: how long the failures must "
+                                              "last too (a server restart takes a while)", unit="s")
+    wait_log_s: float = doc(30.0, "a wait longer than this (for a step's data, for servers to reach a version) "
+                                  "logs what it waits for and what the servers report, again every wait_log_s",
+                            unit="s")
 
     def __post_init__(self) -> None:
         check_choice(self.backend, TRAINER_BACKENDS, "trainer.backend")
@@ -84,6 +94,9 @@ class TrainerConfig:
         check(self.broadcast_checksum_every >= 0, "trainer.broadcast_checksum_every", "must be >= 0 (0 = never)")
         check_choice(self.broadcast_delta, ("auto", "off"), "trainer.broadcast_delta")
         check_positive(self.data_timeout_s, "trainer.data_timeout_s")
+        check_positive(self.delivery_fail_after_versions, "trainer.delivery_fail_after_versions")
+        check(self.delivery_fail_after_s >= 0, "trainer.delivery_fail_after_s", "must be >= 0")
+        check_positive(self.wait_log_s, "trainer.wait_log_s")
         check_choice(self.attn_implementation, ("sdpa", "flash_attention_2"), "trainer.attn_implementation")
         check_positive(self.dist_timeout_s, "trainer.dist_timeout_s")
         check(self.data_timeout_s < self.dist_timeout_s, "trainer.data_timeout_s",

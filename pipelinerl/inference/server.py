@@ -39,8 +39,8 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 
+from pipelinerl import rundir
 from pipelinerl.config import Config
-from pipelinerl.inference import rundir
 from pipelinerl.inference.updates import UpdateError, WeightUpdater
 from pipelinerl.inference.vllm_glue.serving import vllm_argv
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from pipelinerl.config import Config
-from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, advertised_host, server_file
+from pipelinerl.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, advertised_host, server_file
 
 
 def cli(python: str = sys.executable) -> list[str]:

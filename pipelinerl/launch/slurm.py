@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipelinerl.config import Config
-from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, advertised_host, server_file
 from pipelinerl.launch.commands import cli, reference_server_count, server_port, threads_env
 from pipelinerl.launch.local import ensure_model, prepare_run_dir, serving_weights, wait_for_servers
 from pipelinerl.launch.procs import DiscoveryFiles, Role, RoleFailed, Supervisor
@@ -57,6 +56,7 @@ from pipelinerl.launch.restarts import Restarts
 from pipelinerl.launch.slurm_node import colocated, node_placement, run_node_servers
 from pipelinerl.launch.summary import summarize, summary_line
 from pipelinerl.plan import check_before_start
+from pipelinerl.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, advertised_host, server_file
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pipelinerl.config import Config
-    from pipelinerl.trainer.contract import Trainer, WeightSender
+    from pipelinerl.trainer.contract import Trainer, WeightPublisher
     from pipelinerl.trainer.dist import DistInfo
 
 # name (config trainer.backend) -> "module:class", imported only when chosen (each pulls in its framework)
@@ -20,12 +20,12 @@ BACKENDS = {
 }
 
 
-def build_trainer(cfg: Config, dist: DistInfo, broadcaster: WeightSender | None) -> Trainer:
+def build_trainer(cfg: Config, dist: DistInfo, publisher: WeightPublisher | None) -> Trainer:
     """The backend named by cfg.trainer.backend, constructed (not yet initialised: call `init`)."""
     name = cfg.trainer.backend
     if name not in BACKENDS:
         raise ValueError(f"trainer.backend={name!r} is not one of {', '.join(BACKENDS)}")
     module, _, cls = BACKENDS[name].partition(":")
     backend = getattr(importlib.import_module(module), cls)
-    return backend(cfg.trainer, dist, cfg.model.dtype, broadcaster=broadcaster, value_head=cfg.rl.value_function,
+    return backend(cfg.trainer, dist, cfg.model.dtype, publisher=publisher, value_head=cfg.rl.value_function,
                    temperature=cfg.actor.sampling.temperature, lm_head_fp32=cfg.model.lm_head_fp32)

@@ -4,7 +4,8 @@ A backend (DeepSpeed in deepspeed_backend.py; FSDP2 or TorchTitan could follow) 
 and is registered by name in backends.py, which builds it: the loop (loop.py) and the checkpoints
 (checkpoints.py) use nothing else. Loss maths stays in `pipelinerl.rl`; packing in
 `pipelinerl.trainer.packing`; the weight transport to the inference servers comes in through the
-constructor as a `WeightSender`.
+constructor as a `WeightPublisher` (rank 0's weights/publish.py `Publication`: the loop publishes, and
+weights/delivery.py takes each version to the servers on a thread of its own).
 """
 
 from __future__ import annotations
@@ -18,32 +19,29 @@ import torch
 from pipelinerl.trainer.packing import MicroBatch
 
 if TYPE_CHECKING:
-    from pipelinerl.weights import TensorMeta
+    from pipelinerl.weights import PublishStats, TensorMeta
 
 # loss_fn(micro_batch, new_logprobs_N, values_N or None without a value head) -> (loss share, stats):
 # the loop's objective of one micro-batch, which `Trainer.accumulate` differentiates.
 LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
 
 
-class WeightSender(Protocol):
-    """Sends one version of the full LM weights to the inference servers (rank 0 only).
+class WeightPublisher(Protocol):
+    """Takes one version of the full LM weights (rank 0 only) and returns without waiting for any server:
+    weights.Publication keeps it in host memory for the delivery thread."""
 
-    weights.WeightBroadcaster (an open group) and trainer.broadcast.ServerBroadcaster (the run's servers,
-    connected once they are up) are the two; a filesystem or NIXL transport would be a third."""
-
-    def broadcast(self, version: int, metas: list[TensorMeta], tensors: Iterable[torch.Tensor]) -> dict:
-        """Send `tensors` (in `metas` order, consumed exactly once, to the end even when sending fails) as
-        `version`; returns at least the bytes sent ("bytes"), per-server replies ("servers") when there are
-        servers, and "failed": 1.0 when the servers did not all take it."""
+    def publish(self, version: int, metas: list[TensorMeta], tensors: Iterable[torch.Tensor]) -> PublishStats:
+        """Copy `tensors` (in `metas` order, each valid until the next is drawn; consumed to the end) as
+        `version`."""
 
 
 class Trainer(Protocol):
     """A training backend: sharded model + optimizer on this rank, driven by the loop.
 
     Constructed by backends.build_trainer as
-    ``Backend(cfg: TrainerConfig, dist: DistInfo, dtype: str, broadcaster: WeightSender | None,
-    value_head: bool, temperature: float, lm_head_fp32: bool)``: dtype is model.dtype; broadcaster is rank 0's weight
-    transport (None on the other ranks, or to gather without sending); value_head trains a critic head
+    ``Backend(cfg: TrainerConfig, dist: DistInfo, dtype: str, publisher: WeightPublisher | None,
+    value_head: bool, temperature: float, lm_head_fp32: bool)``: dtype is model.dtype; publisher is rank 0's weights
+    publication (None on the other ranks, or to gather without publishing); value_head trains a critic head
     beside the LM (rl.value_function); temperature is the rollouts' sampling temperature, at which
     completion log-probs are scored (actor.sampling.temperature); lm_head_fp32 computes the logits in
     float32 (model.lm_head_fp32). cfg.logprob_chunk_tokens bounds
@@ -73,9 +71,9 @@ class Trainer(Protocol):
     def optimizer_step(self) -> dict[str, float]:
         """Collective. Clip, step the optimizer and the schedule, zero gradients; returns grad_norm and lr."""
 
-    def broadcast_weights(self, version: int) -> dict[str, float]:
-        """Collective. Gather the full LM weights and (rank 0, through the broadcaster) send them as
-        `version`; returns the sender's timings plus "bytes" and "broadcast_total_s"."""
+    def publish_weights(self, version: int) -> dict[str, float]:
+        """Collective. Gather the full LM weights and (rank 0) hand them to the publisher as `version`;
+        returns "bytes" (the LM's size) and "publish_s" (gather + copy)."""
 
     def save_state(self, out_dir: Path) -> None:
         """Collective. Everything needed to resume (weights with any value head, optimizer, schedule); each

@@ -23,7 +23,7 @@ import torch
 
 from pipelinerl.config import TrainerConfig
 from pipelinerl.dtypes import dtype_name, torch_dtype
-from pipelinerl.trainer.contract import LossFn, WeightSender
+from pipelinerl.trainer.contract import LossFn, WeightPublisher
 from pipelinerl.trainer.dist import DistInfo, all_reduce_max
 from pipelinerl.trainer.model import ValueHeadLM, completion_forward, enable_chunked_logprobs, lr_factor
 from pipelinerl.trainer.packing import MicroBatch, padding_micro_batch
@@ -62,8 +62,8 @@ def deepspeed_config(cfg: TrainerConfig, dtype: str, world_size: int) -> dict:
 
 
 class DeepSpeedTrainer:
-    """contract.Trainer on DeepSpeed (constructor as the contract says). `broadcaster` (rank 0 only) is a
-    contract.WeightSender, or None to gather without sending (benchmarks, tests). `value_head`: train a critic
+    """contract.Trainer on DeepSpeed (constructor as the contract says). `publisher` (rank 0 only) is a
+    contract.WeightPublisher, or None to gather without publishing (benchmarks, tests). `value_head`: train a critic
     head beside the LM (ValueHeadLM); `forward` and `accumulate` then also give the values. `temperature`: the
     rollouts' sampling temperature (actor.sampling.temperature); completion log-probs are scored at it, like
     the behaviour log-probs, cfg.logprob_chunk_tokens rows at a time (model.LogprobHead: scoring is a call of
@@ -71,11 +71,11 @@ class DeepSpeedTrainer:
     `lm_head_fp32` (model.lm_head_fp32): the LM head's logits in float32, as on the servers."""
 
     def __init__(self, cfg: TrainerConfig, dist: DistInfo, dtype: str = "float32",
-                 broadcaster: WeightSender | None = None, value_head: bool = False, temperature: float = 1.0,
+                 publisher: WeightPublisher | None = None, value_head: bool = False, temperature: float = 1.0,
                  lm_head_fp32: bool = False):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature!r} (actor.sampling.temperature)")
-        self.cfg, self.dist, self.dtype, self.broadcaster = cfg, dist, dtype, broadcaster
+        self.cfg, self.dist, self.dtype, self.publisher = cfg, dist, dtype, publisher
         self.value_head, self.temperature, self.lm_head_fp32 = value_head, temperature, lm_head_fp32
         self.engine = None
         self.model_path: Path | None = None
@@ -179,18 +179,17 @@ class DeepSpeedTrainer:
                 for name, p in own:
                     yield name, p.data
 
-    def broadcast_weights(self, version: int) -> dict[str, float]:
+    def publish_weights(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
         tensors = (t for _, t in self.gathered_parameters())
-        if self.dist.is_main and self.broadcaster is not None:
+        if self.dist.is_main and self.publisher is not None:
             from pipelinerl.weights import TensorMeta
 
             metas = [TensorMeta(name=n, dtype=d, shape=s) for n, d, s in self.named_shapes()]
-            timings = dict(self.broadcaster.broadcast(version, metas, tensors))
+            nbytes = float(self.publisher.publish(version, metas, tensors).bytes)
         else:
-            timings = {"bytes": float(sum(t.numel() * t.element_size() for t in tensors))}
-        timings["broadcast_total_s"] = time.perf_counter() - start
-        return timings
+            nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
+        return {"bytes": nbytes, "publish_s": time.perf_counter() - start}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """CPU copies of all LM weights on rank 0 (empty elsewhere); a collective under ZeRO-3."""

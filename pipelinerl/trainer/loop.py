@@ -3,8 +3,10 @@
 One process per rank (`pipelinerl run`, torchrun or srun set RANK etc.). Rank 0 reads the stream and
 gives every rank exactly its share of whole groups each step (step_data.py), so group advantages are
 local; the loss is normalised by the number of sequences in the step over all ranks. The policy version is the
-number of optimizer steps taken: the weights of version k are broadcast right after step k. In
-conventional mode (config `mode`) they are broadcast only after every G-th step, once per batch.
+number of optimizer steps taken: the weights of version k are published right after step k (conventional mode,
+config `mode`: only after every G-th step, once per batch), and at start-up the current ones. Publishing is a
+gather into rank 0's host memory; rank 0's delivery thread (weights/delivery.py) takes the newest version to
+every announced server, so a server restarted on an old checkpoint catches up while the loop waits for data.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import torch
 
 from pipelinerl.config import Config, ConfigError
 from pipelinerl.trainer.backends import build_trainer
-from pipelinerl.trainer.broadcast import ServerBroadcaster
 from pipelinerl.trainer.checkpoints import (
     StopSignals,
     latest_checkpoint,
@@ -37,9 +38,6 @@ from pipelinerl.trainer.packing import MicroBatch, Sample, pack, padding_micro_b
 from pipelinerl.trainer.step_data import StepData
 
 log = logging.getLogger("pipelinerl.trainer")
-
-
-NO_SYNC = {"broadcast_total_s": 0.0, "bytes": 0.0}  # a step without a weight sync (conventional mode)
 
 
 @dataclass
@@ -254,49 +252,62 @@ def _checkpoint_due(cfg: Config, step: int) -> bool:
 
 def train(cfg: Config) -> None:
     """The trainer role: runs until trainer.max_steps, or until SIGTERM/SIGUSR1 (then checkpoints)."""
+    from pipelinerl.weights import Publication
+
     dist = read_dist_env()
     check_supported(cfg, dist)
     init_process_group(dist, cfg.trainer.dist_timeout_s)
     torch.manual_seed(cfg.seed)
-    broadcaster = ServerBroadcaster(cfg, dist) if dist.is_main else None  # connected below: the model loads first
-    trainer = build_trainer(cfg, dist, broadcaster)
+    publication = Publication() if dist.is_main else None
+    trainer = build_trainer(cfg, dist, publication)
     trainer.init(cfg.model.path)
     state = resume(trainer, Path(cfg.run_dir) / "checkpoints", dist)
     signals = StopSignals()
     if cfg.checkpoints.save_on_signal:
         signals.install()
-
-    def stop_flag() -> bool:
-        return signals.received is not None
-
-    data = StepData(cfg, dist, state.cursor, stop_flag)
-    if broadcaster is not None:
-        broadcaster.connect(stop_flag)  # no server before a stop signal: nothing is sent, the loop stops
+    delivery = start_delivery(cfg, dist, publication) if dist.is_main else None
+    data = StepData(cfg, dist, state.cursor, lambda: signals.received is not None, delivery)
     logger = StepLogger(cfg, dist, state.step)
     try:
-        if state.step > 0:  # servers may have (re)started from older weights
-            sync_weights(trainer, state.step)
-        _run(trainer, data, cfg, dist, state, signals, logger)
+        trainer.publish_weights(state.step)  # servers (re)started on older weights catch up before any step
+        _run(trainer, data, cfg, dist, state, signals, logger, delivery)
     finally:
         logger.close()
-        if broadcaster is not None:
-            broadcaster.close()
+        if delivery is not None:
+            delivery.close()
 
 
-def sync_weights(trainer: Trainer, version: int) -> dict:
-    """Broadcast the weights of `version`. Where rank 0's update failed (a server died: the broadcaster logs
-    it and re-forms the group with the servers that answer), every rank gathers again for one retry; a
-    second failure is left to the next step (the servers keep serving their weights)."""
-    timings = trainer.broadcast_weights(version)
-    failed = all_reduce_sum([timings.get("failed", 0.0)])[0]
-    if failed:
-        timings = trainer.broadcast_weights(version)
-        failed += all_reduce_sum([timings.get("failed", 0.0)])[0]
-    return {**timings, "failed": failed}
+def start_delivery(cfg: Config, dist: DistInfo, publication):
+    """Rank 0's delivery thread over the run's announced servers (RUN_DIR/servers)."""
+    from pipelinerl.control import ControlClient
+    from pipelinerl.rundir import run_token, server_roster
+    from pipelinerl.weights import Delivery, WeightBroadcaster
+
+    t, token = cfg.trainer, run_token(cfg.run_dir, cfg.inference.auth_token)
+    sender = WeightBroadcaster([], cfg.inference.weight_update_backend or dist.backend, t.broadcast_host,
+                               t.broadcast_port, cfg.inference.weight_update_timeout_s,
+                               int(t.broadcast_bucket_mb * 2**20), token, checksum_every=t.broadcast_checksum_every,
+                               delta=t.broadcast_delta == "auto")
+    return Delivery(publication, lambda: server_roster(cfg.run_dir), sender, ControlClient(token),
+                    t.delivery_fail_after_versions, t.delivery_fail_after_s, t.wait_log_s).start()
+
+
+def delivery_stats(reports) -> dict[str, float]:
+    """TensorBoard scalars of the delivery rounds since the last step (weights.DeliveryReport)."""
+    done = [r for r in reports if r.ok]
+    stats = {"broadcast_failed": float(len(reports) - len(done)), "broadcast_rounds": float(len(done))}
+    if done:
+        stats.update(broadcast_s=max(r.total_s for r in done), pause_s=max(r.paused_s for r in done),
+                     broadcast_bytes=float(sum(r.bytes for r in done)),
+                     broadcast_bytes_fraction=sum(r.bytes for r in done) / max(sum(r.dense_bytes for r in done), 1))
+        changed = [r.changed_fraction for r in done if r.changed_fraction is not None]
+        if changed:
+            stats["broadcast_changed_fraction"] = changed[-1]
+    return stats
 
 
 def _run(trainer: Trainer, data: StepData, cfg: Config, dist: DistInfo, state: LoopState, signals: StopSignals,
-         logger) -> None:
+         logger, delivery) -> None:
     max_steps = cfg.trainer.max_steps
     while max_steps is None or state.step < max_steps:
         started = time.monotonic()
@@ -314,19 +325,16 @@ def _run(trainer: Trainer, data: StepData, cfg: Config, dist: DistInfo, state: L
         token_log: list = []
         stats = train_step(trainer, samples, cfg, dist, state, token_log)
         train_s = time.monotonic() - started - read_s
-        timings = sync_weights(trainer, state.step) if _sync_due(cfg, state.step) else NO_SYNC
+        published = (trainer.publish_weights(state.step) if _sync_due(cfg, state.step)
+                     else {"publish_s": 0.0, "bytes": 0.0})
         step_s = time.monotonic() - started
         reward_sum, reward_count = all_reduce_sum([sum(rewards), len(rewards)])
-        stats.update(read_s=read_s, train_s=train_s, broadcast_s=timings["broadcast_total_s"],
-                     broadcast_failed=timings.get("failed", 0.0),
-                     broadcast_bytes=timings["bytes"], samples_seen=state.samples_seen,
-                     pause_s=max((r["paused_s"] for r in timings.get("servers", {}).values()), default=0.0),
+        stats.update(read_s=read_s, train_s=train_s, publish_s=published["publish_s"],
+                     publish_bytes=published["bytes"], samples_seen=state.samples_seen,
                      samples_per_s=cfg.trainer.samples_per_step / step_s, data_wait_fraction=read_s / step_s,
                      reward_mean=reward_sum / max(reward_count, 1))
-        if "dense_bytes" in timings:  # delta mode (trainer.broadcast_delta=auto): the bytes sent, of dense
-            stats["broadcast_bytes_fraction"] = timings["bytes"] / timings["dense_bytes"]
-        if "changed_fraction" in timings:  # of the elements compared (none in the first update)
-            stats["broadcast_changed_fraction"] = timings["changed_fraction"]
+        if delivery is not None:
+            stats.update(delivery_stats(delivery.reports()))
         logger.log(state.step, stats, token_log)
         stop = signals.requested()
         if stop or _checkpoint_due(cfg, state.step):

@@ -11,7 +11,9 @@ so a checkpoint resumes exactly, at any rank count.
 While rank 0 waits for data the others wait in the scatter, so rank 0 answers every step in bounded
 time: with the groups, with `stop` when a stop signal (SIGTERM / SIGUSR1) arrives during the wait, or
 with the reason it starved once trainer.data_timeout_s has passed (less than dist_timeout_s, so no
-collective times out first). Every rank then acts on the same answer.
+collective times out first), or with `failed` when rank 0's weight delivery gave up (weights/delivery.py
+escalation). Every rank then acts on the same answer. A wait longer than trainer.wait_log_s is logged, and
+again every wait_log_s: the groups read, the stream's writers, and what delivery reports of each server.
 """
 
 from __future__ import annotations
@@ -57,11 +59,12 @@ def group_tokens(batch: pa.RecordBatch) -> int:
 class StepData:
     """The trainer's view of the rollout stream: `next_step()` on every rank, in step."""
 
-    def __init__(self, cfg: Config, dist: DistInfo, cursor: dict | None, stop_flag):
-        """`stop_flag()` is true once this process received a stop signal (read on rank 0 only)."""
+    def __init__(self, cfg: Config, dist: DistInfo, cursor: dict | None, stop_flag, delivery=None):
+        """`stop_flag()` is true once this process received a stop signal; `delivery` (a weights.Delivery): its
+        `failure` stops every rank and `describe()` goes into the wait logs (both read on rank 0 only)."""
         from pipelinerl.streams import ROLLOUT_TOPIC, StreamReader
 
-        self.cfg, self.dist, self.stop_flag = cfg, dist, stop_flag
+        self.cfg, self.dist, self.stop_flag, self.delivery = cfg, dist, stop_flag, delivery
         self.groups = cfg.trainer.samples_per_step // cfg.actor.attempts
         self.reader = StreamReader(cfg.run_dir, ROLLOUT_TOPIC, cfg.streams, cursor=cursor) if dist.is_main else None
 
@@ -80,15 +83,29 @@ class StepData:
         kind, payload = answer
         if kind == "starved":
             raise StreamStarved(payload)
+        if kind == "failed":
+            from pipelinerl.weights import DeliveryFailed
+
+            raise DeliveryFailed(payload)
         return payload if kind == "groups" else None
 
     def _read(self, step: int) -> list[tuple[str, object]]:
-        """Rank 0: one (kind, payload) per rank: ("groups", batches) | ("stop", None) | ("starved", why)."""
+        """Rank 0: one (kind, payload) per rank: ("groups", batches) | ("stop", None) | ("starved", why) |
+        ("failed", why)."""
         world, started = self.dist.world_size, time.monotonic()
         deadline = started + self.cfg.trainer.data_timeout_s
+        next_log = started + self.cfg.trainer.wait_log_s
         before = self.reader.cursor()
         batches: list[pa.RecordBatch] = []
         while len(batches) < self.groups:
+            if self.delivery is not None and self.delivery.failure is not None:
+                return [("failed", str(self.delivery.failure))] * world
+            if time.monotonic() >= next_log:
+                next_log += self.cfg.trainer.wait_log_s
+                log.warning("step %d has waited %.0f s for its data: %d of %d groups read from %s; writers seen: %s; "
+                            "weight delivery: %s", step, time.monotonic() - started, len(batches), self.groups,
+                            self.reader.dir, self.reader.writers_seen() or "none",
+                            self.delivery.describe() if self.delivery is not None else "none on this rank")
             if self.stop_flag():
                 log.info("stop signal while waiting for step %d's data (%d of %d groups read)", step,
                          len(batches), self.groups)

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import secrets
-import ssl
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
+from urllib.parse import urlparse
 
-import httpx
 import torch
 
+from pipelinerl.control import ControlClient, ControlError, ServerStatus
 from pipelinerl.dtypes import dtype_name
 from pipelinerl.weights.collective import (
     WeightGroup,
@@ -47,11 +47,13 @@ RELEASE_WAIT_S = 30.0  # close: how long to wait for abandoned groups to be dest
 
 
 class WeightBroadcaster:
-    """Trainer side (rank 0): opens the group with the servers and broadcasts each new version.
+    """Trainer side (rank 0): one weight-update group with some servers, and its rounds. The transport that
+    weights/delivery.py drives (which servers, when, what after a failure); tests and tools drive it directly.
 
     `connect(urls)` (re-)forms the group with every server of `urls` that answers; the members are
-    `server_urls`. With `delta` (trainer.broadcast_delta), tensors are sent as deltas against the previous
-    version (delta.py) whenever every member holds that version as its base, and the servers keep a base.
+    `server_urls`, those left out and why `left_out`. With `delta` (trainer.broadcast_delta), tensors are sent
+    as deltas against the previous version (delta.py) whenever every member holds that version as its base,
+    and the servers keep a base.
     Every `checksum_every`-th version (0: never) the servers check each resulting tensor's CRC32 before
     loading. After a failed round the group is abandoned (its members stop waiting: collective.py) and
     `broadcast` refuses until `connect` is called again. One exception: a round whose every byte arrived but
@@ -59,26 +61,26 @@ class WeightBroadcaster:
     weights are at hand (delta mode keeps them).
     """
 
-    def __init__(self, server_urls: list[str], backend: str, master_addr: str, master_port: int,
+    def __init__(self, server_urls: list[str], backend: str, master_addr: str | None, master_port: int,
                  timeout_s: float, bucket_bytes: int, token: str | None, checksum_every: int = 0,
                  delta: bool = False):
+        """`master_addr` None: the local address on the route to the first server connected (broadcast_address)."""
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
-        if not server_urls:
-            raise ValueError("no inference servers to broadcast to (RUN_DIR/servers/ is empty?)")
         self.server_urls = [u.rstrip("/") for u in server_urls]
+        self.left_out: dict[str, str] = {}
         self.backend, self.master_addr, self.master_port = backend, master_addr, master_port
         self.timeout_s, self.bucket_bytes, self.checksum_every = timeout_s, bucket_bytes, checksum_every
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._control = ControlClient(token, timeout_s + HTTP_MARGIN_S)
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="weights")
         self._store = None  # rank 0's TCPStore, opened at the first connect and kept (collective.py)
         self._name, self._groups = secrets.token_hex(4), 0  # group names: unique to this broadcaster
         self._group: WeightGroup | None = None
         self._releasing: list[threading.Thread] = []  # abandoned groups being destroyed
-        self._status: dict[str, dict] = {}
+        self._status: dict[str, ServerStatus] = {}
         self._bases: dict[str, int | None] = {}  # each server's delta base version (None: none)
         self._encoder = DeltaEncoder() if delta else None
-        self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         self._buffers: list[torch.Tensor | None] = [None, None]  # the two bucket buffers (_send_buckets)
 
     @property
@@ -93,26 +95,31 @@ class WeightBroadcaster:
         if self._group is not None:
             self._abandon("the trainer re-forms its weight-update group")
         urls = [u.rstrip("/") for u in (urls or self.server_urls)]
+        if not urls:
+            raise ValueError("no inference servers to broadcast to (RUN_DIR/servers/ is empty?)")
+        if self.master_addr is None:
+            self.master_addr = broadcast_address(None, urls[0])
         ready = dict(zip(urls, self._pool.map(self._ready_status, urls)))
-        for url, status in ready.items():
-            if isinstance(status, WeightTransferError):
-                log.warning("weight-update group: leaving out %s: %s", url, status)
-        self._status = {url: s for url, s in ready.items() if not isinstance(s, WeightTransferError)}
+        self.left_out = {url: str(s) for url, s in ready.items() if isinstance(s, ControlError)}
+        for url, why in self.left_out.items():
+            log.warning("weight-update group: leaving out %s: %s", url, why)
+        self._status = {url: s for url, s in ready.items() if not isinstance(s, ControlError)}
         if not self._status:
-            raise WeightTransferError(f"no server can join the weight-update group: {sorted(ready)}")
+            self.server_urls = []
+            raise WeightTransferError(f"no server can join the weight-update group: {self.left_out}")
         self.server_urls = list(self._status)
-        self._bases = {url: s.get("delta_base") for url, s in self._status.items()}
+        self._bases = {url: s.delta_base for url, s in self._status.items()}
         self._open_group()
         return self.server_urls
 
-    def _ready_status(self, url: str) -> dict | WeightTransferError:
+    def _ready_status(self, url: str) -> ServerStatus | ControlError:
         deadline = time.monotonic() + JOIN_WAIT_S
         try:
-            while (status := http_json(url, "/status", None, self._headers, JOIN_WAIT_S))["updating"]:
+            while (status := self._control.status(url, JOIN_WAIT_S)).updating:
                 if time.monotonic() > deadline:
                     return WeightTransferError(f"{url} is still busy with an update after {JOIN_WAIT_S:.0f} s")
                 time.sleep(0.2)
-        except WeightTransferError as err:
+        except ControlError as err:
             return err
         return status
 
@@ -123,7 +130,7 @@ class WeightBroadcaster:
         if self._store is None:
             self._store = master_store(self.master_addr, self.master_port, self.timeout_s)
         self._groups += 1
-        ranks = [s["num_ranks"] for s in self._status.values()]
+        ranks = [s.num_ranks for s in self._status.values()]
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         req = InitRequest(self.master_addr, self.master_port, 0, 1 + sum(ranks), self.backend, self.timeout_s,
                           f"{self._name}.{self._groups}")
@@ -227,7 +234,7 @@ class WeightBroadcaster:
         try:
             send_s = self._send_buckets(packer, first, deadline, posts)
             if req.checksums:
-                self._send(torch.tensor(sums, dtype=torch.int64, device=self._device), deadline, posts,
+                self._send(torch.tensor(sums, dtype=torch.int64, device=self.device), deadline, posts,
                            "the checksum tensor")
             replies, errors = posts.settle(deadline + HTTP_MARGIN_S)
         except BaseException as err:
@@ -252,17 +259,19 @@ class WeightBroadcaster:
         """Check against what each server serves before any collective starts: a server that rejects
         the request after the broadcast began would leave this side's group stuck until its timeout."""
         for url, status in self._status.items():
-            expected, dtype = status["tensors"], status["dtype"]
+            expected, dtype = status.tensors, status.dtype
             wrong = [m.name for m in metas if expected.get(m.name) != m.shape or m.dtype != dtype]
             missing = sorted(expected.keys() - {m.name for m in metas})
             if wrong or missing:
                 raise ValueError(f"{url} serves {dtype} tensors that do not match the update: wrong or unknown "
                                  f"{wrong[:5]}, missing {missing[:5]}")
 
-    def close(self) -> None:
+    def close(self, wait_s: float = RELEASE_WAIT_S) -> None:
+        """Leave the group; wait up to `wait_s` in all for abandoned groups to be destroyed."""
         self._abandon("the trainer closed its weight-update group")
+        deadline = time.monotonic() + wait_s
         for thread in self._releasing:
-            thread.join(timeout=RELEASE_WAIT_S)
+            thread.join(timeout=max(deadline - time.monotonic(), 0.0))
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _send_buckets(self, packer: _Packer, first: torch.Tensor, deadline: float, posts: Replies) -> float:
@@ -291,7 +300,7 @@ class WeightBroadcaster:
         buf = self._buffers[slot]
         if buf is None or buf.numel() < nbytes:
             buf = self._buffers[slot] = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8,
-                                                    device=self._device)
+                                                    device=self.device)
         return buf[:nbytes]
 
     def _send(self, tensor: torch.Tensor, deadline: float, posts: Replies, what: str) -> None:
@@ -301,8 +310,8 @@ class WeightBroadcaster:
         wait_work(work, deadline, f"{what} to reach {posts.pending()}", poll=posts.raise_failed)
 
     def _request(self, url: str, path: str, body: dict | None = None) -> dict:
-        """GET (no body) or POST (a JSON body) url + path; the JSON reply, or WeightTransferError."""
-        return http_json(url, path, body, self._headers, self.timeout_s + HTTP_MARGIN_S)
+        """GET (no body) or POST (a JSON body) url + path; the JSON reply, or ControlError."""
+        return self._control.request(url, path, body)
 
     def _post_all(self, path: str, bodies: dict[str, dict]) -> Replies:
         """POST bodies[url] to url + path for every server at once, on the pool."""
@@ -354,7 +363,7 @@ class Replies:
         (wire.UpdateRejected): neither stops the round, settle() collects them."""
         for fut in self.futures.values():
             if fut.done() and (err := fut.exception()) is not None:
-                if not (isinstance(err, WeightTransferError) and err.body.get("group_ready")):
+                if not (isinstance(err, ControlError) and err.body.get("group_ready")):
                     raise err
 
     def settle(self, deadline: float) -> tuple[dict[str, dict], dict[str, WeightTransferError]]:
@@ -365,7 +374,7 @@ class Replies:
                 replies[url] = fut.result(timeout=max(deadline - time.monotonic(), 0.0))
             except TimeoutError:
                 raise TimeoutError(f"timed out waiting for the reply of {url}") from None
-            except WeightTransferError as err:
+            except ControlError as err:
                 errors[url] = err
         return replies, errors
 
@@ -379,30 +388,15 @@ class Replies:
         return ", ".join(url for url, fut in self.futures.items() if not fut.done()) or "the servers"
 
 
-def http_json(url: str, path: str, body: dict | None, headers: dict, read_timeout_s: float) -> dict:
-    """GET (body None) or POST (JSON body); the JSON reply. WeightTransferError names the URL on a transport
-    error or a status other than 200."""
-    method = "GET" if body is None else "POST"
-    try:
-        resp = httpx.request(method, url + path, json=body, headers=headers,
-                             timeout=httpx.Timeout(read_timeout_s, connect=10.0), verify=_ssl_context())
-    except httpx.HTTPError as err:
-        raise WeightTransferError(f"{method} {url}{path} failed: {err}") from err
-    if resp.status_code != 200:
-        try:
-            body = resp.json()
-        except ValueError:
-            body = {}
-        raise WeightTransferError(f"{method} {url}{path} -> HTTP {resp.status_code}: {resp.text[:500]}",
-                                  resp.status_code, body if isinstance(body, dict) else {})
-    return resp.json()
-
-
-@functools.cache
-def _ssl_context() -> ssl.SSLContext:
-    """The SSL context of every request: without one, httpx builds a new one per request (loading the CA
-    bundle: ~50 ms of CPU holding the GIL, measured on CPU), which delayed each update's first bucket."""
-    return httpx.create_ssl_context()
+def broadcast_address(configured: str | None, server_url: str) -> str:
+    """`configured` (trainer.broadcast_host), or the local address on the route to the server: loopback on one
+    machine; on a cluster, the interface that reaches the servers. No packet is sent (a UDP connect)."""
+    if configured:
+        return configured
+    url = urlparse(server_url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((url.hostname, url.port or 80))
+        return s.getsockname()[0]
 
 
 def _on_thread(fn: Callable[[], object]) -> Future:

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pipelinerl.control import ControlError
 from pipelinerl.dtypes import WIRE_DTYPES, torch_dtype
 
 ALIGN_BYTES = 64  # tensor offsets inside a bucket: any dtype view of the slice is aligned
@@ -29,13 +30,9 @@ BLOCK = 1 << 16  # a delta's positions are (block, 16-bit offset in the block): 
 HTTP_MARGIN_S = 30.0  # an HTTP reply may take this long beyond the collective's own timeout
 
 
-class WeightTransferError(RuntimeError):
+class WeightTransferError(ControlError):
     """A weight-update round failed; the message names the peer (server URL or trainer address). From an
     HTTP reply: its `status` and JSON `body` ({"error": ..., "group_ready": ...} from a server)."""
-
-    def __init__(self, message: str, status: int | None = None, body: dict | None = None):
-        super().__init__(message)
-        self.status, self.body = status, body or {}
 
 
 class UpdateRejected(WeightTransferError):

@@ -1,0 +1,278 @@
+"""Weight delivery: brings every announced server to the newest published version, on a thread of its own.
+
+The training loop publishes versions (weights/publish.py) and never waits for a server. `Delivery` owns
+everything after that: the roster (RUN_DIR/servers), which version each server serves (its /status), the
+weight-update group (weights/sender.py `WeightBroadcaster`: dense or delta, checksums), one retry policy,
+and the escalation of a delivery that keeps failing.
+
+Invariant (tests/test_delivery.py): while a version is published and no newer one comes (the trainer waits for
+the data of its next step), every announced server that answers reaches that version within one round after
+it is seen: a late joiner, a server restarted on an old checkpoint, a server that failed an update. No step,
+no collective across trainer ranks is needed for that: only rank 0 delivers, from host memory.
+
+Policy, in this module only:
+- A server is *behind* when the version it reports is not the newest published one. Each round goes to the
+  servers that are behind and not waiting out a retry; the group is kept while that set stays the same, else
+  formed anew with it (a restarted server alone, then everyone again at the next version).
+- A failed round (or /status) puts its culprits (the servers the error names, or every member) on a backoff
+  of RETRY_FIRST_S doubling up to RETRY_MAX_S; the other members are retried at once.
+- A server announced anew (a restart re-publishes its file) starts afresh: its version is asked again.
+- Escalation: when every announced server has failed every attempt for `fail_after_versions` consecutive
+  published versions and for at least `fail_after_s`, the delivery stops with `DeliveryFailed` naming the
+  servers and their last errors; the trainer then stops the run (trainer/step_data.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from pipelinerl.control import ControlClient, ControlError
+from pipelinerl.weights.publish import Publication, Snapshot
+from pipelinerl.weights.sender import WeightBroadcaster
+
+log = logging.getLogger(__name__)
+
+RETRY_FIRST_S = 1.0  # backoff after a server's first failure; doubled per further failure
+RETRY_MAX_S = 30.0
+POLL_S = 0.5  # the roster (RUN_DIR/servers) is read at least this often while nothing is to be delivered
+
+
+class DeliveryFailed(RuntimeError):
+    """Every server failed every delivery for the configured number of versions; the message names them."""
+
+
+@dataclass
+class ServerState:
+    url: str
+    announced_at: int  # ns: the discovery file's time (a restart announces anew)
+    version: int | None = None  # the version it serves, as last reported (None: to be asked)
+    failures: int = 0  # consecutive failed attempts
+    failed_versions: set[int] = field(default_factory=set)  # versions it failed since its last success
+    failing_since: float | None = None  # monotonic time of the first failure of the streak
+    last_error: str = ""
+    retry_at: float = 0.0  # monotonic: no attempt before
+
+    def describe(self, now: float) -> str:
+        at = "version unknown" if self.version is None else f"at version {self.version}"
+        retry = f", retry in {self.retry_at - now:.0f} s" if self.retry_at > now else ""
+        err = f", {self.failures} failed attempt(s), last: {self.last_error[:200]}" if self.failures else ""
+        return f"{self.url} {at}{retry}{err}"
+
+
+@dataclass(frozen=True)
+class DeliveryReport:
+    """One delivery round (successful or not), for the trainer's TensorBoard scalars."""
+
+    version: int
+    servers: tuple[str, ...]
+    ok: bool
+    total_s: float = 0.0  # the round: group (re)formed if needed, sent, every reply in
+    send_s: float = 0.0  # the broadcast itself
+    bytes: int = 0  # sent on the wire
+    dense_bytes: int = 0  # the version's full size
+    paused_s: float = 0.0  # the longest server pause (stop, receive, load, resume)
+    changed_fraction: float | None = None  # delta mode: of the elements compared
+    error: str = ""
+
+
+class Delivery:
+    """The delivery thread of trainer rank 0 (see the module). `roster()` -> {url: announced_at ns}."""
+
+    def __init__(self, publication: Publication, roster: Callable[[], dict[str, int]], sender: WeightBroadcaster,
+                 control: ControlClient, fail_after_versions: int = 5, fail_after_s: float = 120.0,
+                 wait_log_s: float = 30.0):
+        self.publication, self.roster, self.sender, self.control = publication, roster, sender, control
+        self.fail_after_versions, self.fail_after_s, self.wait_log_s = fail_after_versions, fail_after_s, wait_log_s
+        self.servers: dict[str, ServerState] = {}
+        self.failure: DeliveryFailed | None = None
+        self._lock = threading.Lock()  # servers, reports and failure, read by the loop's wait logs
+        self._reports: list[DeliveryReport] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="delivery-status")
+
+    def start(self) -> Delivery:
+        self._thread = threading.Thread(target=self._run, name="weights-delivery", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop delivering and leave the group. Bounded: a round stuck on a hung server is abandoned (its
+        members stop waiting, collective.py) and the thread is left to end with the process."""
+        self._stop.set()
+        self.publication.wake()
+        self.sender.close(wait_s)
+        if self._thread is not None:
+            self._thread.join(timeout=wait_s)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def reports(self) -> list[DeliveryReport]:
+        """The rounds since the last call."""
+        with self._lock:
+            out, self._reports = self._reports, []
+        return out
+
+    def describe(self) -> str:
+        """What delivery is doing, for the wait logs: the newest version and every server's state."""
+        now = time.monotonic()
+        with self._lock:
+            servers = [s.describe(now) for s in self.servers.values()]
+        latest = self.publication.latest_version()
+        head = "nothing published yet" if latest is None else f"version {latest} published"
+        return f"{head}; servers: {'; '.join(servers) or 'none announced in RUN_DIR/servers'}"
+
+    def _run(self) -> None:
+        if self.sender.backend == "nccl":  # the CUDA device is per thread: NCCL buffers go to rank 0's GPU
+            import torch
+
+            torch.cuda.set_device(self.sender.device)
+        seen, behind_since = None, None
+        while not self._stop.is_set():
+            behind_since = self._log_if_behind(behind_since)
+            try:
+                delivered = self.step()
+            except Exception as err:  # a bug here must stop the run, never silently stop delivering
+                log.exception("weight delivery stopped on an unexpected error")
+                with self._lock:
+                    self.failure = DeliveryFailed(f"weight delivery stopped on an unexpected error: {err!r}")
+                return
+            if self.failure is not None:
+                return
+            if not delivered:  # at once when a version is published, else after POLL_S: the roster
+                seen = self.publication.wait_newer(seen, POLL_S)
+
+    def _log_if_behind(self, since: float | None) -> float | None:
+        """Log every wait_log_s while some announced server is not at the newest version; the new `since`."""
+        latest, now = self.publication.latest_version(), time.monotonic()
+        with self._lock:
+            behind = latest is not None and any(s.version != latest for s in self.servers.values())
+        if not behind:
+            return None
+        if since is None:
+            return now
+        if now - since >= self.wait_log_s:
+            log.warning("weight delivery: servers not at version %d for %.0f s: %s", latest, now - since,
+                        self.describe())
+            return now
+        return since
+
+    def step(self) -> bool:
+        """One pass: refresh the roster, ask new servers their version, deliver to those behind. True when
+        a round ran."""
+        if self.publication.latest_version() is None:
+            return False
+        self._refresh_roster()
+        self._ask_versions()
+        with self.publication.lease() as snap:
+            if snap is None:
+                return False
+            now = time.monotonic()
+            with self._lock:
+                behind = sorted(u for u, s in self.servers.items()
+                                if s.version is not None and s.version != snap.version and s.retry_at <= now)
+            if not behind or self._stop.is_set():
+                return False
+            self._deliver(snap, behind)
+        return True
+
+    def _refresh_roster(self) -> None:
+        roster = self.roster()
+        with self._lock:
+            for url in set(self.servers) - set(roster):
+                log.info("weight delivery: %s is no longer announced (stopped, or found dead by its launcher)", url)
+                del self.servers[url]
+            for url, at in roster.items():
+                old = self.servers.get(url)
+                if old is None or old.announced_at != at:
+                    if old is not None:
+                        log.info("weight delivery: %s announced itself again (restarted)", url)
+                    self.servers[url] = ServerState(url, at)
+
+    def _ask_versions(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            unknown = [u for u, s in self.servers.items() if s.version is None and s.retry_at <= now]
+        for url, answer in zip(unknown, self._pool.map(self._status, unknown)):
+            if isinstance(answer, Exception):
+                self._failed([url], self.publication.latest_version(), answer)
+            else:
+                with self._lock:
+                    if url in self.servers:
+                        self.servers[url].version = answer
+
+    def _status(self, url: str) -> int | Exception:
+        try:
+            return self.control.status(url).version
+        except ControlError as err:
+            return err
+
+    def _deliver(self, snap: Snapshot, behind: list[str]) -> None:
+        started, members = time.monotonic(), behind
+        try:
+            if not self.sender.connected or sorted(self.sender.server_urls) != behind:
+                members = self.sender.connect(behind)
+                for url, why in self.sender.left_out.items():
+                    self._failed([url], snap.version, ControlError(f"could not join the group: {why}"))
+            result = self.sender.broadcast(snap.version, snap.metas, snap.tensors)
+        except (ControlError, TimeoutError, OSError, RuntimeError) as err:
+            if self._stop.is_set():
+                return
+            culprits = [u for u in members if u in str(err)] or members
+            self._failed(culprits, snap.version, err)
+            self._report(DeliveryReport(snap.version, tuple(members), False, time.monotonic() - started,
+                                        error=str(err)[:500]))
+            log.warning("weight delivery of version %d to %s failed (%s back off): %s", snap.version,
+                        ", ".join(members), ", ".join(culprits), err)
+            return
+        self._delivered(snap, result, time.monotonic() - started)
+
+    def _delivered(self, snap: Snapshot, result: dict, total_s: float) -> None:
+        replies = result["servers"]
+        with self._lock:
+            for url, reply in replies.items():
+                if url in self.servers:
+                    s = self.servers[url]
+                    s.version, s.failures, s.failed_versions, s.failing_since = reply["version"], 0, set(), None
+                    s.retry_at, s.last_error = 0.0, ""
+        self._report(DeliveryReport(
+            snap.version, tuple(sorted(replies)), True, total_s, result.get("broadcast_s", 0.0), result["bytes"],
+            result.get("dense_bytes", result["bytes"]), max((r.get("paused_s", 0.0) for r in replies.values()),
+                                                             default=0.0), result.get("changed_fraction")))
+        log.info("weight delivery: version %d to %s in %.3f s (published %.3f s before)", snap.version,
+                 ", ".join(sorted(replies)), total_s, time.monotonic() - snap.published_at)
+
+    def _failed(self, urls: list[str], version: int | None, err: Exception) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for url in urls:
+                s = self.servers.get(url)
+                if s is None:
+                    continue
+                s.failures += 1
+                s.version = None  # ask again before the next round: it may have resumed on any version
+                if version is not None:
+                    s.failed_versions.add(version)
+                s.failing_since = s.failing_since if s.failing_since is not None else now
+                s.last_error = str(err)
+                s.retry_at = now + min(RETRY_FIRST_S * 2 ** (s.failures - 1), RETRY_MAX_S)
+            self._escalate(now)
+
+    def _escalate(self, now: float) -> None:
+        """Under the lock: DeliveryFailed when every announced server keeps failing (see the module)."""
+        states = list(self.servers.values())
+        if states and all(len(s.failed_versions) >= self.fail_after_versions and s.failing_since is not None
+                          and now - s.failing_since >= self.fail_after_s for s in states):
+            self.failure = DeliveryFailed(
+                f"weight delivery failed to every server for {self.fail_after_versions} consecutive versions and "
+                f"{self.fail_after_s:.0f} s (trainer.delivery_fail_after_versions, trainer.delivery_fail_after_s): "
+                + "; ".join(f"{s.url}: {s.last_error[:300]}" for s in states))
+            log.error("%s", self.failure)
+
+    def _report(self, report: DeliveryReport) -> None:
+        with self._lock:
+            self._reports.append(report)

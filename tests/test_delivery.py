@@ -1,0 +1,199 @@
+"""Publish, then deliver (weights/publish.py, weights/delivery.py) against tests/memory_servers.py's servers: the
+real control routes, WeightUpdater and gloo receive, announced in a run directory as real servers announce
+themselves. The invariant: while a version is published and no newer one comes, every announced server that
+answers reaches it (a late joiner, a restart on older weights), with no further publish."""
+
+import threading
+import time
+
+import pytest
+import torch
+from helpers import worker_port
+from memory_servers import TOKEN, Server, Trainer, assert_serving, metas
+
+from pipelinerl.control import ControlClient
+from pipelinerl.launch.procs import free_port
+from pipelinerl.rundir import publish_server, server_file, server_roster
+from pipelinerl.weights import Delivery, DeliveryFailed, Publication, TensorMeta, WeightBroadcaster
+from pipelinerl.weights import delivery as delivery_module
+
+BOUND_S = 30.0  # every wait below is on a condition, bounded by this
+
+
+def _delivery(run_dir, publication, **kw) -> Delivery:
+    sender = WeightBroadcaster([], "gloo", "127.0.0.1", free_port(worker_port(18960)), 4.0, bucket_bytes=2048,
+                               token=TOKEN, delta=True)
+    return Delivery(publication, lambda: server_roster(run_dir), sender, ControlClient(TOKEN, 5.0), **kw).start()
+
+
+def _wait_until(what: str, cond, bound_s: float = BOUND_S) -> None:
+    deadline = time.monotonic() + bound_s
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {bound_s:.0f} s: {what}"
+        time.sleep(0.05)
+
+
+def _publish(publication: Publication, version: int, trainer: Trainer) -> None:
+    wire = trainer.wire()
+    publication.publish(version, metas(wire), (t for t in wire.values()))
+
+
+@pytest.fixture
+def fast_retries(monkeypatch):
+    monkeypatch.setattr(delivery_module, "RETRY_FIRST_S", 0.2)
+    monkeypatch.setattr(delivery_module, "RETRY_MAX_S", 0.5)
+
+
+def test_a_server_restarted_on_older_weights_catches_up_without_a_new_version(tmp_path, fast_retries):
+    trainer = Trainer()
+    checkpoint = trainer.wire()
+    servers = [Server(checkpoint), Server(checkpoint)]
+    publication = Publication()
+    for s in servers:
+        publish_server(tmp_path, "127.0.0.1", s.port)
+    d = _delivery(tmp_path, publication)
+    try:
+        for version in (1, 2, 3):
+            trainer.step(lr=1e-5)
+            _publish(publication, version, trainer)
+            _wait_until(f"both servers at version {version}", lambda v=version: all(
+                s.updater.version == v for s in servers))
+        for s in servers:
+            assert_serving(s, trainer.wire())
+        servers[1].stop()  # SIGKILLed: its announcement stays until its launcher notices
+        trainer.step(lr=1e-5)
+        _publish(publication, 4, trainer)
+        _wait_until("the live server at version 4", lambda: servers[0].updater.version == 4)
+        _wait_until("the dead server backing off", lambda: d.servers[servers[1].url].failures >= 1)
+        server_file(tmp_path, "127.0.0.1", servers[1].port).unlink()  # the launcher saw it die
+        time.sleep(0.01)  # a distinct announcement time (ns clock) even on a coarse filesystem
+        servers[1] = Server(checkpoint, port=servers[1].port)  # restarted on the checkpoint: version 0
+        publish_server(tmp_path, "127.0.0.1", servers[1].port)
+        # No publish from here on: the trainer waits for data that this server must generate.
+        _wait_until("the restarted server at version 4", lambda: servers[1].updater.version == 4)
+        for s in servers:
+            assert_serving(s, trainer.wire())
+        reports = d.reports()
+        caught_up = [r for r in reports if r.ok and r.servers == (servers[1].url,)]
+        assert caught_up and caught_up[-1].bytes == caught_up[-1].dense_bytes  # no delta base on a new server
+        assert any(not r.ok for r in reports)  # the round with the dead member failed and was reported
+        trainer.step(lr=1e-5)
+        _publish(publication, 5, trainer)
+        _wait_until("both at version 5", lambda: all(s.updater.version == 5 for s in servers))
+        both = [r for r in d.reports() if r.ok and r.version == 5]
+        assert both[-1].bytes < both[-1].dense_bytes  # both hold base 4 again: a delta
+        for s in servers:
+            assert_serving(s, trainer.wire())
+        assert d.failure is None
+    finally:
+        d.close()
+        for s in servers:
+            s.stop()
+
+
+def test_a_late_joiner_gets_the_published_version(tmp_path):
+    trainer = Trainer()
+    publication = Publication()
+    trainer.step(lr=1e-5)
+    _publish(publication, 7, trainer)
+    d = _delivery(tmp_path, publication)
+    late = Server(Trainer().wire())
+    try:
+        time.sleep(2 * delivery_module.POLL_S)  # nobody announced: nothing to do, nothing failed
+        assert d.failure is None and not d.reports()
+        publish_server(tmp_path, "127.0.0.1", late.port)
+        _wait_until("the late joiner at version 7", lambda: late.updater.version == 7)
+        assert_serving(late, trainer.wire())
+    finally:
+        d.close()
+        late.stop()
+
+
+def test_delivery_failing_to_every_server_escalates_with_their_names(tmp_path, fast_retries):
+    trainer = Trainer()
+    dead_port = free_port(worker_port(18990))  # nothing listens there: a dead server whose file stayed
+    publish_server(tmp_path, "127.0.0.1", dead_port)
+    publication = Publication()
+    d = _delivery(tmp_path, publication, fail_after_versions=2, fail_after_s=0.0)
+    try:
+        _publish(publication, 1, trainer)
+        _wait_until("a failed attempt", lambda: d.servers.get(f"http://127.0.0.1:{dead_port}") is not None
+                    and d.servers[f"http://127.0.0.1:{dead_port}"].failures >= 1)
+        assert d.failure is None  # one version is not enough
+        trainer.step(lr=1e-5)
+        _publish(publication, 2, trainer)
+        _wait_until("the escalation", lambda: d.failure is not None)
+        assert isinstance(d.failure, DeliveryFailed)
+        assert f"http://127.0.0.1:{dead_port}" in str(d.failure) and "trainer.delivery_fail_after" in str(d.failure)
+    finally:
+        d.close()
+
+
+def test_one_dead_server_among_live_ones_never_escalates(tmp_path, fast_retries):
+    trainer = Trainer()
+    live = Server(trainer.wire())
+    publish_server(tmp_path, "127.0.0.1", live.port)
+    publish_server(tmp_path, "127.0.0.1", free_port(worker_port(18991)))
+    publication = Publication()
+    d = _delivery(tmp_path, publication, fail_after_versions=1, fail_after_s=0.0)
+    try:
+        for version in (1, 2, 3):
+            trainer.step(lr=1e-5)
+            _publish(publication, version, trainer)
+            _wait_until(f"the live server at {version}", lambda v=version: live.updater.version == v)
+        assert d.failure is None
+        assert "failed attempt" in d.describe()  # the dead one is named in the wait logs
+    finally:
+        d.close()
+        live.stop()
+
+
+class HangingServer(Server):
+    """Receives nothing: its update never answers (a server SIGSTOPped mid-update)."""
+
+    def __init__(self, weights):
+        super().__init__(weights)
+        self.release = threading.Event()
+
+        async def receive(req):
+            import asyncio
+
+            await asyncio.to_thread(self.release.wait, 60)
+            raise RuntimeError("released by the test")
+
+        self.engine.receive = receive
+
+
+def test_close_during_a_stuck_delivery_is_bounded(tmp_path):
+    trainer = Trainer()
+    hung = HangingServer(trainer.wire())
+    publish_server(tmp_path, "127.0.0.1", hung.port)
+    publication = Publication()
+    d = _delivery(tmp_path, publication)
+    try:
+        trainer.step(lr=1e-5)
+        _publish(publication, 1, trainer)
+        _wait_until("the update under way", lambda: hung.updater.busy)
+        t0 = time.monotonic()
+        d.close(wait_s=2.0)
+        assert time.monotonic() - t0 < 6.0
+    finally:
+        hung.release.set()
+        hung.stop()
+
+
+def test_publishing_never_waits_for_a_delivery_and_never_overwrites_a_leased_version():
+    publication = Publication()
+    meta = [TensorMeta("w", "float32", [4])]
+    publication.publish(1, meta, [torch.full((4,), 1.0)])
+    with publication.lease() as snap:
+        assert snap.version == 1
+        t0 = time.monotonic()
+        for v in (2, 3, 4):
+            publication.publish(v, meta, [torch.full((4,), float(v))])
+        assert time.monotonic() - t0 < 1.0
+        assert snap.version == 1 and snap.tensors[0].tolist() == [1.0] * 4  # intact while leased
+        assert publication.latest_version() == 4
+    with publication.lease() as snap:
+        assert snap.version == 4 and snap.tensors[0].tolist() == [4.0] * 4
+    assert publication.wait_newer(4, 0.01) == 4  # nothing newer: returns at the timeout
