@@ -6,9 +6,11 @@ with real weight broadcasts, so the lag throttle is checked from the per-token v
 """
 
 import asyncio
+import collections
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,9 +26,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipelinerl.actor import Actor, Completion, ServerPool
 from pipelinerl.actor.client import CompletionsClient, _completion_logprobs, _parse_choice
 from pipelinerl.config import load_config, save_config
-from pipelinerl.rundir import SERVERS_DIR, list_servers, run_token
 from pipelinerl.launch.local import wait_for_servers
 from pipelinerl.launch.procs import Role, Supervisor
+from pipelinerl.rundir import SERVERS_DIR, list_servers, run_token
 from pipelinerl.streams import Rollout, StreamReader, StreamTimeout, release
 from pipelinerl.streams.segments import list_segments
 from pipelinerl.tasks import get_task
@@ -512,27 +514,93 @@ def test_max_lag_zero_is_synchronous_on_policy(servers, tmp_path):
     _check_groups_and_rewards(all_rows, cfg, tokenizer)
 
 
+# Forced long completions (the prompts are 7 tokens, inference.max_model_len 64), so that a request the server
+# reports running is still running when the test acts on it a few milliseconds later.
+LONG = ("actor.sampling.max_new_tokens=48", "actor.sampling.min_new_tokens=48")
+
+
+def _wait_running(url: str, timeout_s: float = 60.0) -> None:
+    """Until the server reports a request running (vLLM's `vllm:num_requests_running` gauge on /metrics)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=10.0).text
+        if sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running")) > 0:
+            return
+        assert time.monotonic() < deadline, f"{url} ran no request for {timeout_s} s"
+        time.sleep(0.01)
+
+
+def _announce_servers(run_dir: Path, urls: list[str]) -> None:
+    (run_dir / SERVERS_DIR).mkdir(parents=True)
+    for url in urls:  # announce the fixture's servers in this run directory
+        (run_dir / SERVERS_DIR / url.split("//")[1].replace(":", "_")).write_text(url + "\n")
+
+
+def _assert_each_group_once(rows: list[dict], reader: StreamReader, groups: int) -> None:
+    """Every prompt's group in the stream, G rows each, and nothing more after the actor stopped."""
+    counts = collections.Counter(json.loads(r["metadata"])["prompt_index"] for r in rows)
+    assert counts == {i: G for i in range(groups)}
+    with pytest.raises(StreamTimeout):
+        reader.read_groups(max_groups=1, timeout_s=1.0)
+
+
+@pytest.mark.slow
+def test_a_hung_server_s_requests_move_to_the_other_one(servers, tmp_path):
+    """server1 is SIGSTOPped (it accepts connections and answers nothing) while it runs requests, under a lag
+    bound (ordered writes): the probe sets it aside after actor.server_silence_s, its requests move to
+    server0, and every group arrives, once, within a minute, far below request_timeout_s (3600 s)."""
+    run_dir = tmp_path / "run"
+    _announce_servers(run_dir, servers["urls"])
+    cfg_path = tmp_path / "actor.yaml"
+    cfg = _config(run_dir, servers["model"], cfg_path, "actor.max_lag=8", "trainer.max_steps=4",
+                  "actor.request_timeout_s=3600", "actor.server_silence_s=5", *LONG)
+    total = 4 * cfg.trainer.samples_per_step
+    hung = servers["urls"][1]
+    pgid = servers["sup"].running["server1"][1].pid
+    proc = _start_actor(cfg_path, tmp_path / "actor.log")
+    reader = StreamReader(run_dir, "rollouts", cfg.streams)
+    try:
+        rows = _read_samples(reader, G, proc, tmp_path / "actor.log")
+        _wait_running(hung)
+        os.killpg(pgid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            rows += _read_samples(reader, total - len(rows), proc, tmp_path / "actor.log", timeout_s=60)
+            elapsed = time.monotonic() - t0
+        finally:
+            os.killpg(pgid, signal.SIGCONT)
+    finally:
+        _stop(proc)
+    log = (tmp_path / "actor.log").read_text()
+    moved = re.search(rf"server {hung} set aside \((.*?)\): cancelling its (\d+) request\(s\) in flight", log)
+    assert moved and int(moved[2]) >= 1, log[-3000:]
+    assert elapsed < 60
+    _assert_each_group_once(rows, reader, total // G)
+
+
 @pytest.mark.slow
 def test_a_server_killed_mid_run_costs_no_group(servers, tmp_path):
     """Without a lag bound, the actor generates max_steps x samples_per_step samples; one of the two
-    servers is SIGKILLed halfway: its requests are retried on the other and every group arrives."""
+    servers is SIGKILLed while it runs requests: they fail, are retried on the other and every group
+    arrives, once."""
     run_dir = tmp_path / "run"
-    (run_dir / SERVERS_DIR).mkdir(parents=True)
-    for url in servers["urls"]:  # announce the same servers in this run directory
-        (run_dir / SERVERS_DIR / url.split("//")[1].replace(":", "_")).write_text(url + "\n")
+    _announce_servers(run_dir, servers["urls"])
     cfg_path = tmp_path / "actor.yaml"
     cfg = _config(run_dir, servers["model"], cfg_path, "actor.max_lag=null", "trainer.max_steps=6",
-                  "actor.request_timeout_s=20")
+                  "actor.request_timeout_s=20", *LONG)
     total = 6 * cfg.trainer.samples_per_step
     proc = _start_actor(cfg_path, tmp_path / "actor.log")
     reader = StreamReader(run_dir, "rollouts", cfg.streams)
     try:
         rows = _read_samples(reader, 2 * G, proc, tmp_path / "actor.log")
+        _wait_running(servers["urls"][1])
         os.killpg(servers["sup"].running["server1"][1].pid, signal.SIGKILL)
         rows += _read_samples(reader, total - len(rows), proc, tmp_path / "actor.log", timeout_s=180)
     finally:
         _stop(proc)
-    prompt_indices = sorted(json.loads(r["metadata"])["prompt_index"] for r in rows)
-    assert sorted(set(prompt_indices)) == list(range(total // G))
-    assert "failed" in (tmp_path / "actor.log").read_text()  # requests to the dead server were retried
+    _assert_each_group_once(rows, reader, total // G)
+    killed, log = servers["urls"][1], (tmp_path / "actor.log").read_text()
+    # Its requests fail, or move when its failed /status read sets it aside first: they were retried either way.
+    assert re.search(rf"completion on {killed} failed|server {killed} set aside \(.*\): cancelling", log), log[-3000:]
     assert list_servers(run_dir)  # discovery files are the launcher's to clean, not the actor's

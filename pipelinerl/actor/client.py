@@ -322,13 +322,16 @@ class CompletionsClient:
         return [self.pool] + ([self.reference_pool] if self.reference_pool is not None else [])
 
     async def _watch_servers(self, http: httpx.AsyncClient) -> None:
+        took = 0.0
         while True:
-            await asyncio.sleep(self.probe_every_s)
+            await asyncio.sleep(self.probe_every_s - took)  # one round per period, a silent server's included
             if http.is_closed or not any(p.busy() for p in self._pools()):
                 return
+            started = time.monotonic()
             for pool in self._pools():
                 pool.refresh()  # a removed discovery file moves that server's requests
             await asyncio.gather(*map(functools.partial(self._probe, http), self.pool.busy()))
+            took = min(time.monotonic() - started, self.probe_every_s)
 
     async def _probe(self, http: httpx.AsyncClient, url: str) -> None:
         """GET /status of a policy server with requests in flight; set it aside once silent too long."""
