@@ -10,6 +10,11 @@ half the later ones, wait for a weight update instead: /status is polled until `
 server dies within a poll interval (bounded; a broadcast not seen in time is said in the table's note).
 Each kill waits for the previous one to heal: every role running, every server announced, a step done.
 
+Kinds: `server`, `actor`, `trainer` (one role), `servers` (every policy server at once: no server at the
+trainer's version survives, the trap that weight delivery closes; with `actor.max_lag=0` or conventional mode
+and no recent checkpoint every restarted server is behind the lag bound), and `hang` (a server SIGSTOPped: alive
+and silent, which the launcher's health deadline, launch.server_health_timeout_s, must find and restart).
+
 A kill is SIGKILL to the role's whole process group (every process of it: vLLM's engine, every trainer
 rank), found by command line: `pipelinerl.cli serve RUN_DIR/config.yaml ... --port P` (server slot P -
 inference.base_port), `... train RUN_DIR/config.yaml`, `... actor RUN_DIR/config.yaml`, the group leader.
@@ -51,7 +56,8 @@ from pipelinerl.launch.commands import cli  # noqa: E402
 from pipelinerl.launch.procs import die_with_parent  # noqa: E402
 from pipelinerl.rundir import list_servers  # noqa: E402
 
-KINDS = ("server", "actor", "trainer")
+KINDS = ("server", "actor", "trainer", "servers", "hang")
+DEFAULT_KINDS = ("server", "actor", "trainer")
 _STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
 STEP_LINE = re.compile(_STAMP + r"INFO .*?: step (\d+): ", re.M)
 LOST_LINE = re.compile(_STAMP + r"WARNING .*? lost (\d+) group\(s\) in flight", re.M)
@@ -59,7 +65,7 @@ LOST_LINE = re.compile(_STAMP + r"WARNING .*? lost (\d+) group\(s\) in flight", 
 
 @dataclass
 class Planned:
-    kind: str  # server | actor | trainer
+    kind: str  # server | actor | trainer | servers (all at once) | hang (a server SIGSTOPped)
     after_steps: int = 1  # trainer steps to wait for after the previous kill healed
     delay_s: float = 0.0  # then this many seconds more
     during_broadcast: bool = False  # a server: wait for /status `updating` instead of the delay
@@ -85,8 +91,10 @@ def make_plan(kills: int, seed: int, kinds: tuple[str, ...], num_servers: int) -
     rng, plan, seen_server = random.Random(seed), [], False
     for _ in range(kills):
         p = Planned(rng.choice(kinds), rng.randint(1, 3), round(rng.uniform(0, 2), 1))
+        if p.kind in ("server", "hang"):
+            p.slot = rng.randrange(num_servers)
         if p.kind == "server":
-            p.slot, p.during_broadcast = rng.randrange(num_servers), not seen_server or rng.random() < 0.5
+            p.during_broadcast = not seen_server or rng.random() < 0.5
             seen_server = True
         plan.append(p)
     return plan
@@ -185,9 +193,12 @@ class Chaos:
         target = self.last_step() + p.after_steps
         if not self._wait(f"trainer step {target}", lambda: self.last_step() >= target, self.heal_timeout_s):
             return None
-        role = f"server{p.slot}" if p.kind == "server" else p.kind
-        note, broadcast, pid = "", False, role_leaders(self.cfg).get(role)
-        if pid is None:
+        role = {"server": f"server{p.slot}", "hang": f"server{p.slot}"}.get(p.kind, p.kind)
+        leaders = role_leaders(self.cfg)
+        pids = ([leaders.get(f"server{i}") for i in range(self.cfg.inference.num_servers)] if p.kind == "servers"
+                else [leaders.get(role)])
+        note, broadcast = "", False
+        if None in pids:
             return None
         if p.during_broadcast:
             broadcast = self._catch_update(p.slot, timeout_s=self.heal_timeout_s / 4)
@@ -196,10 +207,12 @@ class Chaos:
             time.sleep(p.delay_s)
         if not self.alive():
             return None
-        os.killpg(pid, signal.SIGKILL)
+        for pid in pids:
+            os.killpg(pid, signal.SIGSTOP if p.kind == "hang" else signal.SIGKILL)
         kill = Kill(role, self.last_step(), time.time() - self.t0, time.time(), broadcast, note)
         self.kills.append(kill)
-        print(f"chaos: killed {role} (pgid {pid}) at step {kill.step}, {kill.t_s:.0f} s"
+        print(f"chaos: {'stopped' if p.kind == 'hang' else 'killed'} {role} (pgids {pids}) at step {kill.step}, "
+              f"{kill.t_s:.0f} s"
               f"{', during a weight update' if broadcast else ''}", flush=True)
         return kill
 
@@ -344,7 +357,8 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--roles", default=",".join(KINDS), help="comma-separated kinds: server,actor,trainer")
+    parser.add_argument("--roles", default=",".join(DEFAULT_KINDS),
+                        help=f"comma-separated kinds of {','.join(KINDS)} (see the module)")
     parser.add_argument("--out", type=Path, default=None, help="the run directory (default runs/chaos_<seed>)")
     parser.add_argument("--timeout-s", type=float, default=3600, help="the whole run's limit")
     args, extra = parser.parse_known_args()
