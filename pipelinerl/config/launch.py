@@ -78,16 +78,23 @@ class LaunchConfig:
            "from it, the actor continues its stream. 0 = no restarts: any role's death stops the run")
     restart_window_s: float = doc(3600.0, "the sliding window max_restarts counts a role's restarts in; older "
                                           "restarts are forgotten", unit="s")
+    server_health_timeout_s: float | None = doc(
+        60.0, "a server that has announced itself (RUN_DIR/servers, RUN_DIR/reference_servers) and then does not "
+              "answer GET /health for this long is dead: the launcher (on Slurm, its node's agent) logs it, SIGKILLs "
+              "its process group and restarts it as after any death (max_restarts). A server still starting is "
+              "left to inference.startup_timeout_s", unit="s",
+        null="no health check: only a server's exit is its death")
     slurm: SlurmConfig = section(SlurmConfig)
 
     def __post_init__(self) -> None:
-        from pipelinerl.launch.placement import parse_gpu_ids
+        from pipelinerl.config.ids import parse_gpu_ids
 
         check_choice(self.backend, ("local", "slurm"), "launch.backend")
         check_positive(self.torch_threads, "launch.torch_threads", allow_null=True)
         check_positive(self.gpu_memory_gb, "launch.gpu_memory_gb", allow_null=True)
         check(self.max_restarts >= 0, "launch.max_restarts", f"got {self.max_restarts!r}; must be >= 0 (0: none)")
         check_positive(self.restart_window_s, "launch.restart_window_s")
+        check_positive(self.server_health_timeout_s, "launch.server_health_timeout_s", allow_null=True)
         for name in ("inference_gpus", "training_gpus"):
             try:
                 if getattr(self, name) is not None:
@@ -98,7 +105,7 @@ class LaunchConfig:
 
     def _check_cpus(self) -> None:
         """The core lists' syntax and overlap; whether this machine has the cores is checked at launch."""
-        from pipelinerl.launch.placement import parse_cpu_ids
+        from pipelinerl.config.ids import parse_cpu_ids
 
         cores = {}
         for name in ("inference_cpus", "training_cpus", "actor_cpus"):

@@ -1,13 +1,16 @@
 """The one place that picks a trainer backend: `trainer.backend` -> a class implementing contract.Trainer.
 
 A second backend (FSDP2, TorchTitan) is one new module with a class of the contract's constructor, plus
-one line in BACKENDS. No torch import here: the config can list the names without loading torch.
+one line in BACKENDS and its name in config/trainer.py TRAINER_BACKENDS (the config lists the names
+without importing any role package). No torch import here: the config can list the names without loading torch.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
+
+from pipelinerl.config.trainer import TRAINER_BACKENDS
 
 if TYPE_CHECKING:
     from pipelinerl.config import Config
@@ -18,6 +21,7 @@ if TYPE_CHECKING:
 BACKENDS = {
     "deepspeed": "pipelinerl.trainer.deepspeed_backend:DeepSpeedTrainer",
 }
+assert tuple(BACKENDS) == TRAINER_BACKENDS, "a backend is named in config/trainer.py TRAINER_BACKENDS and here"
 
 
 def build_trainer(cfg: Config, dist: DistInfo, publisher: WeightPublisher | None) -> Trainer:
