@@ -269,16 +269,88 @@ def test_a_checkpoint_rotated_away_while_being_pinned_gives_way_to_the_newer_one
 
     cfg = _config(tmp_path)
     run_dir = tmp_path / "run"
-    old, new = _fake_checkpoint(run_dir, 3), _fake_checkpoint(run_dir, 4)
-    answers = [old, new]
+    old = _fake_checkpoint(run_dir, 3)
+    _fake_checkpoint(run_dir, 4)
+    answers, real = [old], checkpoints.latest_checkpoint
 
     def rotated(root):  # the trainer saves step 4 and deletes step 3 between the lookup and the pin
-        found = answers.pop(0)
-        if found == old:
-            shutil.rmtree(old)
-        return found
+        if answers:
+            shutil.rmtree(answers.pop())
+            return old
+        return real(root)
 
     monkeypatch.setattr(checkpoints, "latest_checkpoint", rotated)
     model, version = local.serving_weights(cfg, pin="x")
     assert (model, version) == (str(run_dir / "serving" / "x"), 4)
     assert (Path(model) / "model.safetensors").read_text() == "weights of step 4"
+
+
+def _checkpoint_of(run_dir: Path, step: int, files: int = 3) -> Path:
+    """A complete checkpoint whose hf/ holds `files` files, so that a pin can fail between two of them."""
+    path = _fake_checkpoint(run_dir, step)
+    for k in range(1, files):
+        (path / "hf" / f"shard{k}.safetensors").write_text(f"shard {k} of step {step}")
+    return path
+
+
+def _rotating_link(monkeypatch, run_dir: Path, rotations: int, delete: bool = True) -> list[Path]:
+    """Make the pin's link step rotate checkpoints, as the trainer does, after its first file of each of the
+    first `rotations` checkpoints it pins: save the next step, then (`delete`) delete the one being pinned
+    (retention, keep_last=1). Returns the checkpoints it saved."""
+    from pipelinerl.launch import local
+
+    real, saved, rotated = local._link_or_copy, [], set()
+
+    def link(src: str, dest: str) -> None:
+        real(src, dest)
+        pinned = Path(src).parent.parent
+        if pinned not in rotated and len(rotated) < rotations:
+            rotated.add(pinned)
+            saved.append(_checkpoint_of(run_dir, int(pinned.name.removeprefix("step_")) + 1))
+            if delete:
+                shutil.rmtree(pinned)
+
+    monkeypatch.setattr(local, "_link_or_copy", link)
+    return saved
+
+
+def _assert_pinned_whole(model: str, checkpoint: Path) -> None:
+    pinned, source = Path(model), checkpoint / "hf"
+    assert sorted(p.name for p in pinned.iterdir()) == sorted(p.name for p in source.iterdir())
+    assert all((pinned / p.name).stat().st_ino == p.stat().st_ino for p in source.iterdir())  # its own links
+
+
+def test_a_checkpoint_deleted_mid_copy_gives_way_to_the_next_complete_one(tmp_path, monkeypatch):
+    from pipelinerl.launch import local
+
+    cfg, run_dir = _config(tmp_path), tmp_path / "run"
+    first = _checkpoint_of(run_dir, 3)
+    saved = _rotating_link(monkeypatch, run_dir, rotations=1)
+    model, version = local.serving_weights(cfg, pin="x")
+    assert not first.exists() and saved == [run_dir / "checkpoints" / "step_00000004"]
+    assert (model, version) == (str(run_dir / "serving" / "x"), 4)
+    _assert_pinned_whole(model, saved[0])
+    assert not (run_dir / "serving" / "x.tmp").exists()
+
+
+def test_a_checkpoint_superseded_while_pinned_is_not_trusted(tmp_path, monkeypatch):
+    """Retention may start on a checkpoint before the pin lists its files (no copy error then): a pin is kept
+    only if its checkpoint is still the newest once every link is made."""
+    from pipelinerl.launch import local
+
+    cfg, run_dir = _config(tmp_path), tmp_path / "run"
+    _checkpoint_of(run_dir, 3)
+    saved = _rotating_link(monkeypatch, run_dir, rotations=2, delete=False)
+    model, version = local.serving_weights(cfg, pin="x")
+    assert (model, version) == (str(run_dir / "serving" / "x"), 5)
+    _assert_pinned_whole(model, saved[-1])
+
+
+def test_checkpoints_rotating_past_every_attempt_stop_the_pin_with_a_clear_error(tmp_path, monkeypatch):
+    from pipelinerl.launch import local
+
+    cfg, run_dir = _config(tmp_path), tmp_path / "run"
+    _checkpoint_of(run_dir, 3)
+    _rotating_link(monkeypatch, run_dir, rotations=local.PIN_ATTEMPTS)
+    with pytest.raises(RuntimeError, match=rf"stayed the newest long enough to pin it \({local.PIN_ATTEMPTS} tries\)"):
+        local.serving_weights(cfg, pin="x")

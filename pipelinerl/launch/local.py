@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -85,10 +86,8 @@ def serving_weights(cfg: Config, pin: str | None = None) -> tuple[str, int]:
 
     With `pin` (a server starting while the trainer runs), the checkpoint's files are hard-linked (copied
     where links fail) into RUN_DIR/serving/<pin> and that folder is returned: checkpoints.keep_last may then
-    delete the checkpoint while the server still loads it. A checkpoint deleted while it is being pinned
-    gives way to the newer one."""
-    import json
-
+    delete the checkpoint while the server still loads it. A checkpoint rotated away before or while it is
+    pinned gives way to the newest one, at most PIN_ATTEMPTS times; then RuntimeError."""
     from pipelinerl.trainer.checkpoints import latest_checkpoint
 
     root = Path(cfg.run_dir) / "checkpoints"
@@ -97,27 +96,39 @@ def serving_weights(cfg: Config, pin: str | None = None) -> tuple[str, int]:
         if latest is None:
             return cfg.model.path, 0
         try:
-            version = int(json.loads((latest / "meta.json").read_text())["version"])
+            version = _version(latest)
             if pin is None:
                 return str(latest / "hf"), version
-            return str(_pinned(latest / "hf", Path(cfg.run_dir) / SERVING_DIR / pin)), version
-        except FileNotFoundError:  # rotated away meanwhile
+            pinned = _pinned(latest / "hf", Path(cfg.run_dir) / SERVING_DIR / pin)
+        except (FileNotFoundError, shutil.Error):  # deleted before the lookup's files were read, or mid-copy
             log.info("checkpoint %s was deleted while a server pinned it; taking the newest again", latest.name)
-    raise RuntimeError(f"no checkpoint of {root} stayed on disk long enough to pin it ({PIN_ATTEMPTS} tries)")
+            continue
+        # Retention never deletes the newest checkpoint: if it still is, no file of it was gone before its
+        # link was made (retention may have started on it before copytree listed it, leaving no error).
+        if latest_checkpoint(root) == latest:
+            return str(pinned), version
+        log.info("checkpoint %s was superseded while a server pinned it; pinning the newest", latest.name)
+    raise RuntimeError(f"no checkpoint of {root} stayed the newest long enough to pin it ({PIN_ATTEMPTS} tries); "
+                       "a server restarted while checkpoints rotate faster than they can be linked or copied")
+
+
+def _version(checkpoint: Path) -> int:
+    import json
+
+    return int(json.loads((checkpoint / "meta.json").read_text())["version"])
+
+
+def _link_or_copy(src: str, dest: str) -> None:
+    try:
+        os.link(src, dest)
+    except OSError:  # another filesystem, or one without hard links
+        shutil.copy2(src, dest)
 
 
 def _pinned(src: Path, dest: Path) -> Path:
-    import shutil
-
-    def link(a: str, b: str) -> None:
-        try:
-            os.link(a, b)
-        except OSError:  # another filesystem, or one without hard links
-            shutil.copy2(a, b)
-
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp, copy_function=link)
+    shutil.copytree(src, tmp, copy_function=_link_or_copy)
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     return dest
@@ -132,7 +143,6 @@ def policy_restart(cfg: Config, config_path: str, i: int, where: str = "local") 
 def machine_gpus() -> list[str]:
     """The GPU ids this launcher may hand out: CUDA_VISIBLE_DEVICES if set, else every GPU nvidia-smi
     lists; [] on a CPU machine. (No torch import: the launcher stays light.)"""
-    import shutil
     import subprocess
 
     if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
