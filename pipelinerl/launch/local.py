@@ -6,7 +6,8 @@ servers, and the reference servers when the RL objective needs reference log-pro
 servers' policy version until the trainer exits. Ctrl-C, SIGTERM or any child's failure stops every role
 (newest first) and names the role that failed and its log, unless launch.max_restarts allows starting it
 again (launch/restarts.py): a server restarts on its port, cores and environment from the latest
-checkpoint, the trainer resumes from it by itself, the actor continues its stream.
+checkpoint, the trainer resumes from it by itself, the actor continues its stream. A server that stops
+answering /health once announced counts as dead (launch.server_health_timeout_s, launch/health.py).
 Re-running with the same run directory resumes: the servers start from the latest checkpoint's weights
 at its version, and the trainer restores its state and stream cursor from the same checkpoint; reference
 servers always serve the initial model (`model.path`).
@@ -33,7 +34,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipelinerl.config import Config, ConfigError, save_config
-from pipelinerl.inference.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, list_servers
 from pipelinerl.launch.commands import (
     cli,
     discovery_file,
@@ -45,8 +45,8 @@ from pipelinerl.launch.commands import (
 )
 from pipelinerl.launch.placement import CpuPlacement, Placement, format_ids, split_cpus, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
-from pipelinerl.launch.restarts import Restarts
 from pipelinerl.plan import check_before_start
+from pipelinerl.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, list_servers
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ def run_local(cfg: Config, dry_run: bool = False) -> None:
 
 def _run_roles(cfg: Config, config_path: Path) -> None:
     servers, trainer, actor = _roles(cfg, config_path, placement(cfg, machine_gpus()))
-    sup = Supervisor(Restarts.from_config(cfg))
+    sup = Supervisor.from_config(cfg)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally below
     try:
         for role in servers:

@@ -5,7 +5,8 @@ signals the whole group. Children also get PR_SET_PDEATHSIG: if the launcher its
 SIGKILL, the kernel sends them SIGTERM and nothing is orphaned. A role with CPU cores gets them as its CPU
 affinity before it execs, so every thread and process it starts inherits them. With a restart policy
 (launch/restarts.py) a role that died is started again in its place: same name, log, environment and
-cores, its command recomputed by `restart_argv` (a server: from the latest checkpoint).
+cores, its command recomputed by `restart_argv` (a server: from the latest checkpoint). With a health watch
+(launch/health.py) an announced server that stopped answering is SIGKILLed and then dies the same way.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pipelinerl.config import Config
+    from pipelinerl.launch.health import HealthWatch
     from pipelinerl.launch.restarts import Restarts
 
 log = logging.getLogger(__name__)
@@ -91,11 +94,22 @@ class RoleFailed(RuntimeError):
 
 class Supervisor:
     """Starts roles, restarts those that die while `restarts` allows (None: never), reports the first one
-    that exits past it, and stops the rest in reverse start order."""
+    that exits past it, and stops the rest in reverse start order. With `health`, a server (a role with one
+    discovery file) that announced itself and then stopped answering counts as dead (`_kill_if_hung`)."""
 
-    def __init__(self, restarts: Restarts | None = None) -> None:
+    def __init__(self, restarts: Restarts | None = None, health: HealthWatch | None = None) -> None:
         self.running: dict[str, tuple[Role, subprocess.Popen]] = {}
         self.restarts = restarts
+        self.health = health
+
+    @classmethod
+    def from_config(cls, cfg: Config, folder: str = "launch") -> Supervisor:
+        """A supervisor of servers as `pipelinerl run` and a Slurm node's agent run them: cfg.launch's restart
+        policy (TensorBoard under RUN_DIR/tb/<folder>) and health watch (launch.server_health_timeout_s)."""
+        from pipelinerl.launch.health import HealthWatch
+        from pipelinerl.launch.restarts import Restarts
+
+        return cls(Restarts.from_config(cfg, folder), HealthWatch.from_config(cfg))
 
     def start(self, role: Role) -> subprocess.Popen:
         assert role.name not in self.running, role.name
@@ -114,8 +128,11 @@ class Supervisor:
     def check(self, allow_finished: frozenset[str] | set[str] = frozenset()) -> None:
         """Restart each role that has exited while the restart policy allows, else raise RoleFailed for it;
         roles in `allow_finished` may exit 0."""
+        self._watch_health()
         for role, proc in list(self.running.values()):
             code = proc.poll()
+            if code is None:
+                code = self._kill_if_hung(role, proc)
             if code is None or (code == 0 and role.name in allow_finished):
                 continue
             if self.restarts is None or not role.restartable or not self.restarts.died(role, code):
@@ -123,6 +140,38 @@ class Supervisor:
             self._restart(role, proc)
         if self.restarts is not None:
             self.restarts.check_up([role for role, _ in self.running.values()])
+
+    def _watch_health(self) -> None:
+        """Hand the health watch the servers announced now. Only a role with one discovery file is a server:
+        a Slurm job's `servers@NODE` step (DiscoveryFiles) is watched by its node's agent, which can kill the
+        one wedged server instead of the node's step."""
+        if self.health is None:
+            return
+        announced = {}
+        for role, proc in self.running.values():
+            if isinstance(role.discovery, Path) and proc.poll() is None:
+                try:
+                    announced[role.name, proc.pid] = role.discovery.read_text().strip()
+                except FileNotFoundError:  # not announced yet (starting, restarting) or stopping
+                    pass
+        self.health.watch(announced)
+
+    def _kill_if_hung(self, role: Role, proc: subprocess.Popen) -> int | None:
+        """SIGKILL the process group of a server silent past the health timeout (a SIGSTOPped process ignores
+        SIGTERM); its exit code once it is gone, so that it dies as any other death. None: not hung, or not
+        gone yet (the next check sees it)."""
+        silent = None if self.health is None else self.health.silent(role.name, proc.pid)
+        if silent is None:
+            return None
+        url, silent_s = silent
+        log.warning("server `%s` (pid %d, %s) has not answered /health for %.0f s (launch.server_health_timeout_s="
+                    "%g): killing its process group as dead; its log: %s", role.name, proc.pid, url, silent_s,
+                    self.health.timeout_s, role.log_path)
+        _signal_group(proc.pid, signal.SIGKILL)
+        try:
+            return proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:  # in the kernel (a device driver): dies when it leaves
+            return None
 
     def _restart(self, role: Role, proc: subprocess.Popen, grace_s: float = 20.0) -> None:
         """Start a dead role again in its place (so the shutdown order stays), once what is left of its process
@@ -167,6 +216,8 @@ class Supervisor:
                 log.warning("%s ignored SIGTERM for %.0f s; killing it", name, grace_s)
             _reap_group(proc, deadline)
         self.running.clear()
+        if self.health is not None:
+            self.health.close()
 
 
 def free_port(start: int | None = None) -> int:

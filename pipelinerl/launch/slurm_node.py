@@ -1,7 +1,8 @@
 """The `servers` role of a Slurm job on one inference node (`pipelinerl slurm servers`): one
 `pipelinerl serve` per server slot, each on its own GPUs, supervised until SIGTERM or a failure past
-launch.max_restarts: a server that dies is restarted on its GPUs and port, a policy server from the latest
-checkpoint in the shared RUN_DIR (launch/restarts.py; TensorBoard under RUN_DIR/tb/launch/<node>).
+launch.max_restarts: a server that dies, or stops answering /health once announced (launch/health.py), is
+restarted on its GPUs and port, a policy server from the latest checkpoint in the shared RUN_DIR
+(launch/restarts.py; TensorBoard under RUN_DIR/tb/launch/<node>).
 The job-level launcher (`launch/slurm.py`) runs this role as one srun step per server node, and runs a
 node's step again when it ends (the agent past its budget, the step cancelled, the agent killed).
 
@@ -32,7 +33,6 @@ from pipelinerl.launch.commands import (
 from pipelinerl.launch.local import policy_restart
 from pipelinerl.launch.placement import Placement, server_gpu_groups, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
-from pipelinerl.launch.restarts import Restarts
 
 
 def colocated(cfg: Config) -> bool:
@@ -93,7 +93,7 @@ def run_node_servers(cfg: Config, config_path: str, model: str, version: int, re
     `reference_node`), supervised until SIGTERM or the first failure."""
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
     references = reference_server_count(cfg) if node == reference_node else 0
-    sup = Supervisor(Restarts.from_config(cfg, f"launch/{node}"))
+    sup = Supervisor.from_config(cfg, f"launch/{node}")
     print(f"pipelinerl slurm servers on {node}: {cfg.inference.num_servers} server(s), {references} of them "
           f"reference, the policy from {model} at version {version}", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher's normal way to stop this role
