@@ -1,10 +1,10 @@
 """The trap that weight delivery closes (issue #27), through tools/chaos.py on a short `pipelinerl run`: the one
 server is SIGKILLed, and its launcher restarts it on the base model (no checkpoint yet: version 0) while the
 trainer is at version >= 2 and waits for the data of its next step. With `actor.max_lag=0` (and in conventional
-mode) that data may come only from a server at the trainer's version, so the trap holds by construction: the
-run moves again only if the trainer's delivery thread brings the restarted server to the published version
-without a step. Before, the trainer sent weights only after its next step, and the run stood still until
-trainer.data_timeout_s killed the trainer.
+mode, whose lag bound is its batch's version) that data may come only from a server at the trainer's version,
+so the trap holds by construction: the run moves again only if the trainer's delivery thread brings the
+restarted server to the published version without a step. Before, the trainer sent weights only after its next
+step, and the run stood still until trainer.data_timeout_s killed the trainer.
 """
 
 import importlib.util
@@ -22,12 +22,13 @@ chaos = sys.modules["chaos"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(chaos)
 
 
-@pytest.mark.parametrize("config,port", [("tiny_cpu.yaml", 19400), ("tiny_cpu_conventional.yaml", 19450)])
+@pytest.mark.parametrize("config,max_lag,port", [("tiny_cpu.yaml", "0", 19400),
+                                                 ("tiny_cpu_conventional.yaml", "null", 19450)])
 def test_a_server_restarted_behind_the_lag_bound_gets_the_weights_while_the_trainer_waits(
-        tmp_path, tiny_model_dir, config, port):
+        tmp_path, tiny_model_dir, config, max_lag, port):
     port = worker_port(port)
     overrides = [f"model.path={tiny_model_dir}", "model.build_tiny_if_missing=false", "trainer.max_steps=8",
-                 "trainer.samples_per_step=32", "trainer.warmup_steps=0", "actor.max_lag=0",
+                 "trainer.samples_per_step=32", "trainer.warmup_steps=0", f"actor.max_lag={max_lag}",
                  "actor.eval_every_steps=0", "checkpoints.every_steps=null", "inference.max_model_len=64",
                  "streams.segment_max_seconds=0.5", f"inference.base_port={port}",
                  f"trainer.broadcast_port={port + 40}", "trainer.wait_log_s=5"]
