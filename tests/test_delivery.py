@@ -197,3 +197,32 @@ def test_publishing_never_waits_for_a_delivery_and_never_overwrites_a_leased_ver
     with publication.lease() as snap:
         assert snap.version == 4 and snap.tensors[0].tolist() == [4.0] * 4
     assert publication.wait_newer(4, 0.01) == 4  # nothing newer: returns at the timeout
+
+
+def test_servers_all_restarted_on_their_addresses_get_a_new_group(tmp_path):
+    """Every member restarted on its old address: the same URLs are behind, but none holds the old group."""
+    trainer = Trainer()
+    checkpoint = trainer.wire()
+    servers = [Server(checkpoint), Server(checkpoint)]
+    publication = Publication()
+    for s in servers:
+        publish_server(tmp_path, "127.0.0.1", s.port)
+    d = _delivery(tmp_path, publication)
+    try:
+        trainer.step(lr=1e-5)
+        _publish(publication, 1, trainer)
+        _wait_until("both at version 1", lambda: all(s.updater.version == 1 for s in servers))
+        for i, s in enumerate(servers):
+            s.stop()
+            servers[i] = Server(checkpoint, port=s.port)
+        time.sleep(0.01)  # a distinct announcement time (ns clock) even on a coarse filesystem
+        for s in servers:
+            publish_server(tmp_path, "127.0.0.1", s.port)
+        _wait_until("both restarted servers at version 1", lambda: all(s.updater.version == 1 for s in servers))
+        for s in servers:
+            assert_serving(s, trainer.wire())
+        assert not [r for r in d.reports() if not r.ok]  # a new group at once, not a refused update first
+    finally:
+        d.close()
+        for s in servers:
+            s.stop()

@@ -544,8 +544,11 @@ def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, sub
         _wait_until(f"trainer step {killed_at + 1}", stepped(killed_at + 1), timeout_s=JOB_TIMEOUT_S, log=slurm_log)
         os.kill(actor, signal.SIGSTOP)
         _wait_until("the actor stopped", lambda: _stopped(actor), timeout_s=30, poll_s=0.1)
-        updates = _updates_per_server_start(run_dir, node)
-        assert all(len(c) == 2 and c[1] >= 1 for c in updates.values()), updates  # the restarted servers took it
+        # Delivery runs beside the loop (weights/delivery.py): the restarted servers take that step's version
+        # after the step is logged, within a round.
+        _wait_until("the restarted servers' first update", lambda: all(
+            len(c) == 2 and c[1] >= 1 for c in _updates_per_server_start(run_dir, node).values()),
+            timeout_s=JOB_TIMEOUT_S, log=slurm_log)
         restarted_at = time.monotonic()
         # What Slurm sends signal_seconds before the time limit: USR1 to the batch shell only.
         _slurm(slurm_env, "scancel", "--batch", "--signal=USR1", job)
@@ -574,15 +577,18 @@ def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, sub
     stats = _trained_exactly_once(run_dir, max_steps)
     lag_max = {rank: int(s["lag"].max()) for rank, s in stats.items()}
     assert all(int(s["lag"].min()) >= 0 for s in stats.values()) and max(lag_max.values()) <= max_lag, lag_max
-    # Every server acknowledged every version of its first start: 1..killed_at. Restarted at killed_at, each
-    # took some of killed_at+1..stopped (a server still starting misses an update: the group is re-formed with
-    # those that answer). After the requeue, `stopped` again (the resumed trainer re-sends its weights) and
-    # stopped+1..max_steps. The trainer fails a step whose update some member did not acknowledge.
+    # Each start took updates (delivery sends the newest version: one published while another is on its way
+    # replaces it, so a start may skip versions): its first some of 1..killed_at; restarted at killed_at, some
+    # of killed_at+1..stopped; after the requeue (started at `stopped`, the trainer's version: nothing to
+    # catch up) some of stopped+1..max_steps, the last being max_steps.
     assert next(r["NodeList"] for r in rows if r["JobID"] == f"{job}+0") == node
     updates = _updates_per_server_start(run_dir, node)
     for counts in updates.values():
-        assert len(counts) == 3 and counts[0] == killed_at and counts[2] == max_steps - stopped + 1, updates
+        assert len(counts) == 3 and 1 <= counts[0] <= killed_at and 1 <= counts[2] <= max_steps - stopped, updates
         assert 1 <= counts[1] <= stopped - killed_at, updates
+    for i in range(SERVERS):
+        served = re.findall(r"serving version (\d+)", (run_dir / "logs" / f"{node}_server{i}.log").read_text())
+        assert int(served[-1]) == max_steps, served
     # The agent's three starts: the base model; the checkpoint at the kill, pinned (the trainer was running);
     # the checkpoint of the requeue.
     starts = (run_dir / "logs" / f"servers@{node}.log").read_text().split(f"pipelinerl slurm servers on {node}: ")[1:]

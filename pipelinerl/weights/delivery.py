@@ -16,7 +16,8 @@ Policy, in this module only:
   formed anew with it (a restarted server alone, then everyone again at the next version).
 - A failed round (or /status) puts its culprits (the servers the error names, or every member) on a backoff
   of RETRY_FIRST_S doubling up to RETRY_MAX_S; the other members are retried at once.
-- A server announced anew (a restart re-publishes its file) starts afresh: its version is asked again.
+- A server announced anew (a restart re-publishes its file) starts afresh: its version is asked again, and a
+  group it was a member of is formed anew (the restarted server holds none).
 - Escalation: when every announced server has failed every attempt for `fail_after_versions` consecutive
   published versions and for at least `fail_after_s`, the delivery stops with `DeliveryFailed` naming the
   servers and their last errors; the trainer then stops the run (trainer/step_data.py).
@@ -92,6 +93,7 @@ class Delivery:
         self.failure: DeliveryFailed | None = None
         self._lock = threading.Lock()  # servers, reports and failure, read by the loop's wait logs
         self._reports: list[DeliveryReport] = []
+        self._group_roster: dict[str, int] = {}  # the members' announcement times when the group formed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="delivery-status")
@@ -214,8 +216,10 @@ class Delivery:
     def _deliver(self, snap: Snapshot, behind: list[str]) -> None:
         started, members = time.monotonic(), behind
         try:
-            if not self.sender.connected or sorted(self.sender.server_urls) != behind:
+            if not self._group_usable(behind):
                 members = self.sender.connect(behind)
+                with self._lock:
+                    self._group_roster = {u: self.servers[u].announced_at for u in members if u in self.servers}
                 for url, why in self.sender.left_out.items():
                     self._failed([url], snap.version, ControlError(f"could not join the group: {why}"))
             result = self.sender.broadcast(snap.version, snap.metas, snap.tensors)
@@ -230,6 +234,14 @@ class Delivery:
                         ", ".join(members), ", ".join(culprits), err)
             return
         self._delivered(snap, result, time.monotonic() - started)
+
+    def _group_usable(self, behind: list[str]) -> bool:
+        """The open group has exactly the servers behind, none of them announced anew since it formed (a server
+        restarted on the same address holds no group: its update would be refused with 409)."""
+        with self._lock:
+            same = all(u in self.servers and self.servers[u].announced_at == self._group_roster.get(u)
+                       for u in self.sender.server_urls)
+        return self.sender.connected and sorted(self.sender.server_urls) == behind and same
 
     def _delivered(self, snap: Snapshot, result: dict, total_s: float) -> None:
         replies = result["servers"]
