@@ -101,8 +101,11 @@ def test_a_late_joiner_gets_the_published_version(tmp_path):
     try:
         time.sleep(2 * delivery_module.POLL_S)  # nobody announced: nothing to do, nothing failed
         assert d.failure is None and not d.reports()
+        assert d.wait_for(7, 0.5)  # the end of a run with no server announced: nothing to wait for
         publish_server(tmp_path, "127.0.0.1", late.port)
-        _wait_until("the late joiner at version 7", lambda: late.updater.version == 7)
+        _wait_until("the late joiner in the roster", lambda: late.url in d.servers)
+        assert d.wait_for(7, BOUND_S)  # the end of a run: every announced server serves the last version
+        assert late.updater.version == 7
         assert_serving(late, trainer.wire())
     finally:
         d.close()

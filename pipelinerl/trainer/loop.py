@@ -344,3 +344,5 @@ def _run(trainer: Trainer, data: StepData, cfg: Config, dist: DistInfo, state: L
             return
     if state.last_saved != state.step:
         checkpoint(trainer, cfg, dist, state)
+    if delivery is not None:  # the servers outlive the trainer: they should serve (and evaluate) the final weights
+        delivery.wait_for(delivery.publication.latest_version(), cfg.inference.weight_update_timeout_s)

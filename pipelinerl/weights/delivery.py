@@ -113,6 +113,20 @@ class Delivery:
             self._thread.join(timeout=wait_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def wait_for(self, version: int, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until every announced server serves `version` (the run's last one, before the
+        trainer exits: its servers keep serving, or evaluating, the final weights). False on a timeout or a
+        failure, logged with every server's state."""
+        deadline = time.monotonic() + timeout_s
+        while self.failure is None and time.monotonic() < deadline:
+            with self._lock:
+                if all(s.version == version for s in self.servers.values()):  # none announced: nothing to wait for
+                    return True
+            time.sleep(0.1)
+        log.warning("weight delivery: version %d not on every server after %.0f s: %s", version, timeout_s,
+                    self.describe())
+        return False
+
     def reports(self) -> list[DeliveryReport]:
         """The rounds since the last call."""
         with self._lock:
