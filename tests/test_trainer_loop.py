@@ -174,16 +174,16 @@ def test_train_broadcasts_every_step_checkpoints_and_resumes(tiny_model_dir, tmp
             reader.read_groups(1, timeout_s=0.3)
 
         # No more data: a stop signal while the trainer waits for it ends every rank within seconds, writing
-        # nothing new (same server: the trainer re-sends version 3). (A starved step's error on every rank:
+        # nothing new (the same server, already at version 3). (A starved step's error on every rank:
         # tests/test_trainer_step_data.py.)
         proc = subprocess.Popen(train_command(server, tiny_model_dir, 4), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
         try:
             lines = []
-            for line in proc.stdout:  # rank 0 resumes, re-sends version 3 and starts waiting for step 4's data
+            for line in proc.stdout:  # rank 0 resumes, publishes version 3 (the server has it) and waits for data
                 lines.append(line)
-                if "weight-update group open" in line:
+                if "resumed from" in line:
                     break
             time.sleep(2.0)
             signalled = time.monotonic()
