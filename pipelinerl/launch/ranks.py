@@ -1,6 +1,6 @@
 """`pipelinerl train --nproc N`: N trainer ranks on this machine, started the way torchrun starts them.
 
-torchrun is not used: it dies at once of SIGUSR1 (FACTS.md: it handles only SIGTERM), and a stop must
+torchrun is not used: it dies at once of SIGUSR1 (it forwards only SIGTERM to its workers), and a stop must
 reach every rank together, since the ranks checkpoint collectively. This parent forwards SIGTERM,
 SIGUSR1 and SIGINT to every rank, waits for all of them, and when one rank fails stops the others
 (their next collective would fail or hang on the missing peer) and exits with the failed rank's code.

