@@ -26,6 +26,15 @@ def _delivery(run_dir, publication, **kw) -> Delivery:
     return Delivery(publication, lambda: server_roster(run_dir), sender, ControlClient(TOKEN, 5.0), **kw).start()
 
 
+def _two_announced(run_dir, weights):
+    """Two servers on `weights`, announced in `run_dir`, and a delivery over them."""
+    servers = [Server(weights), Server(weights)]
+    for s in servers:
+        publish_server(run_dir, "127.0.0.1", s.port)
+    publication = Publication()
+    return servers, publication, _delivery(run_dir, publication)
+
+
 def _wait_until(what: str, cond, bound_s: float = BOUND_S) -> None:
     deadline = time.monotonic() + bound_s
     while not cond():
@@ -47,11 +56,7 @@ def fast_retries(monkeypatch):
 def test_a_server_restarted_on_older_weights_catches_up_without_a_new_version(tmp_path, fast_retries):
     trainer = Trainer()
     checkpoint = trainer.wire()
-    servers = [Server(checkpoint), Server(checkpoint)]
-    publication = Publication()
-    for s in servers:
-        publish_server(tmp_path, "127.0.0.1", s.port)
-    d = _delivery(tmp_path, publication)
+    servers, publication, d = _two_announced(tmp_path, checkpoint)
     try:
         for version in (1, 2, 3):
             trainer.step(lr=1e-5)
@@ -206,11 +211,7 @@ def test_servers_all_restarted_on_their_addresses_get_a_new_group(tmp_path):
     """Every member restarted on its old address: the same URLs are behind, but none holds the old group."""
     trainer = Trainer()
     checkpoint = trainer.wire()
-    servers = [Server(checkpoint), Server(checkpoint)]
-    publication = Publication()
-    for s in servers:
-        publish_server(tmp_path, "127.0.0.1", s.port)
-    d = _delivery(tmp_path, publication)
+    servers, publication, d = _two_announced(tmp_path, checkpoint)
     try:
         trainer.step(lr=1e-5)
         _publish(publication, 1, trainer)
