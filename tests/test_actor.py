@@ -519,10 +519,13 @@ def test_max_lag_zero_is_synchronous_on_policy(servers, tmp_path):
 LONG = ("actor.sampling.max_new_tokens=48", "actor.sampling.min_new_tokens=48")
 
 
-def _wait_running(url: str, timeout_s: float = 60.0) -> None:
-    """Until the server reports a request running (vLLM's `vllm:num_requests_running` gauge on /metrics)."""
+def _wait_running(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
+    """Until the server reports a request running (vLLM's `vllm:num_requests_running` gauge on /metrics).
+    Called before the first group is read: the actor's first wave (actor.max_groups_in_flight groups, spread
+    over both servers) runs then, and every request runs its forced LONG length, so the wait cannot miss it."""
     deadline = time.monotonic() + timeout_s
     while True:
+        assert proc.poll() is None, "the actor exited"
         text = httpx.get(f"{url}/metrics", timeout=10.0).text
         if sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:num_requests_running")) > 0:
@@ -561,12 +564,11 @@ def test_a_hung_server_s_requests_move_to_the_other_one(servers, tmp_path):
     proc = _start_actor(cfg_path, tmp_path / "actor.log")
     reader = StreamReader(run_dir, "rollouts", cfg.streams)
     try:
-        rows = _read_samples(reader, G, proc, tmp_path / "actor.log")
-        _wait_running(hung)
+        _wait_running(hung, proc)
         os.killpg(pgid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()
-            rows += _read_samples(reader, total - len(rows), proc, tmp_path / "actor.log", timeout_s=60)
+            rows = _read_samples(reader, total, proc, tmp_path / "actor.log", timeout_s=60)
             elapsed = time.monotonic() - t0
         finally:
             os.killpg(pgid, signal.SIGCONT)
@@ -593,10 +595,9 @@ def test_a_server_killed_mid_run_costs_no_group(servers, tmp_path):
     proc = _start_actor(cfg_path, tmp_path / "actor.log")
     reader = StreamReader(run_dir, "rollouts", cfg.streams)
     try:
-        rows = _read_samples(reader, 2 * G, proc, tmp_path / "actor.log")
-        _wait_running(servers["urls"][1])
+        _wait_running(servers["urls"][1], proc)
         os.killpg(servers["sup"].running["server1"][1].pid, signal.SIGKILL)
-        rows += _read_samples(reader, total - len(rows), proc, tmp_path / "actor.log", timeout_s=180)
+        rows = _read_samples(reader, total, proc, tmp_path / "actor.log", timeout_s=180)
     finally:
         _stop(proc)
     _assert_each_group_once(rows, reader, total // G)
