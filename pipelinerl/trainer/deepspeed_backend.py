@@ -54,7 +54,7 @@ def deepspeed_config(cfg: TrainerConfig, dtype: str, world_size: int) -> dict:
         "zero_optimization": zero,
         "bf16": {"enabled": dtype == "bfloat16"},
         "fp16": {"enabled": dtype == "float16"},
-        "zero_allow_untested_optimizer": True,  # torch AdamW: no JIT-compiled FusedAdam (FACTS.md)
+        "zero_allow_untested_optimizer": True,  # torch AdamW: DeepSpeed's FusedAdam is JIT-compiled CUDA, absent on CPU
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
@@ -99,7 +99,8 @@ class DeepSpeedTrainer:
         self.model_path = Path(model_path)
         ds_config = deepspeed_config(self.cfg, self.dtype, self.dist.world_size)
         if self.cfg.zero_stage == 3:
-            # Makes from_pretrained load each tensor straight into its ZeRO-3 shard (FACTS.md).
+            # Alive while from_pretrained runs, it makes transformers load each tensor straight into its ZeRO-3
+            # shard (deepspeed.zero.Init) instead of materialising the whole model on every rank.
             self._hf_ds_config = HfDeepSpeedConfig(ds_config)
         model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=torch_dtype(self.dtype), attn_implementation=self.cfg.attn_implementation)
