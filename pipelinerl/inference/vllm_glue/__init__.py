@@ -32,7 +32,7 @@ WRITTEN_FOR = (0, 32)  # vLLM (major, minor) these modules were written and test
 OVERRIDE_ENV = "PIPELINERL_ANY_VLLM"
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "pipelinerl"  # the entry point's name in setup.cfg
-ENGINE_NAME = "pipelinerl"  # the `--weight-transfer-config` backend name (transfer.py registers it)
+ENGINE_NAME = "pipelinerl"  # the `--weight-transfer-config` backend name (`register` puts transfer.py's engine there)
 WORKER_EXTENSION = "pipelinerl.inference.vllm_glue.transfer.WorkerExtension"
 
 
@@ -81,4 +81,4 @@ def register() -> None:
     check_version()
     from pipelinerl.inference.vllm_glue.transfer import register_engine
 
-    register_engine()
+    register_engine(ENGINE_NAME)

@@ -43,7 +43,6 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from pipelinerl.inference.vllm_glue import ENGINE_NAME
 from pipelinerl.weights import (
     DeltaBase,
     InitRequest,
@@ -258,11 +257,11 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
         self.group = None
 
 
-def register_engine() -> None:
-    """Make the engine known to vLLM in this process; a second call does nothing (vLLM's
+def register_engine(name: str) -> None:
+    """Make the engine known to vLLM in this process under `name`; a second call does nothing (vLLM's
     `register_engine` raises on a duplicate name, and the plugin may load more than once)."""
-    if ENGINE_NAME not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(ENGINE_NAME, StagedWeightEngine)
+    if name not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(name, StagedWeightEngine)
 
 
 class WorkerExtension:
