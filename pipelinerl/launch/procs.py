@@ -135,11 +135,11 @@ class Supervisor:
                 code = self._kill_if_hung(role, proc)
             if code is None or (code == 0 and role.name in allow_finished):
                 continue
-            if self.restarts is None or not role.restartable or not self.restarts.died(role, code):
+            if self.restarts is None or not role.restartable or not self.restarts.died(role.name, code, role.log_path):
                 raise RoleFailed(role, code, self.restarts.count[role.name] if self.restarts else 0)
             self._restart(role, proc)
         if self.restarts is not None:
-            self.restarts.check_up([role for role, _ in self.running.values()])
+            self.restarts.check_up([role.name for role, _ in self.running.values() if _is_up(role)])
 
     def _watch_health(self) -> None:
         """Hand the health watch the servers announced now. Only a role with one discovery file is a server:
@@ -218,6 +218,12 @@ class Supervisor:
         self.running.clear()
         if self.health is not None:
             self.health.close()
+
+
+def _is_up(role: Role) -> bool:
+    """A server is up once it has published its discovery file again (a restart removes the dead one's); other
+    roles once started."""
+    return role.discovery is None or role.discovery.exists()
 
 
 def free_port(start: int | None = None) -> int:

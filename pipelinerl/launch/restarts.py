@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pipelinerl.config import Config
-    from pipelinerl.launch.procs import Role
 
 log = logging.getLogger(__name__)
 
@@ -61,29 +60,29 @@ class Restarts:
             return None
         return cls(RestartBudget(cfg.launch.max_restarts, cfg.launch.restart_window_s), cfg.run_dir, folder)
 
-    def died(self, role: Role, returncode: int) -> bool:
-        """`role` exited with `returncode`: True (and counted) when it may restart now."""
+    def died(self, name: str, returncode: int, log_path: Path) -> bool:
+        """Role `name` (its log at `log_path`) exited with `returncode`: True (and counted) when it may restart
+        now."""
         now = time.monotonic()
-        if not self.budget.take(role.name, now):
+        if not self.budget.take(name, now):
             return False
-        self.count[role.name] += 1
-        since = self._down_since.setdefault(role.name, now)
+        self.count[name] += 1
+        since = self._down_since.setdefault(name, now)
         log.warning("role `%s` exited with code %d; restarting it (restart %d; down %.1f s, %.1f s before in all); "
-                    "its log: %s", role.name, returncode, self.count[role.name], now - since,
-                    self.downtime_s[role.name], role.log_path)
-        self._write(f"launch/restarts/{role.name}", self.count[role.name], self.count[role.name])
+                    "its log: %s", name, returncode, self.count[name], now - since, self.downtime_s[name], log_path)
+        self._write(f"launch/restarts/{name}", self.count[name], self.count[name])
         return True
 
-    def check_up(self, roles: list[Role]) -> None:
-        """Record the downtime of every restarted role that is up again."""
-        for role in roles:
-            if role.name not in self._down_since or not _is_up(role):
+    def check_up(self, up: list[str]) -> None:
+        """Record the downtime of every restarted role among `up` (the names of the roles up now)."""
+        for name in up:
+            if name not in self._down_since:
                 continue
-            seconds = time.monotonic() - self._down_since.pop(role.name)
-            self.downtime_s[role.name] += seconds
-            log.info("role `%s` is up again after %.1f s (restart %d; %.1f s down in all)", role.name, seconds,
-                     self.count[role.name], self.downtime_s[role.name])
-            self._write(f"launch/downtime_s/{role.name}", self.count[role.name], seconds)
+            seconds = time.monotonic() - self._down_since.pop(name)
+            self.downtime_s[name] += seconds
+            log.info("role `%s` is up again after %.1f s (restart %d; %.1f s down in all)", name, seconds,
+                     self.count[name], self.downtime_s[name])
+            self._write(f"launch/downtime_s/{name}", self.count[name], seconds)
 
     def _write(self, tag: str, step: int, value: float) -> None:
         from pipelinerl.metrics import Scalars
@@ -92,9 +91,3 @@ class Restarts:
             self._scalars = Scalars(self.run_dir, self.folder)
         self._scalars.log(step, {tag: value})
         self._scalars.writer.flush()  # restarts are rare; a launcher killed later keeps them
-
-
-def _is_up(role: Role) -> bool:
-    """A server is up once it has published its discovery file again (the Supervisor removed the dead one's);
-    other roles once started."""
-    return role.discovery is None or role.discovery.exists()
