@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from pipelinerl.config import ConfigError, TinyModelConfig, load_config, to_doc_yaml, to_yaml
+from pipelinerl.config import Config, ConfigError, TinyModelConfig, load_config, to_doc_yaml, to_yaml
 from pipelinerl.logs import setup_logging
 
 
@@ -119,6 +119,20 @@ def cmd_run(args: argparse.Namespace) -> None:
     run_local(load_config(args.config, args.overrides), dry_run=args.dry_run)
 
 
+def trainer_ranks(cfg: Config) -> int:
+    """The trainer ranks the config's launcher would start, for `pipelinerl plan`: trainer.num_gpus, else as
+    that launcher's placement derives them."""
+    if cfg.trainer.num_gpus is not None:
+        return cfg.trainer.num_gpus
+    if cfg.launch.backend == "slurm":
+        from pipelinerl.launch.slurm import trainer_ranks as job_ranks
+
+        return job_ranks(cfg)
+    from pipelinerl.launch.local import machine_gpus, placement
+
+    return placement(cfg, machine_gpus()).trainer_ranks
+
+
 def cmd_plan(args: argparse.Namespace) -> None:
     import json
 
@@ -127,7 +141,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     overrides = list(args.overrides)
     if args.gpu_memory_gb is not None:
         overrides.append(f"launch.gpu_memory_gb={args.gpu_memory_gb}")
-    plan = plan_for(load_config(args.config, overrides))
+    cfg = load_config(args.config, overrides)
+    plan = plan_for(cfg, trainer_ranks(cfg))
     if plan is None:
         print(f"{SKIPPED}; give --gpu-memory-gb to plan for a GPU", file=sys.stderr)
         return

@@ -330,37 +330,26 @@ def nvidia_smi_gpu_gb() -> float | None:
     return min(mib) * 2**20 / GB if out.returncode == 0 and mib else None
 
 
-def trainer_ranks(cfg: Config) -> int:
-    """Trainer ranks the launcher would start: trainer.num_gpus, else as the placement derives them."""
-    if cfg.trainer.num_gpus is not None:
-        return cfg.trainer.num_gpus
-    if cfg.launch.backend == "slurm":
-        from pipelinerl.launch.slurm_node import node_placement
-
-        return cfg.launch.slurm.training_nodes * node_placement(cfg).trainer_ranks
-    from pipelinerl.launch.local import machine_gpus, placement
-
-    return placement(cfg, machine_gpus()).trainer_ranks
-
-
-def plan_for(cfg: Config) -> MemoryPlan | None:
-    """The plan on launch.gpu_memory_gb (null: nvidia-smi's); None when neither gives a number (CPU)."""
+def plan_for(cfg: Config, trainer_ranks: int) -> MemoryPlan | None:
+    """The plan on launch.gpu_memory_gb (null: nvidia-smi's) for the `trainer_ranks` the launcher places; None
+    when neither gives a number (CPU)."""
     gpu_gb = cfg.launch.gpu_memory_gb
     if gpu_gb is None and os.environ.get("CUDA_VISIBLE_DEVICES") != "":
         gpu_gb = nvidia_smi_gpu_gb()
     if gpu_gb is None:
         return None
     shape, source = load_shape(cfg)
-    return plan_config(cfg, gpu_gb, shape, source, trainer_ranks(cfg))
+    return plan_config(cfg, gpu_gb, shape, source, trainer_ranks)
 
 
 SKIPPED = "memory plan skipped: no GPU (launch.gpu_memory_gb is null and nvidia-smi finds none)"
 
 
-def check_before_start(cfg: Config) -> None:
-    """The launchers' check: log each role's per-GPU total; ConfigError naming the number that does not fit
-    and the knob that fixes it. On a CPU machine, one line says the plan was skipped."""
-    plan = plan_for(cfg)
+def check_before_start(cfg: Config, trainer_ranks: int) -> None:
+    """The launchers' check, given the trainer ranks they place: log each role's per-GPU total; ConfigError
+    naming the number that does not fit and the knob that fixes it. On a CPU machine, one line says the plan
+    was skipped."""
+    plan = plan_for(cfg, trainer_ranks)
     if plan is None:
         log.info(SKIPPED)
         return

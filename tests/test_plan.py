@@ -48,6 +48,12 @@ def _cfg(name: str, *overrides: str):
     return load_config(str(REPO / "configs" / name), list(overrides))
 
 
+def _plan(name: str, *overrides: str):
+    """The plan of a config for the trainer ranks its launcher would start, as `pipelinerl plan` makes it."""
+    cfg = _cfg(name, *overrides)
+    return plan_for(cfg, cli.trainer_ranks(cfg))
+
+
 def test_builtin_shapes_count_the_published_parameters(tmp_path):
     assert BUILTIN_SHAPES["Qwen2.5-7B"].params == P_7B == 7_615_616_512  # "7.61B" on the model card
     assert BUILTIN_SHAPES["Qwen2.5-32B"].params == P_32B == 32_763_876_352  # "32.5B" + embeddings
@@ -73,7 +79,7 @@ def test_7b_on_80_and_141_gb_matches_the_hand_budget():
     t = _trainer_7b_bytes()
     trainer = t["zero3_shards"] + t["zero_buffers"] + max(t["fwd_bwd"], t["optimizer_step"]) + t["cuda_runtime"]
     for gpu in (80, 141):
-        plan = plan_for(_cfg("qwen7b_orz.yaml", f"launch.gpu_memory_gb={gpu}"))
+        plan = _plan("qwen7b_orz.yaml", f"launch.gpu_memory_gb={gpu}")
         assert plan.fits, plan.problems
         got = plan.roles["trainer"]
         shards = got.items["params"] + got.items["grads"] + got.items["optimizer"]
@@ -96,7 +102,7 @@ def test_32b_on_80_and_141_gb_matches_the_hand_budget():
     step = 8 * 1e9  # the 2.05e9-parameter shard is stepped in sub-groups of 1e9
     trainer = 16 * P_32B / ranks + 3e9 + max(fwd_bwd, step) + 2e9
     for gpu in (80, 141):
-        plan = plan_for(_cfg("qwen32b_orz.yaml", f"launch.gpu_memory_gb={gpu}"))
+        plan = _plan("qwen32b_orz.yaml", f"launch.gpu_memory_gb={gpu}")
         assert plan.fits, plan.problems
         assert plan.roles["trainer"].per_gpu_gb == pytest.approx(trainer / GB) and round(trainer / GB, 1) == 54.4
         server = plan.roles["server"]
@@ -109,28 +115,28 @@ def test_32b_on_80_and_141_gb_matches_the_hand_budget():
 def test_32b_tp4_stages_one_model_copy_of_host_ram_per_server():
     """The server receives once (its first TP worker, into /dev/shm) and its 4 workers load from that copy:
     2 B x 32,763,876,352 = 65.53 GB per server, not 4 x 65.53 = 262.1 GB; 2 servers per inference node."""
-    plan = plan_for(_cfg("qwen32b_orz.yaml", "launch.gpu_memory_gb=141"))
+    plan = _plan("qwen32b_orz.yaml", "launch.gpu_memory_gb=141")
     server = plan.roles["server"]
     assert server.host["update_staging"] == pytest.approx(2 * P_32B / GB) and round(2 * P_32B / GB, 2) == 65.53
     assert server.host["delta_base"] == pytest.approx(2 * P_32B / GB)  # broadcast_delta=auto: the base, once
     assert "host staging: 65.5 GB of host RAM per server" in " ".join(server.notes)
     assert "131.1 GB per inference node" in " ".join(server.notes)  # 2 servers x 65.53
     assert "host RAM: update_staging" in plan.render() and "65.53 GB per server" in plan.render()
-    device = plan_for(_cfg("qwen7b_orz.yaml", "launch.gpu_memory_gb=141", "inference.update_staging=device",
-                           "inference.gpu_memory_utilization=0.85"))
+    device = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=141", "inference.update_staging=device",
+                   "inference.gpu_memory_utilization=0.85")
     assert "update_staging" not in device.roles["server"].host  # device staging: no host copy
 
 
 def test_device_staging_costs_the_full_model_per_gpu_and_names_the_knobs():
-    plan = plan_for(_cfg("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "inference.update_staging=device"))
+    plan = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "inference.update_staging=device")
     assert plan.roles["server"].items["update_staging"] == pytest.approx(2 * P_7B / GB)
     assert not plan.fits
     (problem,) = plan.problems
     # 72 GB of vLLM + 15.23 GB staging + 0.5 GB group = 87.7 GB; (80 - 15.73) / 80 = 0.803 -> 0.80
     assert problem.startswith("policy server: update staging (device) 15.7 GB + vLLM's 72.0 GB = 87.7 GB > 80 GB")
     assert "inference.gpu_memory_utilization to 0.80" in problem and "inference.update_staging=host" in problem
-    ok = plan_for(_cfg("qwen7b_orz.yaml", "launch.gpu_memory_gb=141", "inference.update_staging=device",
-                       "inference.gpu_memory_utilization=0.85"))
+    ok = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=141", "inference.update_staging=device",
+               "inference.gpu_memory_utilization=0.85")
     assert ok.fits  # 0.85 x 141 + 15.7 = 135.6 GB
     # with TP > 1 one worker receives for the server and the others read host memory: device staging is refused
     with pytest.raises(ConfigError, match="update_staging.*tensor_parallel_size 1.*update_staging=host"):
@@ -140,20 +146,20 @@ def test_device_staging_costs_the_full_model_per_gpu_and_names_the_knobs():
 def test_a_trainer_that_does_not_fit_names_the_number_and_the_knob():
     t = _trainer_7b_bytes(gpu_checkpointing=False)
     trainer = t["zero3_shards"] + t["zero_buffers"] + max(t["fwd_bwd"], t["optimizer_step"]) + t["cuda_runtime"]
-    plan = plan_for(_cfg("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "trainer.gradient_checkpointing=false"))
+    plan = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "trainer.gradient_checkpointing=false")
     assert plan.roles["trainer"].per_gpu_gb == pytest.approx(trainer / GB)
     (problem,) = plan.problems
     assert problem.startswith(f"trainer rank: {trainer / GB:.1f} GB > 80 GB; set trainer.gradient_checkpointing=true")
     assert "launch.slurm.training_nodes" in problem
-    assert plan_for(_cfg("qwen7b_orz.yaml", "launch.gpu_memory_gb=141", "trainer.gradient_checkpointing=false")).fits
+    assert _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=141", "trainer.gradient_checkpointing=false").fits
 
 
 def test_reference_servers_appear_with_their_prompt_logprobs():
-    plan = plan_for(_cfg("qwen7b_orz.yaml", "launch.gpu_memory_gb=141", "rl.kl_coef=0.05"))
+    plan = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=141", "rl.kl_coef=0.05")
     ref = plan.roles["reference"]
     assert ref.items["prompt_logprobs"] == pytest.approx(8192 * V * (2 + 8) / GB)  # outside vLLM's share
     assert "update_staging" not in ref.items and plan.fits
-    assert not plan_for(_cfg("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "rl.kl_coef=0.05")).fits  # 72 + 12.5
+    assert not _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "rl.kl_coef=0.05").fits  # 72 + 12.5
 
 
 def test_json_schema_and_exit_codes(capsys):
@@ -173,14 +179,14 @@ def test_json_schema_and_exit_codes(capsys):
 def test_a_cpu_config_skips_the_plan_with_one_line(monkeypatch, caplog, capsys):
     monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi
     cfg = _cfg("tiny_cpu.yaml")
-    assert plan_for(cfg) is None
+    assert plan_for(cfg, 1) is None
     with caplog.at_level(logging.INFO, logger="pipelinerl.plan"):
-        check_before_start(cfg)
+        check_before_start(cfg, 1)
     assert [r.message for r in caplog.records] == ["memory plan skipped: no GPU (launch.gpu_memory_gb is null and "
                                                    "nvidia-smi finds none)"]
     assert cli.main(["plan", str(REPO / "configs/tiny_cpu.yaml")]) == 0
     assert "skipped" in capsys.readouterr().err
-    assert plan_for(_cfg("tiny_cpu.yaml", "launch.gpu_memory_gb=24")).fits  # the tiny shape, before it is built
+    assert _plan("tiny_cpu.yaml", "launch.gpu_memory_gb=24").fits  # the tiny shape, before it is built
 
 
 # -- the staging policies (inference.update_staging) on gloo -------------------------------------------------

@@ -277,20 +277,21 @@ def run_local(cfg: Config, dry_run: bool = False) -> None:
         return
     config_path = prepare_run_dir(cfg)
     ensure_model(cfg)
-    check_before_start(cfg)  # every role's GPU memory; on CPU one line saying it was skipped
+    where = placement(cfg, machine_gpus())
+    check_before_start(cfg, where.trainer_ranks)  # every role's GPU memory; on CPU one line saying it was skipped
     if cfg.trainer.max_steps is not None and serving_weights(cfg)[1] >= cfg.trainer.max_steps:
         log.warning("%s already holds a checkpoint at trainer.max_steps=%s: nothing to train (raise "
                     "trainer.max_steps to continue, or pick another run_dir)", cfg.run_dir, cfg.trainer.max_steps)
     else:
-        _run_roles(cfg, config_path)
+        _run_roles(cfg, config_path, where)
     from pipelinerl.tasks import task_class
 
     if task_class(cfg.task.name).reports_greedy_success:
         report_success(cfg)
 
 
-def _run_roles(cfg: Config, config_path: Path) -> None:
-    servers, trainer, actor = _roles(cfg, config_path, placement(cfg, machine_gpus()))
+def _run_roles(cfg: Config, config_path: Path, where: Placement) -> None:
+    servers, trainer, actor = _roles(cfg, config_path, where)
     sup = Supervisor.from_config(cfg)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally below
     try:

@@ -152,8 +152,7 @@ def allocation_from_env(cfg: Config, env=os.environ) -> Allocation:
 def check_config(cfg: Config) -> None:
     """Config choices only the Slurm launcher can check: trainer ranks vs training GPUs, reference server
     placement."""
-    s, inf = cfg.launch.slurm, cfg.inference
-    ranks = s.training_nodes * node_placement(cfg).trainer_ranks
+    inf, ranks = cfg.inference, trainer_ranks(cfg)
     if cfg.trainer.num_gpus is not None and cfg.trainer.num_gpus != ranks:
         per_node = "launch.training_gpus" if colocated(cfg) else "gpus_per_node"
         raise ValueError(f"trainer.num_gpus={cfg.trainer.num_gpus} but launch.slurm.training_nodes x {per_node} "
@@ -167,6 +166,11 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"inference.reference_servers={references} would take all {slots} server slots "
                          "(launch.slurm.inference_nodes x inference.num_servers) and leave no policy server; "
                          "raise inference.num_servers or add an inference node")
+
+
+def trainer_ranks(cfg: Config) -> int:
+    """The job's trainer ranks: launch.slurm.training_nodes x each node's (slurm_node.node_placement)."""
+    return cfg.launch.slurm.training_nodes * node_placement(cfg).trainer_ranks
 
 
 def server_nodes(cfg: Config) -> int:
@@ -355,7 +359,7 @@ def launch(cfg: Config, alloc: Allocation) -> None:
              ",".join(alloc.inference), ",".join(alloc.training))
     config_path = prepare_run_dir(cfg)
     ensure_model(cfg)
-    check_before_start(cfg)  # every role's GPU memory, before any srun
+    check_before_start(cfg, trainer_ranks(cfg))  # every role's GPU memory, before any srun
     roles = plan_roles(cfg, alloc, config_path)
     signals, sup, requeue_now = _Signals(), Supervisor(Restarts.from_config(cfg)), False
     try:
