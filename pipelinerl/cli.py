@@ -161,7 +161,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_slurm(args: argparse.Namespace) -> None:
-    from pipelinerl.launch.slurm import main as slurm_main
+    from pipelinerl.launch.slurm_cli import main as slurm_main
 
     slurm_main(args.slurm_args)
 

@@ -15,7 +15,8 @@ import pytest
 
 from pipelinerl.config import load_config
 from pipelinerl.launch.script import render_script, sbatch_lines
-from pipelinerl.launch.slurm import _parser, check_config, main
+from pipelinerl.launch.slurm import check_config
+from pipelinerl.launch.slurm_cli import _parser, main
 from pipelinerl.launch.slurm_node import node_placement
 
 REPO = Path(__file__).resolve().parent.parent
