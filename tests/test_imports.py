@@ -6,13 +6,6 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "pipelinerl"
 ROLE_PACKAGES = ("actor", "inference", "launch", "trainer", "weights", "streams", "tasks", "rl", "evaluate",
                  "plan", "cli")
-# Cycles that remain, to be untied (issue #27); the test fails on any other, and on one of these growing.
-KNOWN_CYCLES = [
-    {"pipelinerl.launch.restarts", "pipelinerl.launch.procs"},
-    {"pipelinerl.launch.slurm_node", "pipelinerl.launch.local", "pipelinerl.plan"},
-    {"pipelinerl.launch.submit", "pipelinerl.launch.slurm"},
-    {"pipelinerl.inference.vllm_glue.transfer", "pipelinerl.inference.vllm_glue"},
-]
 
 
 def _graph() -> dict[str, set[str]]:
@@ -78,9 +71,8 @@ def test_config_imports_no_role_package():
     assert not bad, bad
 
 
-def test_no_import_cycle_but_the_known_ones():
-    cycles = _cycles(_graph())
-    assert all(c in KNOWN_CYCLES for c in cycles), [c for c in cycles if c not in KNOWN_CYCLES]
+def test_no_import_cycle():
+    assert _cycles(_graph()) == []
 
 
 def test_the_cycle_finder_finds_a_cycle():
