@@ -8,8 +8,8 @@ What is evaluated (resolve_target):
     (../meta.json), else 0. The config is `--config`; without it, a checkpoint's weights folder
     (RUN_DIR/checkpoints/step_K/hf) takes its run's RUN_DIR/config.yaml, any other folder is an error.
 
-How: the policy servers are started by the launcher's pieces (launch/commands.py's `serve` command line,
-launch/procs.py's Supervisor, launch/local.py's wait_for_servers) with a scratch run directory of their own
+How: the policy servers are started as the launchers start theirs (launch/commands.py's `serve` command line,
+under launch/procs.py's Supervisor, by launch/local.py's start_servers) with a scratch run directory of their own
 (a fresh temporary folder: discovery files, auth token, logs) on free ports from inference.base_port, so a
 live run on the same machine is never disturbed. The eval sets of `--sets a,b` (default: `default`) are read
 before any server starts (a missing file is an error naming the set), sampled through the actor's
@@ -244,7 +244,7 @@ def _serve_and_sample(cfg: Config, target: Target, task, suites: list) -> dict:
     """Start the servers on cfg.run_dir (the scratch folder), sample every suite, stop them; the report."""
     from transformers import AutoTokenizer
 
-    from pipelinerl.launch.local import wait_for_servers
+    from pipelinerl.launch.local import start_servers
     from pipelinerl.launch.procs import RoleFailed, Supervisor
 
     scratch = Path(cfg.run_dir)
@@ -253,10 +253,7 @@ def _serve_and_sample(cfg: Config, target: Target, task, suites: list) -> dict:
              target.version, ", ".join(dict.fromkeys(s.name for s in suites)), scratch)
     sup = Supervisor()
     try:
-        for role in server_roles(cfg, scratch / "config.yaml", target):
-            sup.start(role)
-        urls = wait_for_servers(cfg, sup)
-        log.info("servers healthy: %s", ", ".join(urls))
+        start_servers(cfg, sup, server_roles(cfg, scratch / "config.yaml", target))
         tokenizer = AutoTokenizer.from_pretrained(target.model)
         outcomes, version = asyncio.run(sample_suites(cfg, task, tokenizer, suites))
     except RoleFailed as err:

@@ -231,6 +231,22 @@ def wait_for_servers(cfg: Config, sup: Supervisor, expected: int | None = None,
     return urls
 
 
+def start_servers(cfg: Config, sup: Supervisor, roles: list[Role], references: int = 0,
+                  policy: int | None = None) -> list[str]:
+    """Start the server `roles` under `sup`, then wait until `policy` policy servers (default
+    inference.num_servers) and `references` reference servers have announced themselves: the policy servers'
+    URLs. Every launcher starts its servers with it: `pipelinerl run`, the Slurm job (its servers steps) and
+    `pipelinerl eval`."""
+    for role in roles:
+        sup.start(role)
+    urls = wait_for_servers(cfg, sup, policy)
+    log.info("servers healthy: %s", ", ".join(urls))
+    if references:
+        log.info("reference servers healthy: %s",
+                 ", ".join(wait_for_servers(cfg, sup, references, REFERENCE_SERVERS_DIR)))
+    return urls
+
+
 def follow_trainer(cfg: Config, sup: Supervisor, urls: list[str]) -> None:
     """A progress bar over optimizer steps (the servers' policy version) until the trainer exits 0; a role
     that dies meanwhile is restarted by `sup.check` within launch.max_restarts, the trainer too."""
@@ -295,13 +311,7 @@ def _run_roles(cfg: Config, config_path: Path, where: Placement) -> None:
     sup = Supervisor.from_config(cfg)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally below
     try:
-        for role in servers:
-            sup.start(role)
-        urls = wait_for_servers(cfg, sup)
-        log.info("servers healthy: %s", ", ".join(urls))
-        if reference_server_count(cfg):
-            references = wait_for_servers(cfg, sup, reference_server_count(cfg), REFERENCE_SERVERS_DIR)
-            log.info("reference servers healthy: %s", ", ".join(references))
+        urls = start_servers(cfg, sup, servers, reference_server_count(cfg))
         sup.start(trainer)
         sup.start(actor)
         follow_trainer(cfg, sup, urls)

@@ -50,7 +50,7 @@ from pathlib import Path
 
 from pipelinerl.config import Config
 from pipelinerl.launch.commands import cli, reference_server_count, server_port, threads_env
-from pipelinerl.launch.local import ensure_model, prepare_run_dir, serving_weights, wait_for_servers
+from pipelinerl.launch.local import ensure_model, prepare_run_dir, serving_weights, start_servers
 from pipelinerl.launch.procs import DiscoveryFiles, Role, RoleFailed, Supervisor
 from pipelinerl.launch.restarts import Restarts
 from pipelinerl.launch.slurm_node import colocated, node_placement
@@ -363,15 +363,9 @@ def launch(cfg: Config, alloc: Allocation) -> None:
     roles = plan_roles(cfg, alloc, config_path)
     signals, sup, requeue_now = _Signals(), Supervisor(Restarts.from_config(cfg)), False
     try:
-        for role in roles.values():
-            if role.name.startswith("servers@"):
-                sup.start(role)
         references = reference_server_count(cfg)
-        urls = wait_for_servers(cfg, sup, cfg.inference.num_servers * server_nodes(cfg) - references)
-        log.info("servers healthy: %s", ", ".join(urls))
-        if references:
-            log.info("reference servers healthy: %s",
-                     ", ".join(wait_for_servers(cfg, sup, references, REFERENCE_SERVERS_DIR)))
+        steps = [role for role in roles.values() if role.name.startswith("servers@")]
+        start_servers(cfg, sup, steps, references, cfg.inference.num_servers * server_nodes(cfg) - references)
         sup.start(roles["trainer"])
         sup.start(roles["actor"])
         requeue_now = _follow_trainer(cfg, sup, signals)
