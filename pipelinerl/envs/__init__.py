@@ -1,0 +1,1 @@
+"""Environments of multi-turn episodes and the tools they call (tools/: the Python sandbox)."""
