@@ -110,7 +110,6 @@ def apply_seccomp() -> None:
     code = seccomp_filter()
     buf = ctypes.create_string_buffer(code, len(code))
     fprog = ctypes.create_string_buffer(struct.pack("HxxxxxxP", len(code) // 8, ctypes.addressof(buf)))
-    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
     _check(libc.prctl(22, 2, ctypes.addressof(fprog), 0, 0), "prctl(PR_SET_SECCOMP)")  # SECCOMP_MODE_FILTER
 
 
@@ -237,11 +236,30 @@ def build_root(root: str, read_paths: list[str], dev_files: list[str], scratch: 
 
 # ---------------------------------------------------------------- the code's process
 
-def _limits(job: dict) -> None:
+def user_tasks() -> int:
+    """How many tasks (threads included) this real uid runs now: what RLIMIT_NPROC compares with."""
+    uid, total = str(os.getuid()), 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if line.startswith(("Uid:", "Threads:")))
+            except (OSError, ValueError):
+                continue
+            if fields.get("Uid", "").split()[:1] == [uid]:
+                total += int(fields.get("Threads", "1"))
+    return total
+
+
+def _limits(job: dict, tier: str) -> None:
     lim = job["limits"]
     cpu = int(-(-lim["cpu_s"] // 1))
+    # RLIMIT_NPROC counts every task of the real uid, except inside a user namespace of its own (tier A);
+    # in tiers B and C the user's other processes (the actor's threads, servers) would use it up, so the
+    # code gets max_processes more than the user runs now.
+    nproc = lim["max_processes"] + (0 if tier == "A" else user_tasks())
     for which, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS,) + (lim["memory_bytes"],) * 2,
-                              (resource.RLIMIT_NPROC,) + (lim["max_processes"],) * 2,
+                              (resource.RLIMIT_NPROC, nproc, nproc),
                               (resource.RLIMIT_FSIZE,) + (lim["max_file_bytes"],) * 2,
                               (resource.RLIMIT_NOFILE, 256, 256), (resource.RLIMIT_CORE, 0, 0)):
         resource.setrlimit(which, (soft, hard))
@@ -264,7 +282,9 @@ def _child_setup(job: dict, tier: str, keep_fd: int) -> None:
     if tier == "A" or os.geteuid() == 0:
         _drop_capabilities()
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    _limits(job)
+    _limits(job, tier)
+    # Landlock and seccomp both need no_new_privs unless the caller holds CAP_SYS_ADMIN (root does)
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
     if tier in ("A", "B") and job["landlock_abi"] > 0:
         reads = job["read_paths"] + (["/proc"] if tier == "A" else [])
         apply_landlock(job["landlock_abi"], reads, [job["scratch"]], job["dev_files"])

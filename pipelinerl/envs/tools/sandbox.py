@@ -102,6 +102,7 @@ class PythonSandbox:
         self.limits = limits or SandboxLimits()
         self.python = self.limits.python or sys.executable
         self._slots: asyncio.Semaphore | None = None
+        self._slots_loop: asyncio.AbstractEventLoop | None = None
         self._running: set[asyncio.subprocess.Process] = set()
         self._closed = False
         self._probe = self._run_probe()
@@ -117,8 +118,9 @@ class PythonSandbox:
         """Run `code` as a script with `stdin`; never raises for anything the code does."""
         if self._closed:
             raise RuntimeError("python sandbox is closed")
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.limits.pool_size)
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots_loop is not loop:  # a semaphore serves one event loop
+            self._slots, self._slots_loop = asyncio.Semaphore(self.limits.pool_size), loop
         async with self._slots:
             return await self._run(code, stdin, self._tier)
 

@@ -1,0 +1,287 @@
+"""The Python sandbox (pipelinerl/envs/tools/): ordinary code gives its output; hostile code (endless loop,
+sleep, fork bomb, memory bomb, 100 MB of output, a huge file, reading a run directory's auth_token, TCP and
+UDP to the test's own sockets, a setsid grandchild) gets a clear result and leaves nothing behind, in every
+tier, as root and as an ordinary user (nobody, through setpriv).
+
+The hostile suite runs in a driver process (DRIVER below): the one that owns the token file and the
+listening sockets the code attacks. Limits are far from the events they stop: a CPU limit of 1 s against an
+endless loop given a 20 s wall clock, a 3 s wall clock against sleep(60)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelinerl.envs.tools import PythonSandbox, SandboxLimits
+
+REPO = Path(__file__).resolve().parent.parent
+SYSTEM_PYTHON = "/usr/bin/python3"  # nobody cannot reach root's interpreter (/root is 0700)
+
+# Each hostile case: (code, wall clock "long" = 20 s or "short" = 3 s). {token}, {run_dir}, {driver_pid},
+# {tcp_port}, {udp_port} are filled in by the driver; every case first prints its working directory (its
+# scratch), which the driver uses to find survivors (their command lines name scratch/main.py).
+CASES = {
+    "loop": ("while True:\n    pass", "long"),
+    "sleep": ("import time\ntime.sleep(60)", "short"),
+    "memory": ("b = bytearray(2 * 1024**3)", "long"),
+    "output": ("import sys\nsys.stdout.write('x' * 100_000_000)", "long"),
+    "big_file": ("open('big', 'wb').write(b'x' * (64 << 20))", "long"),
+    "secrets": ("""
+import os
+for what, read in [("token", lambda: open({token!r}).read()), ("run_dir", lambda: os.listdir({run_dir!r})),
+                   ("environ", lambda: open("/proc/{driver_pid}/environ").read()),
+                   ("passwd", lambda: open("/etc/passwd").read())]:
+    try:
+        print(what, "READ", read())
+    except OSError as error:
+        print(what, "DENIED", type(error).__name__)
+print("env", sorted(os.environ))
+""", "long"),
+    "tcp": ("import socket\nsocket.create_connection(('127.0.0.1', {tcp_port}), timeout=5)\nprint('CONNECTED')",
+            "long"),
+    "udp": ("import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            "s.sendto(b'leak', ('127.0.0.1', {udp_port}))\nprint('SENT')", "long"),
+    "setsid": ("""
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(60)
+    os._exit(0)
+os.wait()
+print("parent done")
+""", "long"),
+}
+# Run after the others, alone: under tiers B and C the processes of one uid share RLIMIT_NPROC.
+FORK_BOMB = ("""
+import os, time
+n = 0
+for _ in range(500):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    n += 1
+print("forks", n, flush=True)
+time.sleep(60)
+""", "short")
+
+DRIVER = r'''
+import asyncio, dataclasses, json, os, secrets, socket, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+from pipelinerl.envs.tools.sandbox import PythonSandbox, SandboxLimits
+spec = json.load(open(sys.argv[2]))
+run_dir = tempfile.mkdtemp()
+token = os.path.join(run_dir, "auth_token")
+with open(os.open(token, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+    f.write("SECRET-" + secrets.token_hex(8))
+tcp = socket.create_server(("127.0.0.1", 0))
+tcp.setblocking(False)
+udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+udp.bind(("127.0.0.1", 0))
+udp.setblocking(False)
+fill = dict(token=token, run_dir=run_dir, driver_pid=os.getpid(), tcp_port=tcp.getsockname()[1],
+            udp_port=udp.getsockname()[1])
+
+def survivors(scratch):
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if scratch.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+async def one(sandbox, code):
+    result = await sandbox.run("import os as _o\nprint('CWD', _o.getcwd(), flush=True)\n" + code.format(**fill))
+    out = dataclasses.asdict(result)
+    scratch = result.stdout.partition("\n")[0].removeprefix("CWD ")
+    out["survivors"] = survivors(scratch) if scratch else []
+    out["scratch_left"] = bool(scratch) and os.path.exists(scratch)
+    return out
+
+async def main():
+    report = {}
+    for tier in spec["tiers"]:
+        try:
+            boxes = {wall: PythonSandbox(SandboxLimits(tier=tier, allow_unconfined_fs=True, wall_s=wall_s, cpu_s=1,
+                                                       memory_bytes=512 << 20, max_processes=32, pool_size=16))
+                     for wall, wall_s in (("long", 20), ("short", 3))}
+        except ValueError as error:
+            report[tier] = {"unavailable": str(error)}
+            continue
+        report[tier] = {"boxes": boxes}
+    ready = [t for t in report if "boxes" in report[t]]
+    for phase in (spec["cases"], {"fork_bomb": spec["fork_bomb"]}):
+        jobs = [(t, name, one(report[t]["boxes"][wall], code)) for t in ready for name, (code, wall) in phase.items()]
+        for (t, name, _), out in zip(jobs, await asyncio.gather(*(j[2] for j in jobs))):
+            report[t][name] = out
+    for t in ready:
+        del report[t]["boxes"]
+    try:
+        tcp.accept()
+        report["tcp_accepted"] = True
+    except BlockingIOError:
+        report["tcp_accepted"] = False
+    try:
+        report["udp_received"] = udp.recv(100).decode()
+    except BlockingIOError:
+        report["udp_received"] = None
+    report["euid"] = os.geteuid()
+    json.dump(report, open(sys.argv[3], "w"))
+
+asyncio.run(main())
+'''
+
+
+def run_driver(nobody: bool) -> dict:
+    """The hostile suite in every tier, in a driver process run as this user, or (from root) as nobody."""
+    work = Path(tempfile.mkdtemp(prefix="sandbox-test-"))  # not under pytest's tmp: that is 0700 root's
+    try:
+        work.chmod(0o777)
+        spec, out, script = work / "spec.json", work / "report.json", work / "driver.py"
+        spec.write_text(json.dumps({"tiers": ["A", "B", "C"], "cases": CASES, "fork_bomb": FORK_BOMB}))
+        script.write_text(DRIVER)
+        for path in (spec, script):
+            path.chmod(0o644)
+        command = [sys.executable, "-B", str(script)]
+        if nobody:
+            command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", SYSTEM_PYTHON, "-B", str(script)]
+        done = subprocess.run(command + [str(REPO), str(spec), str(out)], capture_output=True, text=True,
+                              env={"PATH": "/usr/bin:/bin", "HF_TOKEN": "SECRET-env"}, timeout=240, cwd=work,
+                              check=False)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        return json.loads(out.read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def check_report(report: dict, root: bool) -> None:
+    """What every tier must do with each hostile case, and what only tiers A and B do (file reads)."""
+    assert report["tcp_accepted"] is False and report["udp_received"] is None, report
+    for tier in ("A", "B", "C"):
+        got = report[tier]
+        assert "unavailable" not in got, f"tier {tier} does not work here: {got}"
+        for name, result in got.items():
+            assert result["survivors"] == [] and not result["scratch_left"], (tier, name, result)
+        reasons = {name: got[name]["reason"] for name in got}
+        assert reasons["loop"] == "cpu_limit", (tier, got["loop"])
+        assert reasons["sleep"] == "timeout", (tier, got["sleep"])
+        assert reasons["memory"] == "memory", (tier, got["memory"])
+        assert "MemoryError" in got["memory"]["stderr"]
+        assert reasons["output"] == "output_limit" and got["output"]["truncated"], (tier, got["output"])
+        assert len(got["output"]["stdout"]) == 1 << 16
+        assert reasons["big_file"] == "error: exit code 1" and "File too large" in got["big_file"]["stderr"]
+        for name in ("tcp", "udp"):
+            assert reasons[name] == "error: exit code 1", (tier, got[name])
+            assert "PermissionError" in got[name]["stderr"], (tier, got[name])
+        assert reasons["setsid"] == "ok" and "parent done" in got["setsid"]["stdout"], (tier, got["setsid"])
+        bomb = got["fork_bomb"]
+        assert bomb["reason"] == "timeout", (tier, bomb)
+        forks = int(bomb["stdout"].split("forks ")[1].split()[0])
+        if not root:  # root is exempt from RLIMIT_NPROC
+            assert forks < 32, (tier, forks)
+        secrets = got["secrets"]["stdout"]
+        env = secrets.rpartition("\nenv ")[2]
+        assert env.startswith("[") and "SECRET" not in env and "HF_TOKEN" not in env, (tier, secrets)
+        if tier == "C":  # what tier C cannot stop, and the reason it must be opted into
+            assert "token READ SECRET" in secrets, secrets
+        else:
+            assert "SECRET" not in secrets and " READ " not in secrets, (tier, secrets)
+
+
+@pytest.mark.slow
+def test_hostile_code_as_root():
+    if os.geteuid() != 0:
+        pytest.skip("this process is not root; test_hostile_code_as_an_ordinary_user covers this user")
+    check_report(run_driver(nobody=False), root=True)
+
+
+@pytest.mark.slow
+def test_hostile_code_as_an_ordinary_user():
+    """From root: as nobody (setpriv), with the system interpreter; otherwise as this user."""
+    root = os.geteuid() == 0
+    if root and not (shutil.which("setpriv") and os.access(SYSTEM_PYTHON, os.X_OK)):
+        pytest.skip("running as nobody needs setpriv (util-linux) and /usr/bin/python3")
+    check_report(run_driver(nobody=root), root=False)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    return PythonSandbox(SandboxLimits(wall_s=20, cpu_s=5, pool_size=2))
+
+
+def test_ordinary_code_stdin_and_a_traceback(sandbox):
+    async def main():
+        return await asyncio.gather(sandbox.run("print(6 * 7)"), sandbox.run("print(input()[::-1])", "abc\n"),
+                                    sandbox.run("def f():\n    1 / 0\nf()"))
+    printed, echoed, crashed = asyncio.run(main())
+    assert (printed.ok, printed.reason, printed.stdout, printed.exit_code) == (True, "ok", "42\n", 0)
+    assert (echoed.ok, echoed.stdout) == (True, "cba\n")
+    assert not crashed.ok and crashed.reason == "error: exit code 1" and crashed.exit_code == 1
+    assert crashed.stderr.startswith("Traceback") and "ZeroDivisionError: division by zero" in crashed.stderr
+    assert sandbox.tier() in ("A", "B")
+
+
+def test_the_pool_bounds_concurrency(sandbox):
+    code = "import time\nprint(time.monotonic())\ntime.sleep(0.3)\nprint(time.monotonic())"
+
+    async def main():
+        return await asyncio.gather(*(sandbox.run(code) for _ in range(6)))
+    results = asyncio.run(main())
+    assert all(r.ok for r in results), results
+    spans = [tuple(map(float, r.stdout.split())) for r in results]
+    most = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
+    assert 1 <= most <= 2, spans  # pool_size 2
+
+
+def test_environment_is_an_allowlist_and_scratch_is_removed(sandbox, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "SECRET-env")
+    code = "import os\nopen('f', 'w').write('x')\nprint(os.getcwd())\nprint(dict(os.environ))"
+    result = asyncio.run(sandbox.run(code))
+    assert result.ok, result
+    cwd, env = result.stdout.splitlines()
+    assert "SECRET" not in env and "HF_TOKEN" not in env
+    assert not Path(cwd).exists() and not Path(cwd).parent.exists()
+
+
+def test_close_stops_running_code(sandbox):
+    box = PythonSandbox(SandboxLimits(wall_s=60))
+
+    async def main():
+        run = asyncio.ensure_future(box.run("import time\ntime.sleep(60)"))
+        await asyncio.sleep(0.5)
+        start = time.monotonic()
+        await box.close()
+        return await run, time.monotonic() - start
+    result, took = asyncio.run(main())
+    assert result.reason == "killed: close" and took < 10, (result, took)
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(box.run("pass"))
+
+
+def test_tier_c_needs_an_explicit_opt_in():
+    with pytest.raises(ValueError, match="allow_unconfined_fs"):
+        PythonSandbox(SandboxLimits(tier="C"))
+    with pytest.raises(ValueError, match="wall_s"):
+        SandboxLimits(wall_s=0)
+
+
+def test_built_inside_a_running_event_loop():
+    async def main():
+        box = PythonSandbox(SandboxLimits(pool_size=1))
+        return await box.run("print('hi')")
+    assert asyncio.run(main()).stdout == "hi\n"
