@@ -285,3 +285,19 @@ def test_built_inside_a_running_event_loop():
         box = PythonSandbox(SandboxLimits(pool_size=1))
         return await box.run("print('hi')")
     assert asyncio.run(main()).stdout == "hi\n"
+
+
+def test_auto_falls_back_to_landlock_where_user_namespaces_are_off():
+    """A child user namespace whose max_user_namespaces is 0 (the host's setting is untouched) is a node
+    with user namespaces disabled: "auto" must pick tier B, which still denies /etc/passwd."""
+    if not shutil.which("unshare"):
+        pytest.skip("needs unshare (util-linux)")
+    code = ("import asyncio\nfrom pipelinerl.envs.tools import PythonSandbox\nbox = PythonSandbox()\n"
+            "print(box.tier(), asyncio.run(box.run('open(\"/etc/passwd\")')).stderr.splitlines()[-1])")
+    done = subprocess.run(["unshare", "-Ur", "sh", "-c", 'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"',
+                           "sh", sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                          check=False)
+    if done.returncode != 0 and "unshare failed" in done.stderr:
+        pytest.skip(f"user namespaces are off here already: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split(" ", 1) == ["B", "PermissionError: [Errno 13] Permission denied: '/etc/passwd'\n"]

@@ -443,6 +443,7 @@ def run_tier_bc(job: dict, tier: str, deadline: float) -> dict:
 
 
 def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one must not cut the clean-up short
     raise _Stop
 
 

@@ -13,10 +13,11 @@ runs a trivial program on this machine is chosen at construction and logged once
 Limits and who enforces them: wall clock (the launcher kills the code and everything it started; the
 caller kills the launcher `BACKSTOP_S` later if it has not reported), CPU seconds (RLIMIT_CPU: SIGXCPU,
 then SIGKILL a second later), address space (RLIMIT_AS: allocations fail, Python raises MemoryError),
-processes (RLIMIT_NPROC, which counts per real uid: in tiers B and C it is shared with every process of
-the user, and root is exempt from it), file size (RLIMIT_FSIZE: EFBIG), output (the caller keeps the first
-`max_output_bytes` of stdout and of stderr and stops the run when either overflows). The job's cgroup
-(Slurm) remains the real ceiling for memory and CPU.
+processes (RLIMIT_NPROC: tier A counts the code's processes alone, in its own user namespace; the
+kernel counts per real uid otherwise, so tiers B and C allow max_processes more than the user runs at
+launch, concurrent runs then share that headroom; root is exempt from it everywhere), file size
+(RLIMIT_FSIZE: EFBIG), output (the caller keeps the first `max_output_bytes` of stdout and of stderr and
+stops the run when either overflows). The job's cgroup (Slurm) remains the real ceiling for memory and CPU.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class SandboxLimits:
     wall_s: float = 10.0  # wall-clock limit per run, from the launcher's start
     cpu_s: float = 5.0  # CPU-time limit (RLIMIT_CPU, whole seconds, rounded up), user + system
     memory_bytes: int = 1 << 30  # address-space limit per process (RLIMIT_AS); numpy needs ~256 MiB
-    max_processes: int = 32  # RLIMIT_NPROC; see the module docstring for whom it counts
+    max_processes: int = 32  # processes (and threads) the code may run at once; see the module docstring
     max_output_bytes: int = 1 << 16  # kept of stdout and of stderr each; more stops the run ("output_limit")
     max_file_bytes: int = 16 << 20  # largest file the code may write (RLIMIT_FSIZE)
     scratch_bytes: int = 64 << 20  # size of tier A's scratch tmpfs (counts as memory); tiers B/C: not bounded
@@ -187,7 +188,7 @@ class PythonSandbox:
         status_r, status_w = os.pipe()
         try:
             proc = await asyncio.create_subprocess_exec(
-                self.python, "-I", "-B", str(LAUNCHER), str(work), str(status_w), stdin=subprocess.DEVNULL,
+                self.python, "-I", "-S", "-B", str(LAUNCHER), str(work), str(status_w), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=CODE_ENV, pass_fds=(status_w,),
                 start_new_session=True)
         finally:
