@@ -71,12 +71,13 @@ class MemoryEngine:
 
 
 class Server:
-    def __init__(self, weights: dict[str, torch.Tensor], port: int | None = None):
+    def __init__(self, weights: dict[str, torch.Tensor], port: int | None = None, dtype: str = "bfloat16",
+                 token: str = TOKEN):
         self.engine = MemoryEngine(weights)
-        self.updater = WeightUpdater(self.engine, {n: list(t.shape) for n, t in weights.items()}, "bfloat16",
+        self.updater = WeightUpdater(self.engine, {n: list(t.shape) for n, t in weights.items()}, dtype,
                                      "keep", 0, registry=CollectorRegistry())
         app = FastAPI()
-        app.include_router(control_router(self.updater, TOKEN))
+        app.include_router(control_router(self.updater, token))
         self.port = port or free_port(worker_port(18900))
         self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
@@ -90,6 +91,21 @@ class Server:
     def stop(self) -> None:
         self.uv.should_exit = True
         self.thread.join(timeout=10)
+
+
+class HangingServer(Server):
+    """Receives nothing: its update never answers until the test sets `release` (a server SIGSTOPped
+    mid-update)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], dtype: str = "bfloat16", token: str = TOKEN):
+        super().__init__(weights, dtype=dtype, token=token)
+        self.release = threading.Event()
+
+        async def receive(req):
+            await asyncio.to_thread(self.release.wait, 600)
+            raise RuntimeError("released by the test")
+
+        self.engine.receive = receive
 
 
 class Trainer:

@@ -313,7 +313,7 @@ def test_a_restarted_actor_continues_after_its_last_started_prompt_with_retentio
     third.close()
 
 
-def test_the_scheduler_throttles_by_lag_and_writes_groups_in_start_order(tmp_path, tiny_model_dir):
+def test_the_scheduler_throttles_by_lag_and_writes_groups_in_start_order(tmp_path, tiny_model_dir, caplog):
     cfg = _config(tmp_path / "run", tiny_model_dir, tmp_path / "actor.yaml", "actor.max_lag=0")
     actor = Actor(cfg, "probe")
     try:
@@ -321,7 +321,14 @@ def test_the_scheduler_throttles_by_lag_and_writes_groups_in_start_order(tmp_pat
         actor.started_samples = S - G  # the last group of step 0
         assert actor.may_start()
         actor.started_samples = S  # step 1's first group needs version 1 at max_lag 0
-        assert not actor.may_start()
+        assert not actor.may_start() and actor.held_by() == "lag"
+        actor._log_if_held()  # the wait starts; its first warning is due actor.wait_log_s later
+        assert actor.held_since is not None and "waiting" not in caplog.text
+        actor.held_log = time.monotonic()  # due now
+        with caplog.at_level(logging.WARNING, logger="pipelinerl.actor.scheduler"):
+            actor._log_if_held()
+        assert "the servers serve version 0 and it needs version 1" in caplog.text
+        assert "needs version >= 1" in caplog.text  # the pool's description of every server follows
         actor.version = 1
         assert actor.may_start()
         items = actor.task.train_items[:2]

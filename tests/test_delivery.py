@@ -3,13 +3,15 @@ real control routes, WeightUpdater and gloo receive, announced in a run director
 themselves. The invariant: while a version is published and no newer one comes, every announced server that
 answers reaches it (a late joiner, a restart on older weights), with no further publish."""
 
-import threading
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import worker_port
-from memory_servers import TOKEN, Server, Trainer, assert_serving, metas
+from memory_servers import TOKEN, HangingServer, Server, Trainer, assert_serving, metas
 
 from pipelinerl.control import ControlClient
 from pipelinerl.launch.procs import free_port
@@ -156,38 +158,30 @@ def test_one_dead_server_among_live_ones_never_escalates(tmp_path, fast_retries)
         live.stop()
 
 
-class HangingServer(Server):
-    """Receives nothing: its update never answers (a server SIGSTOPped mid-update)."""
-
-    def __init__(self, weights):
-        super().__init__(weights)
-        self.release = threading.Event()
-
-        async def receive(req):
-            import asyncio
-
-            await asyncio.to_thread(self.release.wait, 60)
-            raise RuntimeError("released by the test")
-
-        self.engine.receive = receive
-
-
-def test_close_during_a_stuck_delivery_is_bounded(tmp_path):
-    trainer = Trainer()
-    hung = HangingServer(trainer.wire())
+def test_a_process_whose_delivery_is_stuck_closes_and_exits_in_bounded_time(tmp_path):
+    """The update hangs on the server (it never receives; weight_update_timeout_s 600): close() returns within
+    its wait and the process exits at once, no thread left for the interpreter to wait on (a trainer's stop
+    signal must end it inside a requeue's drain window)."""
+    hung = HangingServer(Trainer().wire())
     publish_server(tmp_path, "127.0.0.1", hung.port)
-    publication = Publication()
-    d = _delivery(tmp_path, publication)
+    child = subprocess.Popen([sys.executable, str(Path(__file__).with_name("delivery_stuck.py")), str(tmp_path),
+                              str(free_port(worker_port(18960)))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parent)
     try:
-        trainer.step(lr=1e-5)
-        _publish(publication, 1, trainer)
-        _wait_until("the update under way", lambda: hung.updater.busy)
+        _wait_until("the update under way", lambda: hung.updater.busy or child.poll() is not None, bound_s=120)
+        assert hung.updater.busy, child.communicate()[0][-3000:]
         t0 = time.monotonic()
-        d.close(wait_s=2.0)
-        assert time.monotonic() - t0 < 6.0
+        out = child.communicate("go\n", timeout=60)[0]
+        exited_s = time.monotonic() - t0
     finally:
+        if child.poll() is None:
+            child.kill()
         hung.release.set()
         hung.stop()
+    assert child.returncode == 0, out[-3000:]
+    assert float(out.rsplit("closed in ", 1)[1].split()[0]) < 6.0, out[-3000:]
+    assert exited_s < 30, out[-3000:]  # close's 2 s wait, then the interpreter's exit (imports not included)
+    assert hung.updater.version == 0
 
 
 def test_publishing_never_waits_for_a_delivery_and_never_overwrites_a_leased_version():

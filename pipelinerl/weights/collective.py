@@ -121,19 +121,34 @@ def _gloo_group(store, rank: int, world_size: int, timeout: timedelta, cpus: Ite
     `cpus`."""
     if cpus is None:
         return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
-    made: Future = Future()
 
-    def make() -> None:
+    def make():
+        os.sched_setaffinity(0, cpus)  # this thread only: 0 is the calling thread on Linux
+        return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
+
+    return on_thread(make, "weights-gloo").result()
+
+
+def on_thread(fn: Callable[[], object], name: str) -> Future:
+    """Run `fn` on a daemon thread of its own; its result or error in the Future. Not a ThreadPoolExecutor:
+    an exiting interpreter joins every pool thread, so one call stuck on a hung server (an HTTP reply, a
+    collective) would keep the process from exiting after its stop signal."""
+    done: Future = Future()
+
+    def run() -> None:
         try:
-            os.sched_setaffinity(0, cpus)  # this thread only: 0 is the calling thread on Linux
-            made.set_result(torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout))
+            done.set_result(fn())
         except BaseException as err:  # noqa: BLE001 -- handed to the waiting caller
-            made.set_exception(err)
+            done.set_exception(err)
 
-    thread = Thread(target=make, name="weights-gloo", daemon=True)
-    thread.start()
-    thread.join()
-    return made.result()
+    Thread(target=run, name=name, daemon=True).start()
+    return done
+
+
+def map_on_threads(fn: Callable[[object], object], items: Iterable, name: str) -> list:
+    """[fn(x) for x in items], each on a daemon thread of its own (on_thread), at once."""
+    futures = [on_thread(lambda x=x: fn(x), name) for x in items]
+    return [f.result() for f in futures]
 
 
 def open_group(req: InitRequest, rank: int, store=None, stop: Callable[[], None] | None = None,

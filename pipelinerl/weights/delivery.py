@@ -29,10 +29,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pipelinerl.control import ControlClient, ControlError
+from pipelinerl.weights.collective import map_on_threads
 from pipelinerl.weights.publish import Publication, Snapshot
 from pipelinerl.weights.sender import WeightBroadcaster
 
@@ -96,7 +96,6 @@ class Delivery:
         self._group_roster: dict[str, int] = {}  # the members' announcement times when the group formed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="delivery-status")
 
     def start(self) -> Delivery:
         self._thread = threading.Thread(target=self._run, name="weights-delivery", daemon=True)
@@ -106,12 +105,12 @@ class Delivery:
     def close(self, wait_s: float = 5.0) -> None:
         """Stop delivering and leave the group. Bounded: a round stuck on a hung server is abandoned (its
         members stop waiting, collective.py) and the thread is left to end with the process."""
+        deadline = time.monotonic() + wait_s
         self._stop.set()
         self.publication.wake()
         self.sender.close(wait_s)
         if self._thread is not None:
-            self._thread.join(timeout=wait_s)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+            self._thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 
     def wait_for(self, version: int, timeout_s: float) -> bool:
         """Wait up to `timeout_s` until every announced server serves `version` (the run's last one, before the
@@ -213,7 +212,7 @@ class Delivery:
         now = time.monotonic()
         with self._lock:
             unknown = [u for u, s in self.servers.items() if s.version is None and s.retry_at <= now]
-        for url, answer in zip(unknown, self._pool.map(self._status, unknown)):
+        for url, answer in zip(unknown, map_on_threads(self._status, unknown, "delivery-status")):
             if isinstance(answer, Exception):
                 self._failed([url], self.publication.latest_version(), answer)
             else:

@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict
 from urllib.parse import urlparse
 
@@ -21,7 +21,9 @@ from pipelinerl.weights.collective import (
     abandon_open,
     broadcast_async,
     group_store,
+    map_on_threads,
     master_store,
+    on_thread,
     open_group,
     wait_work,
 )
@@ -72,7 +74,6 @@ class WeightBroadcaster:
         self.backend, self.master_addr, self.master_port = backend, master_addr, master_port
         self.timeout_s, self.bucket_bytes, self.checksum_every = timeout_s, bucket_bytes, checksum_every
         self._control = ControlClient(token, timeout_s + HTTP_MARGIN_S)
-        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="weights")
         self._store = None  # rank 0's TCPStore, opened at the first connect and kept (collective.py)
         self._name, self._groups = secrets.token_hex(4), 0  # group names: unique to this broadcaster
         self._group: WeightGroup | None = None
@@ -99,7 +100,7 @@ class WeightBroadcaster:
             raise ValueError("no inference servers to broadcast to (RUN_DIR/servers/ is empty?)")
         if self.master_addr is None:
             self.master_addr = broadcast_address(None, urls[0])
-        ready = dict(zip(urls, self._pool.map(self._ready_status, urls)))
+        ready = dict(zip(urls, map_on_threads(self._ready_status, urls, "weights-status")))
         self.left_out = {url: str(s) for url, s in ready.items() if isinstance(s, ControlError)}
         for url, why in self.left_out.items():
             log.warning("weight-update group: leaving out %s: %s", url, why)
@@ -137,7 +138,8 @@ class WeightBroadcaster:
         posts = self._post_all("/init_process_group", {url: {**asdict(req), "rank_offset": off}
                                                       for url, off in zip(self.server_urls, offsets)})
         given_up = threading.Event()
-        opening = _on_thread(lambda: open_group(req, 0, group_store(req), stop=lambda: _raise_if(given_up)))
+        opening = on_thread(lambda: open_group(req, 0, group_store(req), stop=lambda: _raise_if(given_up)),
+                            "weights-open")
         deadline = time.monotonic() + self.timeout_s
         try:
             while not opening.done():
@@ -272,7 +274,6 @@ class WeightBroadcaster:
         deadline = time.monotonic() + wait_s
         for thread in self._releasing:
             thread.join(timeout=max(deadline - time.monotonic(), 0.0))
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _send_buckets(self, packer: _Packer, first: torch.Tensor, deadline: float, posts: Replies) -> float:
         """Send bucket by bucket (`first`: bucket 1, already packed), through two buffers: bucket k+1 is
@@ -314,8 +315,9 @@ class WeightBroadcaster:
         return self._control.request(url, path, body)
 
     def _post_all(self, path: str, bodies: dict[str, dict]) -> Replies:
-        """POST bodies[url] to url + path for every server at once, on the pool."""
-        return Replies({url: self._pool.submit(self._request, url, path, body) for url, body in bodies.items()})
+        """POST bodies[url] to url + path for every server at once, each on a daemon thread (on_thread)."""
+        return Replies({url: on_thread(lambda url=url, body=body: self._request(url, path, body), "weights-post")
+                        for url, body in bodies.items()})
 
 
 class _Packer:
@@ -397,20 +399,6 @@ def broadcast_address(configured: str | None, server_url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((url.hostname, url.port or 80))
         return s.getsockname()[0]
-
-
-def _on_thread(fn: Callable[[], object]) -> Future:
-    """Run `fn` on a daemon thread of its own (not the pool: an exiting interpreter waits for pool threads)."""
-    done: Future = Future()
-
-    def run() -> None:
-        try:
-            done.set_result(fn())
-        except BaseException as err:  # noqa: BLE001 -- handed to the waiting caller
-            done.set_exception(err)
-
-    threading.Thread(target=run, name="weights-open", daemon=True).start()
-    return done
 
 
 def _raise_if(event: threading.Event) -> None:
