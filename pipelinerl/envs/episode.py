@@ -1,0 +1,217 @@
+"""One multi-turn episode as a single token sequence, built by appending (token-in, token-out).
+
+The sequence starts with the prompt: the chat template applied to the initial messages with the generation
+prompt. A model turn appends the sampled tokens exactly as the server returned them: they are never
+decoded and encoded again, so no re-tokenisation can merge, split or drop a token the policy produced.
+An environment turn appends only what the chat template renders *after* the conversation so far:
+
+    env text = owed + render(conversation + env messages, generation prompt)[len(render(conversation)):]
+
+computed on text, then tokenised alone. Every server call therefore continues the episode's exact
+token prefix (`prefix()`), and the final sequence begins with every prefix a server was given.
+
+End-of-turn tokens. The template closes an assistant message with its own text (`close`: Qwen2.5's
+`<|im_end|>\\n`, nothing for the tiny model's template). The model's sampled end token (a token of
+`end_token_ids`, by default the tokenizer's EOS) is kept as sampled, always. What the template's close
+needs beyond it is `owed`, appended at the start of the next environment turn as environment tokens:
+
+- the turn ended with an end token the close begins with (Qwen2.5: `<|im_end|>`): owed = the rest (`\\n`);
+- the turn ended without an end token (cut at its length limit, or stopped by a stop string): owed = the
+  whole close, so `<|im_end|>` is inserted, as an environment token with loss mask 0;
+- the turn ended with an end token the template never renders (the tiny model's `<eos>`): the token stays
+  and owed = the whole close (nothing for the tiny template). A full re-rendering of the messages would
+  drop that token at every turn; this sequence keeps it, since the policy saw it.
+
+Where every model turn is the canonical tokenisation of its text followed by the end token the template's
+close begins with (Qwen2.5), the sequence equals the tokenised full rendering of the conversation: the
+environment's text starts at a special token, so tokenising it alone splits nothing differently
+(tests/test_envs_episode.py checks this, and the tiny template's one difference: the kept EOS tokens).
+Templates that are not prefix-stable (a later message changes the rendering of earlier ones, e.g. one
+that drops past reasoning) cannot be continued by appending: `ValueError`.
+
+Only the prompt gets BOS (from the template); environment text is tokenised without adding special tokens.
+Text that spells one (a tool printing `<|im_end|>`) becomes that token, as in a full rendering: an
+environment that must prevent it escapes its messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+NO_VERSION = -1  # per-token version of prompt and environment tokens
+NO_LOGPROB = 0.0  # per-token behaviour logprob of prompt and environment tokens
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """When an episode is cut (it then ends `truncated`). Token counts include the prompt."""
+
+    max_turns: int = 8  # model turns; the environment asking for one more ends the episode
+    max_tokens_per_turn: int = 512  # new tokens of one model turn (the server call's max_tokens)
+    max_total_tokens: int = 4096  # of the whole sequence: prompt, model and environment tokens
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_tokens_per_turn", "max_total_tokens"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"episode limit {name} must be > 0, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A span [start, end) of the sequence. `text`: a model turn's content (its tokens decoded without the
+    end token: what tool calls are parsed from and what the template renders as the assistant message);
+    the prompt's or an environment turn's rendered text."""
+
+    kind: Literal["prompt", "model", "env"]
+    start: int
+    end: int
+    text: str
+
+
+class Episode:
+    """The token builder. Per token: `token_ids`, `loss_mask` (1 for model tokens only), `versions`
+    (NO_VERSION for prompt and environment tokens), `logprobs` (behaviour logprobs; NO_LOGPROB for those).
+    `end_reason` is None while the episode runs, then "finished" (`finish()`), or a truncation:
+    "max_turns", "max_tokens_per_turn" (a model turn cut at its limit), "max_total_tokens"."""
+
+    def __init__(self, tokenizer, messages: Sequence[dict], limits: EpisodeLimits | None = None,
+                 tools: Sequence[dict] | None = None, end_token_ids: Iterable[int] | None = None):
+        """`messages`: the initial chat messages; `tools`: the template's `tools` argument (tool_calls.py's
+        ToolSpec.template_entry), rendered at every turn; `end_token_ids`: the tokens that end a model turn
+        (default: the tokenizer's EOS)."""
+        self.tokenizer, self.limits = tokenizer, limits or EpisodeLimits()
+        self.tools = list(tools) if tools else None
+        self.end_token_ids = set(end_token_ids) if end_token_ids is not None else {tokenizer.eos_token_id}
+        self.messages: list[dict] = [dict(m) for m in messages]
+        self.token_ids: list[int] = []
+        self.loss_mask: list[int] = []
+        self.versions: list[int] = []
+        self.logprobs: list[float] = []
+        self.turns: list[Turn] = []
+        self.end_reason: str | None = None
+        self._owed = ""  # what the template's close of the last model turn needs beyond the sampled tokens
+        prompt = self._render(self.messages, generation_prompt=True)
+        ids = self._encode(prompt)
+        if len(ids) >= self.limits.max_total_tokens:
+            raise ValueError(f"the prompt has {len(ids)} tokens, no fewer than max_total_tokens="
+                             f"{self.limits.max_total_tokens}: raise the limit or shorten the prompt")
+        self._append("prompt", ids, prompt)
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def done(self) -> bool:
+        return self.end_reason is not None
+
+    @property
+    def truncated(self) -> bool:
+        return self.end_reason not in (None, "finished")
+
+    @property
+    def prompt_length(self) -> int:
+        return self.turns[0].end
+
+    @property
+    def model_turns(self) -> list[Turn]:
+        return [t for t in self.turns if t.kind == "model"]
+
+    def prefix(self) -> list[int]:
+        """The token ids the next server call must continue: the whole sequence so far."""
+        assert not self.done, "the episode has ended"
+        assert self.turns[-1].kind != "model", "a model turn must be followed by an environment turn"
+        return list(self.token_ids)
+
+    def max_new_tokens(self) -> int:
+        """The next server call's max_tokens: the per-turn limit, or what the total limit leaves."""
+        return min(self.limits.max_tokens_per_turn, self.limits.max_total_tokens - len(self.token_ids))
+
+    # ------------------------------------------------------------ turns
+
+    def add_model_turn(self, token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
+                       finished: bool) -> Turn:
+        """Append a server's completion of `prefix()` verbatim. `finished`: it ended by an end token or a
+        stop string; False (cut at max_tokens) ends the episode truncated."""
+        assert not self.done, "the episode has ended"
+        assert self.turns[-1].kind != "model", "two model turns in a row: add an environment turn between"
+        token_ids = list(token_ids)
+        if not (len(token_ids) == len(logprobs) == len(versions)):
+            raise ValueError(f"a model turn needs one logprob and one version per token: got {len(token_ids)} "
+                             f"tokens, {len(logprobs)} logprobs, {len(versions)} versions")
+        budget = self.max_new_tokens()
+        if len(token_ids) > budget:
+            raise ValueError(f"the model turn has {len(token_ids)} tokens but the call was allowed {budget}: "
+                             "pass max_new_tokens() as the request's max_tokens")
+        ended = bool(token_ids) and token_ids[-1] in self.end_token_ids
+        content_ids = token_ids[:-1] if ended else token_ids
+        content = self.tokenizer.decode(content_ids, skip_special_tokens=False)
+        close = self._close(content)
+        end_text = self.tokenizer.decode(token_ids[-1:], skip_special_tokens=False) if ended else ""
+        self._owed = close[len(end_text):] if ended and close.startswith(end_text) else close
+        self.messages.append({"role": "assistant", "content": content})
+        turn = self._append("model", token_ids, content, list(logprobs), list(versions))
+        if not finished:
+            self.end_reason = ("max_tokens_per_turn" if budget == self.limits.max_tokens_per_turn
+                               else "max_total_tokens")
+        return turn
+
+    def add_env_turn(self, messages: Sequence[dict]) -> Turn | None:
+        """Append the environment's reply to the last model turn (tool results, a user message) as the
+        template renders it, with the generation prompt of the next model turn. Returns None, appending
+        nothing, when no model turn may follow: the episode then ends truncated ("max_turns", or
+        "max_total_tokens" when the reply would leave no room for one new token)."""
+        assert not self.done, "the episode has ended"
+        assert self.turns[-1].kind == "model", "an environment turn follows a model turn"
+        if len(self.model_turns) >= self.limits.max_turns:
+            self.end_reason = "max_turns"
+            return None
+        before = self._render(self.messages, generation_prompt=False)
+        messages = [dict(m) for m in messages]
+        after = self._render(self.messages + messages, generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError("the chat template renders the earlier turns differently once the environment's "
+                             "messages are added, so the episode cannot be continued by appending")
+        text = self._owed + after[len(before):]
+        ids = self._encode(text)
+        if len(self.token_ids) + len(ids) >= self.limits.max_total_tokens:
+            self.end_reason = "max_total_tokens"
+            return None
+        self.messages.extend(messages)
+        return self._append("env", ids, text)
+
+    def finish(self) -> None:
+        """The environment ends the episode after the last model turn (nothing more is appended)."""
+        assert not self.done, "the episode has ended"
+        self.end_reason = "finished"
+
+    # ------------------------------------------------------------ rendering
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        kwargs: dict[str, Any] = {"tools": self.tools} if self.tools else {}
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                  tokenize=False, **kwargs)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def _close(self, content: str) -> str:
+        """The text the template renders after an assistant message's content."""
+        opened = self._render(self.messages, generation_prompt=True)
+        rendered = self._render(self.messages + [{"role": "assistant", "content": content}], generation_prompt=False)
+        if not (rendered.startswith(opened) and rendered[len(opened):].startswith(content)):
+            raise ValueError("the chat template does not render an assistant message as its content verbatim "
+                             "after the generation prompt, so model tokens cannot be appended as sampled")
+        return rendered[len(opened) + len(content):]
+
+    def _append(self, kind: Literal["prompt", "model", "env"], ids: list[int], text: str,
+                logprobs: list[float] | None = None, versions: list[int] | None = None) -> Turn:
+        start = len(self.token_ids)
+        model = kind == "model"
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([int(model)] * len(ids))
+        self.versions.extend(versions if model else [NO_VERSION] * len(ids))
+        self.logprobs.extend(logprobs if model else [NO_LOGPROB] * len(ids))
+        turn = Turn(kind, start, len(self.token_ids), text)
+        self.turns.append(turn)
+        return turn
