@@ -14,7 +14,7 @@ pipelinerl/envs/toolbox.py's job.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,17 +86,22 @@ def parse_qwen(text: str, tools: Sequence[ToolSpec], max_calls: int = MAX_CALLS)
     """The `<tool_call>` blocks of `text` in order, each checked against `tools`. A block left open at the
     end (a turn cut at its length limit) is a ToolError; text outside the blocks is ignored."""
     by_name = {t.name: t for t in tools}
-    out: list[Parsed] = []
-    pos = 0
-    while (start := text.find(QWEN_OPEN, pos)) >= 0:
-        end = text.find(QWEN_CLOSE, start + len(QWEN_OPEN))
-        if end < 0:
-            out.append(ToolError(f"the tool call is not closed with {QWEN_CLOSE}", text[start:]))
-            break
-        raw = text[start:end + len(QWEN_CLOSE)]
-        out.append(_qwen_call(text[start + len(QWEN_OPEN):end], raw, by_name))
-        pos = end + len(QWEN_CLOSE)
+    out = [ToolError(f"the tool call is not closed with {QWEN_CLOSE}", raw) if body is None
+           else _qwen_call(body, raw, by_name) for raw, body in _blocks(text, QWEN_OPEN, QWEN_CLOSE)]
     return _capped(out, max_calls)
+
+
+def _blocks(text: str, open_: str, close: str) -> Iterator[tuple[str, str | None]]:
+    """(raw, body) of each `open_ body close` block of `text` in order; a block left open at the end is the
+    last, as (the rest of the text, None)."""
+    pos = 0
+    while (start := text.find(open_, pos)) >= 0:
+        end = text.find(close, start + len(open_))
+        if end < 0:
+            yield text[start:], None
+            return
+        pos = end + len(close)
+        yield text[start:pos], text[start + len(open_):end]
 
 
 def _qwen_call(body: str, raw: str, tools: Mapping[str, ToolSpec]) -> Parsed:
@@ -126,18 +131,13 @@ def parse_compact(text: str, tools: Sequence[ToolSpec], max_calls: int = MAX_CAL
     "unknown tool"). A call left open, or an empty expression, is a ToolError."""
     by_name = {t.name: t for t in tools}
     out: list[Parsed] = []
-    pos = 0
-    while (start := text.find(COMPACT_OPEN, pos)) >= 0:
-        end = text.find(COMPACT_CLOSE, start + len(COMPACT_OPEN))
-        if end < 0:
-            out.append(ToolError(f"the call is not closed with {COMPACT_CLOSE!r}", text[start:]))
-            break
-        raw, expression = text[start:end + len(COMPACT_CLOSE)], text[start + len(COMPACT_OPEN):end]
-        if expression:
+    for raw, expression in _blocks(text, COMPACT_OPEN, COMPACT_CLOSE):
+        if expression is None:
+            out.append(ToolError(f"the call is not closed with {COMPACT_CLOSE!r}", raw))
+        elif expression:
             out.append(_checked_call(COMPACT_TOOL, {COMPACT_ARGUMENT: expression}, raw, by_name))
         else:
             out.append(ToolError("the call has no expression", raw))
-        pos = end + len(COMPACT_CLOSE)
     return _capped(out, max_calls)
 
 
