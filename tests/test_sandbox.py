@@ -191,8 +191,8 @@ def check_report(report: dict, root: bool) -> None:
         assert reasons["setsid"] == "ok" and "parent done" in got["setsid"]["stdout"], (tier, got["setsid"])
         bomb = got["fork_bomb"]
         assert bomb["reason"] == "timeout", (tier, bomb)
-        forks = int(bomb["stdout"].split("forks ")[1].split()[0])
-        if not root:  # root is exempt from RLIMIT_NPROC
+        if not root:  # root is exempt from RLIMIT_NPROC: its 500 forks may not all be done before the wall clock
+            forks = int(bomb["stdout"].split("forks ")[1].split()[0])
             assert forks < 32, (tier, forks)
         secrets = got["secrets"]["stdout"]
         env = secrets.rpartition("\nenv ")[2]
