@@ -4,6 +4,7 @@ import gc
 import os
 import threading
 import time
+from datetime import timedelta
 
 import helpers
 import pytest
@@ -216,3 +217,40 @@ def test_discovery_files(tmp_path):
     assert list_servers(tmp_path) == ["http://node1:8080"]
     path.unlink()
     assert list_servers(tmp_path) == []
+
+
+def test_a_member_that_joined_and_died_fails_the_others_in_the_rendezvous_bound(monkeypatch):
+    """World of 3: ranks 0 and 1 open the group; rank 2 says `joined` (a server whose /init_process_group was
+    then cut short by its death) and never connects. Both fail within RENDEZVOUS_S (2 s here), far below the
+    group's 600 s collective timeout, naming the group."""
+    from pipelinerl.weights import collective
+
+    monkeypatch.setattr(collective, "RENDEZVOUS_S", 2.0)
+    port = helpers.worker_port(18533)
+    req = InitRequest("127.0.0.1", port, 1, 3, "gloo", 600.0)
+    errors: dict[int, BaseException] = {}
+
+    def join(rank: int) -> None:
+        try:
+            open_group(req, rank)
+        except BaseException as err:  # noqa: BLE001 -- collected for the assertions
+            errors[rank] = err
+
+    t0 = time.monotonic()
+    opener = threading.Thread(target=join, args=(0,))
+    opener.start()
+    deadline = time.monotonic() + 30
+    while True:  # rank 0 hosts the store: connect once it is up
+        try:
+            store = torch.distributed.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5))
+            break
+        except RuntimeError:
+            assert time.monotonic() < deadline, "rank 0's store never came up"
+            time.sleep(0.05)
+    torch.distributed.PrefixStore("weights/", store).set("joined/2", "1")
+    join(1)
+    opener.join(timeout=60)
+    assert not opener.is_alive() and time.monotonic() - t0 < 20.0
+    for rank in (0, 1):
+        assert isinstance(errors.get(rank), WeightTransferError), errors
+        assert "not every member connected within 2 s" in str(errors[rank])

@@ -28,6 +28,12 @@ import torch
 
 from pipelinerl.weights.wire import InitRequest, WeightTransferError
 
+# After every member said `joined`, the group's own rendezvous (each rank publishes its address in the store
+# and reads the others') takes well under a second; this bounds it, so that a member that died between the
+# two (its /init_process_group cut short) fails the others within this instead of after req.timeout_s, which
+# bounds collectives (a whole update) and is 600 s by default. Gloo connects at construction, NCCL lazily at
+# the first collective: the bound applies to gloo's here.
+RENDEZVOUS_S = 30.0
 ABORT_POLL_S = 0.5  # how often a waiting server asks the trainer's store whether the group was abandoned
 JOIN_POLL_S = 0.02  # how often the two-phase open checks its keys
 
@@ -66,7 +72,16 @@ class WeightGroup:
             self.store.set(f"joined/{rank}", "1")
             self._await(["go"], deadline, self.check_abandoned, "the trainer's go")
         if req.backend == "gloo":
-            self.pg = _gloo_group(self.store, rank, req.world_size, timeout, cpus)
+            # Made with the rendezvous bound as its timeout (gloo's connect waits that long for each peer),
+            # then given the collectives' (ProcessGroupGloo.set_timeout applies to the ops issued after it).
+            short = timedelta(seconds=min(req.timeout_s, RENDEZVOUS_S))
+            try:
+                self.pg = _gloo_group(self.store, rank, req.world_size, short, cpus)
+            except RuntimeError as err:  # torch's DistStoreError / gloo's connect errors
+                raise WeightTransferError(f"weight-update group {self.name} at {self.master}: not every member "
+                                          f"connected within {short.total_seconds():.0f} s of joining (one died?): "
+                                          f"{err}") from err
+            self.pg.set_timeout(timeout)
         else:
             options = torch.distributed.ProcessGroupNCCL.Options()
             options._timeout = timeout
