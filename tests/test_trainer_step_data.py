@@ -1,6 +1,7 @@
 """Each step's groups split exactly over trainer ranks (trainer/step_data.py): the balanced split alone,
 then 3 real gloo processes reading a stream whose segments hold 1, 2, 1, 3, ... groups (the shape that
-made per-rank shares drift), a starved step, and a stop signal while rank 0 waits for data."""
+made per-rank shares drift), a starved step, and a stop signal while rank 0 waits for data
+(every rank names it)."""
 
 import json
 import multiprocessing
@@ -78,7 +79,7 @@ def _rank_main(rank: int, port: int, run_dir: str, out_dir: str, steps: int, dat
             outcome = f"starved: {err}"
             break
         if batches is None:
-            outcome = "stop"
+            outcome = f"stop {signals.requested()}"  # the signal's number, agreed over ranks (loop.py logs it)
             break
         got.append([b.column("group_id")[0].as_py() for b in batches])
     result = {"got": got, "outcome": outcome, "ended": time.time(), "cursor": data.cursor()}
@@ -129,7 +130,8 @@ def test_three_ranks_get_exact_shares_then_a_clear_starvation_error(tmp_path):
 def test_a_stop_signal_while_rank0_waits_for_data_stops_every_rank_within_seconds(tmp_path):
     write_uneven_segments(tmp_path, GROUPS_PER_STEP)  # one step's worth, then nothing
     results, signalled_at = _run_ranks(tmp_path, steps=3, data_timeout_s=100.0, signal_rank0_at_step=1)
-    assert [r["outcome"] for r in results] == ["stop"] * WORLD  # not starved: the 100 s never ran out
+    # Not starved (the 100 s never ran out); ranks 1 and 2, never signalled, name rank 0's SIGUSR1.
+    assert [r["outcome"] for r in results] == [f"stop {int(signal.SIGUSR1)}"] * WORLD
     assert all(len(r["got"]) == 1 for r in results)
     delays = [r["ended"] - signalled_at for r in results]
     print(f"stop signal -> every rank out of next_step: {max(delays):.2f} s")

@@ -96,5 +96,8 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         self.received = signum
 
-    def requested(self) -> bool:
-        return bool(all_reduce_max(int(self.received is not None)))
+    def requested(self) -> int | None:
+        """The stop signal some rank received (the highest number), or None. Collective: every rank calls it
+        at the same point, so a rank the signal has not reached yet (srun forwards it task by task) still
+        names it in its own log."""
+        return all_reduce_max(self.received or 0) or None

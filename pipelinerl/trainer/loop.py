@@ -317,7 +317,7 @@ def _run(trainer: Trainer, data: StepData, cfg: Config, dist: DistInfo, state: L
                 checkpoint(trainer, cfg, dist, state)
             # The same words as after a step: the signal's moment decides which path runs, not the caller.
             log.info("stop signal %s: checkpointed at step %d, exiting (it came while rank 0 waited for data)",
-                     signals.received, state.step)
+                     signals.requested(), state.step)
             return
         state.cursor = data.cursor()
         samples, rewards = step_samples(batches, cfg, dist, state.step)
@@ -340,7 +340,7 @@ def _run(trainer: Trainer, data: StepData, cfg: Config, dist: DistInfo, state: L
         if stop or _checkpoint_due(cfg, state.step):
             checkpoint(trainer, cfg, dist, state)
         if stop:
-            log.info("stop signal %s: checkpointed at step %d, exiting", signals.received, state.step)
+            log.info("stop signal %s: checkpointed at step %d, exiting", stop, state.step)
             return
     if state.last_saved != state.step:
         checkpoint(trainer, cfg, dist, state)

@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import asdict
 from urllib.parse import urlparse
 
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 JOIN_WAIT_S = 30.0  # connect: how long a server may stay busy (with an update the trainer abandoned)
 RELEASE_WAIT_S = 30.0  # close: how long to wait for abandoned groups to be destroyed
+REFUSAL_GRACE_S = 10.0  # a failed collective: how long to wait for a server's own error reply, which names it
 
 
 class WeightBroadcaster:
@@ -308,7 +309,13 @@ class WeightBroadcaster:
         self._wait(broadcast_async(self._group, tensor), deadline, posts, what)
 
     def _wait(self, work, deadline: float, posts: Replies, what: str) -> None:
-        wait_work(work, deadline, f"{what} to reach {posts.pending()}", poll=posts.raise_failed)
+        try:
+            wait_work(work, deadline, f"{what} to reach {posts.pending()}", poll=posts.raise_failed)
+        except WeightTransferError:
+            # A server that refused the update (it left the group) closes its end, and gloo's "connection
+            # closed by peer" may come before the server's HTTP reply: that reply, naming it, is the error.
+            posts.raise_failed(within_s=REFUSAL_GRACE_S)
+            raise
 
     def _request(self, url: str, path: str, body: dict | None = None) -> dict:
         """GET (no body) or POST (a JSON body) url + path; the JSON reply, or ControlError."""
@@ -358,11 +365,14 @@ class Replies:
     def __init__(self, futures: dict[str, Future]):
         self.futures = futures
 
-    def raise_failed(self) -> None:
+    def raise_failed(self, within_s: float = 0.0) -> None:
         """A server that answered with an error has failed: stop waiting for it (the error names its URL).
         A reply may arrive before this side's last collective completes (a receiver can finish before its
         sender does): a success, or a rejection of the whole update by a server that kept its group
-        (wire.UpdateRejected): neither stops the round, settle() collects them."""
+        (wire.UpdateRejected): neither stops the round, settle() collects them. `within_s`: first wait up
+        to that long for some reply to fail."""
+        if within_s > 0:
+            wait(self.futures.values(), timeout=within_s, return_when=FIRST_EXCEPTION)
         for fut in self.futures.values():
             if fut.done() and (err := fut.exception()) is not None:
                 if not (isinstance(err, ControlError) and err.body.get("group_ready")):
