@@ -32,7 +32,7 @@ from pipelinerl.weights.wire import InitRequest, WeightTransferError
 # and reads the others') takes well under a second; this bounds it, so that a member that died between the
 # two (its /init_process_group cut short) fails the others within this instead of after req.timeout_s, which
 # bounds collectives (a whole update) and is 600 s by default. Gloo connects at construction, NCCL lazily at
-# the first collective: the bound applies to gloo's here.
+# the first collective, which the group's opening therefore runs at once (a one-element broadcast).
 RENDEZVOUS_S = 30.0
 ABORT_POLL_S = 0.5  # how often a waiting server asks the trainer's store whether the group was abandoned
 JOIN_POLL_S = 0.02  # how often the two-phase open checks its keys
@@ -71,10 +71,10 @@ class WeightGroup:
         else:
             self.store.set(f"joined/{rank}", "1")
             self._await(["go"], deadline, self.check_abandoned, "the trainer's go")
+        short = timedelta(seconds=min(req.timeout_s, RENDEZVOUS_S))
         if req.backend == "gloo":
             # Made with the rendezvous bound as its timeout (gloo's connect waits that long for each peer),
             # then given the collectives' (ProcessGroupGloo.set_timeout applies to the ops issued after it).
-            short = timedelta(seconds=min(req.timeout_s, RENDEZVOUS_S))
             try:
                 self.pg = _gloo_group(self.store, rank, req.world_size, short, cpus)
             except RuntimeError as err:  # torch's DistStoreError / gloo's connect errors
@@ -86,6 +86,11 @@ class WeightGroup:
             options = torch.distributed.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self.pg = torch.distributed.ProcessGroupNCCL(self.store, rank, req.world_size, options)
+            # NCCL connects lazily, at the first collective: one element broadcast now, within the same bound,
+            # so that a member that died after joining fails the group here and not in the first update.
+            probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+            wait_work(broadcast_async(self, probe), time.monotonic() + short.total_seconds(),
+                      f"every member of weight-update group {self.name} at {self.master} to connect (NCCL)")
 
     def _await(self, keys: list[str], deadline: float, poll: Callable[[], None] | None, what: str) -> None:
         while not self.store.check(keys):
