@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+import re
 import time
 import zlib
 from collections import Counter
@@ -37,15 +38,22 @@ G = 4
 
 
 def expected_row(writer: str, group: int, i: int) -> dict:
-    """The sample `i` of group `group` of `writer`; float values are exact in float32."""
+    """The sample `i` of group `group` of `writer`; float values are exact in float32. In every third group
+    the samples of 3 tokens or more are two-turn episodes: model tokens (one version), environment tokens
+    (loss mask 0, version -1, log-prob 0), model tokens (the next version)."""
     length = 1 + (group * 7 + i) % 13
+    episode = group % 3 == 2 and length >= 3
+    mask = [int(not (episode and length // 3 <= k < 2 * length // 3)) for k in range(length)]
     return {"run_id": "run", "group_id": f"{writer}/g{group}", "sample_id": f"{writer}/g{group}/s{i}",
                 "prompt_token_ids": [(group + k) % 997 for k in range(3 + group % 4)],
                 "completion_token_ids": [(group * 31 + i * 7 + k) % 151_000 for k in range(length)],
-                "behaviour_logprobs": [-(k % 8) / 4 for k in range(length)],
-                "versions": [group // 3 + (k >= length // 2) for k in range(length)],
+                "behaviour_logprobs": [-(k % 8) / 4 if m else 0.0 for k, m in enumerate(mask)],
+                "versions": [group // 3 + (k >= length // 2) if m else -1 for k, m in enumerate(mask)],
+                "loss_mask": mask,
                 "reference_logprobs": [-(k % 5) / 8 for k in range(length)] if group % 2 else [],
-                "reward": float(i == group % G), "finished": i % 2 == 0, "truncated": i % 2 == 1, "task": "addition",
+                "reward": float(i == group % G), "finished": i % 2 == 0, "truncated": i % 2 == 1,
+                "turns": 1 + episode, "tool_calls": int(episode), "tool_errors": int(episode and i == 3),
+                "end_reason": "finished" if i % 2 == 0 else "max_turns" if episode else "truncated", "task": "addition",
                 "metadata": json.dumps({"answer": group}), "actor_id": writer, "created_at": 1000.0 + group}
 
 
@@ -92,15 +100,17 @@ def cfg_(**kw) -> StreamsConfig:
 def test_round_trip_keeps_every_field_for_lists_and_numpy(tmp_path):
     rows = expected_group("w0", 5)
     numpy_rows = [dict(r, completion_token_ids=np.array(r["completion_token_ids"], np.int64),
-                       behaviour_logprobs=np.array(r["behaviour_logprobs"]), versions=np.array(r["versions"]))
-                  for r in expected_group("w0", 6)]
-    dataclass_rows = [Rollout(**r) for r in expected_group("w0", 7)]
+                       behaviour_logprobs=np.array(r["behaviour_logprobs"]), versions=np.array(r["versions"]),
+                       loss_mask=np.array(r["loss_mask"], np.int8))
+                  for r in expected_group("w0", 8)]
+    dataclass_rows = [Rollout(**r) for r in expected_group("w0", 11)]
     with StreamWriter(tmp_path, TOPIC, "w0", cfg_()) as w:
         w.write_group(rows)
         w.write_group(numpy_rows)
         w.write_group(dataclass_rows)
     groups = read_all(StreamReader(tmp_path, TOPIC, cfg_()))
-    assert [b.column("group_id")[0].as_py() for b in groups] == ["w0/g5", "w0/g6", "w0/g7"]
+    assert [b.column("group_id")[0].as_py() for b in groups] == ["w0/g5", "w0/g8", "w0/g11"]
+    assert all(0 in b.column("loss_mask").flatten().to_pylist() for b in groups)  # episodes: environment tokens
     for b in groups:
         check_group(b)
         assert b.schema.equals(ROLLOUT_SCHEMA)
@@ -160,6 +170,53 @@ def test_a_bad_value_names_its_sample(tmp_path):
     bad[2]["versions"] = ["x"] * len(bad[2]["versions"])
     with StreamWriter(tmp_path, TOPIC, "w0", cfg_()) as w, pytest.raises(ValueError, match="w0/g1/s2"):
         w.write_group(bad)
+
+
+def test_rows_without_the_episode_fields_are_single_turn_completions(tmp_path):
+    new_fields = ("loss_mask", "turns", "tool_calls", "tool_errors", "end_reason")
+    plain = [{k: v for k, v in r.items() if k not in new_fields} for r in expected_group("w0", 1)]
+    numpy_rows = [dict(r, versions=np.array(r["versions"], np.int32)) for r in plain]
+    dataclass_rows = [Rollout(**{k: v for k, v in r.items() if k not in new_fields}) for r in expected_group("w0", 4)]
+    with StreamWriter(tmp_path, TOPIC, "w0", cfg_()) as w:
+        w.write_group(plain)
+        w.write_group([dict(r, group_id="w0/g1n", sample_id=r["sample_id"] + "n") for r in numpy_rows])
+        w.write_group(dataclass_rows)
+    for batch in read_all(StreamReader(tmp_path, TOPIC, cfg_())):
+        for row in batch.to_pylist():
+            assert row["loss_mask"] == [1] * len(row["completion_token_ids"])
+            assert (row["turns"], row["tool_calls"], row["tool_errors"]) == (1, 0, 0)
+            assert row["end_reason"] == ("finished" if row["finished"] else "truncated")
+
+
+def _episode_mutation(key, value):
+    """Set a field of sample 1 of the episode group 2 (3 completion tokens: model, environment, model)."""
+    return lambda rows: rows[1].__setitem__(key, value)
+
+
+BAD_EPISODES = [
+    (_episode_mutation("loss_mask", [1, 0]), "`loss_mask` has 2 entries but the completion has 3 tokens"),
+    (_episode_mutation("loss_mask", [1, 2, 1]), "completion token 1: `loss_mask` holds 2"),
+    (_episode_mutation("loss_mask", [1, 300, 1]), "`loss_mask` does not fit int8"),
+    (_episode_mutation("loss_mask", [1, 1, 1]), "completion token 1: loss_mask 1 (a model token) but version -1"),
+    (_episode_mutation("versions", [0, 0, 1]), "completion token 1: loss_mask 0 (an environment token) but version 0"),
+    (_episode_mutation("versions", [0, -1, -1]), "completion token 2: loss_mask 1 (a model token) but version -1"),
+    (lambda rows: rows[1].pop("loss_mask"), "completion token 1: loss_mask 1 (a model token) but version -1"),
+    (_episode_mutation("turns", -1), "`turns` must be an int >= 0"),
+    (_episode_mutation("tool_errors", 1.5), "`tool_errors` must be an int >= 0"),
+    (_episode_mutation("end_reason", ""), "`end_reason` must be a non-empty string"),
+]
+
+
+@pytest.mark.parametrize("mutate, message", BAD_EPISODES, ids=[m for _, m in BAD_EPISODES])
+def test_a_bad_loss_mask_or_episode_field_is_refused_naming_its_sample(tmp_path, mutate, message):
+    bad = expected_group("w0", 2)
+    assert bad[1]["loss_mask"] == [1, 0, 1] and bad[1]["versions"] == [0, -1, 1]
+    mutate(bad)
+    with StreamWriter(tmp_path, TOPIC, "w0", cfg_()) as w:
+        with pytest.raises(ValueError, match=r"sample_id='w0/g2/s1'.*" + re.escape(message)):
+            w.write_group(bad)
+        w.write_group(expected_group("w0", 2))
+    assert ids_of(read_all(StreamReader(tmp_path, TOPIC, cfg_()))) == [r["sample_id"] for r in expected_group("w0", 2)]
 
 
 def _segment_groups(tmp_path, writer="w0") -> list[list[int]]:
@@ -291,6 +348,25 @@ def test_a_segment_from_another_schema_version_is_an_error_not_corruption(tmp_pa
         f.write_batch(pa.RecordBatch.from_pylist(expected_group("w0", 0), schema))
     _publish_bytes(wdir, 0, sink.getvalue().to_pybytes())
     with pytest.raises(ValueError, match=f"schema version {SCHEMA_VERSION + 1}"):
+        StreamReader(tmp_path, TOPIC, cfg_()).read_groups(1, 1.0)
+    assert not list(wdir.glob("*.corrupt"))
+
+
+def test_a_segment_of_the_previous_schema_version_is_refused_naming_both_versions(tmp_path):
+    """A version-2 segment (no loss mask, no episode columns) is an error that says what was found and what
+    this reader expects, not data read with guessed defaults, nor corruption."""
+    wdir = tmp_path / "streams" / TOPIC / "w0"
+    wdir.mkdir(parents=True)
+    v3_only = ("loss_mask", "turns", "tool_calls", "tool_errors", "end_reason")
+    v2 = pa.schema([f for f in ROLLOUT_SCHEMA if f.name not in v3_only], metadata={SCHEMA_VERSION_KEY: b"2"})
+    rows = [{k: v for k, v in r.items() if k not in v3_only} for r in expected_group("w0", 0)]
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, v2) as f:
+        f.write_batch(pa.RecordBatch.from_pylist([dict(r, written_at=0.0) for r in rows], v2))
+    _publish_bytes(wdir, 0, sink.getvalue().to_pybytes())
+    assert SCHEMA_VERSION == 3
+    expected = "has rollout schema version 2; this reader expects version 3 .*older pipelinerl"
+    with pytest.raises(ValueError, match=expected):
         StreamReader(tmp_path, TOPIC, cfg_()).read_groups(1, 1.0)
     assert not list(wdir.glob("*.corrupt"))
 
@@ -432,8 +508,10 @@ def test_inspect_counts_tokens_rewards_and_lag(tmp_path, capsys):
     assert total["completion_tokens"] == sum(len(r["completion_token_ids"]) for r in rows)
     assert total["prompt_tokens"] == sum(len(r["prompt_token_ids"]) for r in rows)
     assert total["reward_mean"] == pytest.approx(sum(r["reward"] for r in rows) / len(rows))
-    spread = Counter(max(r["versions"]) - min(r["versions"]) for r in rows)
-    stale = Counter(max(r["versions"]) - v for r in rows for v in r["versions"])
+    model = [[v for v, m in zip(r["versions"], r["loss_mask"]) if m] for r in rows]  # environment tokens: no lag
+    assert total["model_tokens"] == sum(map(len, model)) < total["completion_tokens"]
+    spread = Counter(max(v) - min(v) for v in model)
+    stale = Counter(max(vs) - v for vs in model for v in vs)
     assert total["spread_histogram"] == dict(spread) and total["token_staleness_histogram"] == dict(stale)
     assert report["writers"]["a"]["segments"] == 2 and report["writers"]["b"]["unpublished_temp_files"] == 1
     assert cli_main(["streams", "inspect", str(tmp_path)]) == 0

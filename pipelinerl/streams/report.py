@@ -1,12 +1,14 @@
 """`pipelinerl streams inspect RUN_DIR`: what the streams of a run hold, read-only.
 
-Lag is reported two ways, both from the per-token `versions` column alone:
+Lag is reported two ways, both from the per-token `versions` of the model's tokens (`loss_mask` 1; an
+episode's environment tokens have no version):
   * in-flight spread of a sample = max(versions) - min(versions): how many weight updates landed while
     it was being generated (0 = the whole completion came from one policy);
   * token staleness = max(versions of its sample) - version of the token: how many updates behind its
     sample's newest token each token is.
 Lag against the trainer (trainer version when trained on - token version) is the trainer's to measure:
-the stream does not know when a sample is consumed. Empty completions count in neither histogram.
+the stream does not know when a sample is consumed. Samples without model tokens count in neither
+histogram. `completion_tokens` counts every token after the prompt, `model_tokens` those the model sampled.
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ from pipelinerl.streams.segments import (
 
 def _empty_stats() -> dict[str, Any]:
     return {"segments": 0, "unreadable_segments": 0, "quarantined_segments": 0, "unpublished_temp_files": 0,
-            "groups": 0, "samples": 0, "prompt_tokens": 0, "completion_tokens": 0, "reward_sum": 0.0,
-            "finished": 0, "truncated": 0, "version_min": None, "version_max": None,
+            "groups": 0, "samples": 0, "prompt_tokens": 0, "completion_tokens": 0, "model_tokens": 0,
+            "reward_sum": 0.0, "finished": 0, "truncated": 0, "version_min": None, "version_max": None,
             "spread_histogram": Counter(), "token_staleness_histogram": Counter()}
 
 
-def _add_versions(stats: dict[str, Any], versions: pa.ListArray) -> None:
+def _add_versions(stats: dict[str, Any], versions: pa.ListArray, loss_mask: pa.ListArray) -> None:
     for i in range(len(versions)):
-        values = versions[i].values
+        values = versions[i].values.filter(loss_mask[i].values.cast(pa.bool_()))  # the model's tokens
         if len(values) == 0:
             continue
         lo, hi = pc.min_max(values).values()
@@ -56,11 +58,12 @@ def _add_group(stats: dict[str, Any], batch: pa.RecordBatch, ids: Counter) -> No
     stats["samples"] += batch.num_rows
     stats["prompt_tokens"] += len(batch.column("prompt_token_ids").flatten())
     stats["completion_tokens"] += len(batch.column("completion_token_ids").flatten())
+    stats["model_tokens"] += pc.sum(batch.column("loss_mask").flatten().cast(pa.int64())).as_py() or 0
     stats["reward_sum"] += pc.sum(batch.column("reward")).as_py() or 0.0
     stats["finished"] += pc.sum(batch.column("finished").cast(pa.int64())).as_py() or 0
     stats["truncated"] += pc.sum(batch.column("truncated").cast(pa.int64())).as_py() or 0
     ids.update(batch.column("sample_id").to_pylist())
-    _add_versions(stats, batch.column("versions"))
+    _add_versions(stats, batch.column("versions"), batch.column("loss_mask"))
 
 
 def _writer_stats(wdir: Path, ids: Counter) -> dict[str, Any]:
@@ -130,7 +133,7 @@ def format_inspect(report: dict[str, Any]) -> str:
     """The report as a table per topic, then its lag histograms."""
     lines = [f"streams of {report['run_dir']}"]
     head = f"  {'writer':<20} {'segs':>6} {'bad':>4} {'tmp':>4} {'groups':>8} {'samples':>9} " \
-           f"{'prompt tok':>12} {'compl tok':>12} {'reward':>8} {'versions':>11}"
+           f"{'prompt tok':>12} {'compl tok':>12} {'model tok':>12} {'reward':>8} {'versions':>11}"
     for topic, info in report["topics"].items():
         lines += ["", f"topic {topic!r}: {info['duplicate_sample_ids']} duplicate sample id(s)", head]
         for name, s in [*info["writers"].items(), ("TOTAL", info["total"])]:
@@ -139,7 +142,7 @@ def format_inspect(report: dict[str, Any]) -> str:
             bad = s["unreadable_segments"] + s["quarantined_segments"]
             lines.append(f"  {name:<20} {s['segments']:>6} {bad:>4} {s['unpublished_temp_files']:>4} "
                          f"{s['groups']:>8} {s['samples']:>9} {s['prompt_tokens']:>12} "
-                         f"{s['completion_tokens']:>12} {reward:>8} {versions:>11}")
+                         f"{s['completion_tokens']:>12} {s['model_tokens']:>12} {reward:>8} {versions:>11}")
         lines += _histogram_lines("in-flight spread per sample, max(versions) - min(versions)",
                                   info["total"]["spread_histogram"])
         lines += _histogram_lines("token staleness, max(sample versions) - token version",

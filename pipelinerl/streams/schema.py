@@ -6,6 +6,13 @@ Token-level columns are Arrow lists; `behaviour_logprobs[i]` and `versions[i]` d
 `reference_logprobs[i]` is that token's log-prob under the run's initial (reference) model, from a
 reference server; the list is empty when the run has no reference model (rl.kl_coef = 0 and no
 dpo_reference=reference), and rows written without the key get an empty list.
+
+A multi-turn episode is one row: `completion_token_ids` hold everything after the prompt, the model's
+tokens and the environment's (tool results, the chat template's turn markers) in order. `loss_mask[i]` is 1
+for a token the model sampled and 0 for an environment token, which has version -1 (and behaviour log-prob
+0.0): it is context for later model tokens, never trained on. A row written without `loss_mask` (a
+single-turn completion) gets all ones. `turns`, `tool_calls`, `tool_errors` and `end_reason` describe the
+episode; a single-turn row gets 1, 0, 0 and "finished" or "truncated".
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 2  # bump on any incompatible change; readers refuse versions they do not know
+SCHEMA_VERSION = 3  # bump on any incompatible change; readers refuse versions they do not know
 SCHEMA_VERSION_KEY = b"pipelinerl.rollout_schema_version"
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -33,10 +40,15 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("completion_token_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("behaviour_logprobs", pa.list_(pa.float32()), nullable=False),  # one per completion token
         pa.field("versions", pa.list_(pa.int32()), nullable=False),  # policy version per completion token
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),  # per completion token: 1 model, 0 environment
         pa.field("reference_logprobs", pa.list_(pa.float32()), nullable=False),  # one per token, or none
         pa.field("reward", pa.float64(), nullable=False),
         pa.field("finished", pa.bool_(), nullable=False),  # ended with EOS / a stop string
         pa.field("truncated", pa.bool_(), nullable=False),  # hit the max_new_tokens limit
+        pa.field("turns", pa.int32(), nullable=False),  # model turns of the episode
+        pa.field("tool_calls", pa.int32(), nullable=False),  # tool calls the model made
+        pa.field("tool_errors", pa.int32(), nullable=False),  # of those, the ones answered with an error
+        pa.field("end_reason", pa.string(), nullable=False),  # "finished", "max_turns", "env_error", ...
         pa.field("task", pa.string(), nullable=False),
         pa.field("metadata", pa.string(), nullable=False),  # JSON object text (answers, scores, ...)
         pa.field("actor_id", pa.string(), nullable=False),
@@ -47,9 +59,13 @@ ROLLOUT_SCHEMA = pa.schema(
 )
 
 _STRING_COLUMNS = ("run_id", "group_id", "sample_id", "task", "actor_id")
+_COUNT_COLUMNS = {"turns": 1, "tool_calls": 0, "tool_errors": 0}  # episode counts and their single-turn defaults
+NO_VERSION = -1  # the version of an environment token (loss_mask 0): no policy produced it
 # Fields a row may leave out, and their defaults: metadata "{}", created_at now, written_at (always set by
-# the writer), reference_logprobs [] (no reference model).
-_OPTIONAL_FIELDS = ("metadata", "created_at", "written_at", "reference_logprobs")
+# the writer), reference_logprobs [] (no reference model), loss_mask all ones (every token sampled), the
+# counts as in _COUNT_COLUMNS, end_reason "finished" or "truncated" (from `finished`).
+_OPTIONAL_FIELDS = ("metadata", "created_at", "written_at", "reference_logprobs", "loss_mask", *_COUNT_COLUMNS,
+                    "end_reason")
 
 TokenSeq = Sequence[int]  # a list, or a 1-D numpy array (converted without per-element Python work)
 
@@ -74,11 +90,17 @@ class Rollout:
     reference_logprobs: TokenSeq = field(default_factory=list)  # one per completion token, or empty: no
     #                                                               reference model in this run
     created_at: float = field(default_factory=time.time)
+    loss_mask: TokenSeq | None = None  # one per completion token: 1 sampled by the model, 0 environment token;
+    #                                    None: all ones (a single-turn completion)
+    turns: int = 1  # model turns
+    tool_calls: int = 0
+    tool_errors: int = 0
+    end_reason: str | None = None  # None: "finished" if finished else "truncated"
 
 
 def _as_mapping(row: Rollout | Mapping[str, Any]) -> Mapping[str, Any]:
-    if isinstance(row, Rollout):
-        return {f.name: getattr(row, f.name) for f in fields(Rollout)}  # no deep copy of token lists
+    if isinstance(row, Rollout):  # no deep copy of token lists; None stands for the default
+        return {f.name: getattr(row, f.name) for f in fields(Rollout) if getattr(row, f.name) is not None}
     if isinstance(row, Mapping):
         return row
     raise ValueError(f"a rollout row must be a Rollout or a mapping, got {type(row).__name__}")
@@ -95,8 +117,8 @@ def _check_row(row: Mapping[str, Any]) -> None:
         if not isinstance(row[name], str) or (name in ("group_id", "sample_id") and not row[name]):
             raise ValueError(f"{where}: `{name}` must be a non-empty string, got {row[name]!r}")
     n = len(row["completion_token_ids"])
-    for name in ("behaviour_logprobs", "versions"):
-        if len(row[name]) != n:
+    for name in ("behaviour_logprobs", "versions", "loss_mask"):
+        if name in row and len(row[name]) != n:
             raise ValueError(f"{where}: `{name}` has {len(row[name])} entries but the completion has "
                              f"{n} tokens; there must be one per completion token")
     n_ref = len(row.get("reference_logprobs", ()))
@@ -106,6 +128,13 @@ def _check_row(row: Mapping[str, Any]) -> None:
     for name in ("finished", "truncated"):
         if not isinstance(row[name], bool):
             raise ValueError(f"{where}: `{name}` must be a bool, got {row[name]!r}")  # noqa: TRY004 - one error type for bad rows
+    for name in _COUNT_COLUMNS:
+        count = row.get(name, 0)
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+            raise ValueError(f"{where}: `{name}` must be an int >= 0, got {count!r}")
+    end_reason = row.get("end_reason", "finished")
+    if not isinstance(end_reason, str) or not end_reason:
+        raise ValueError(f"{where}: `end_reason` must be a non-empty string, got {end_reason!r}")
     reward = row["reward"]
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or math.isnan(reward):
         raise ValueError(f"{where}: `reward` must be a number (not NaN), got {reward!r}")
@@ -187,11 +216,54 @@ def _group_columns(rows: list[Mapping[str, Any]], written_at: float) -> list[pa.
             columns.append(pa.array([_metadata_text(r) for r in rows], pa.string()))
         elif f.name == "created_at":
             columns.append(pa.array([float(r.get("created_at", written_at)) for r in rows], pa.float64()))
+        elif f.name == "loss_mask":
+            columns.append(_list_column([_loss_mask(r) for r in rows], f.name, f.type.value_type))
         elif pa.types.is_list(f.type):  # only reference_logprobs may be absent (_check_row): empty
             columns.append(_list_column([r.get(f.name, []) for r in rows], f.name, f.type.value_type))
+        elif f.name in _COUNT_COLUMNS:
+            columns.append(pa.array([r.get(f.name, _COUNT_COLUMNS[f.name]) for r in rows], f.type))
+        elif f.name == "end_reason":
+            columns.append(pa.array([_end_reason(r) for r in rows], f.type))
         else:
             columns.append(pa.array([r[f.name] for r in rows], f.type))
     return columns
+
+
+def _loss_mask(row: Mapping[str, Any]) -> TokenSeq:
+    """The row's loss mask; all ones (every completion token sampled) when it has none."""
+    if "loss_mask" in row:
+        return row["loss_mask"]
+    return np.ones(len(row["completion_token_ids"]), np.int8)
+
+
+def _end_reason(row: Mapping[str, Any]) -> str:
+    return row.get("end_reason", "finished" if row["finished"] else "truncated")
+
+
+def _check_loss_mask(batch: pa.RecordBatch) -> None:
+    """Every mask value is 0 or 1; a model token (1) has a version >= 0, an environment token (0) version -1.
+    Column-wise over the group's tokens; the first bad token names its sample."""
+    mask = batch.column("loss_mask")
+    mask_T = mask.flatten().to_numpy(zero_copy_only=False)
+    versions_T = batch.column("versions").flatten().to_numpy(zero_copy_only=False)
+    bad_T = (mask_T != 0) & (mask_T != 1)
+    bad_T |= (mask_T == 1) & (versions_T < 0)
+    bad_T |= (mask_T == 0) & (versions_T != NO_VERSION)
+    if not bad_T.any():
+        return
+    t = int(np.argmax(bad_T))
+    offsets = mask.offsets.to_numpy()
+    row = int(np.searchsorted(offsets, t, side="right")) - 1
+    where = f"rollout row (sample_id={batch.column('sample_id')[row].as_py()!r}), completion token {t - offsets[row]}"
+    value, version = mask_T[t], versions_T[t]
+    if value not in (0, 1):
+        raise ValueError(f"{where}: `loss_mask` holds {value}; it must be 1 (sampled by the model) or 0 "
+                         "(an environment token)")
+    if value == 1:
+        raise ValueError(f"{where}: loss_mask 1 (a model token) but version {version}; a sampled token carries "
+                         "the policy version (>= 0) that produced it")
+    raise ValueError(f"{where}: loss_mask 0 (an environment token) but version {version}; environment tokens "
+                     f"carry version {NO_VERSION} (no policy produced them)")
 
 
 def _locate_bad_row(rows: list[Mapping[str, Any]], err: ValueError) -> ValueError:
@@ -221,7 +293,9 @@ def group_batch(rows: Sequence[Rollout | Mapping[str, Any]]) -> pa.RecordBatch:
         columns = _group_columns(maps, time.time())
     except ValueError as err:
         raise _locate_bad_row(maps, err) from None
-    return pa.RecordBatch.from_arrays(columns, schema=ROLLOUT_SCHEMA)
+    batch = pa.RecordBatch.from_arrays(columns, schema=ROLLOUT_SCHEMA)
+    _check_loss_mask(batch)
+    return batch
 
 
 def schema_version_of(schema: pa.Schema) -> int:

@@ -162,8 +162,8 @@ def _verified_totals(segment: Segment) -> WriterTotals | None:
 
 
 def load_segment(segment: Segment) -> list[pa.RecordBatch]:
-    """The groups of a segment. CorruptSegment if damaged; ValueError if written by a newer schema;
-    FileNotFoundError if it vanished (quarantined by another reader, or released)."""
+    """The groups of a segment. CorruptSegment if damaged; ValueError if written with another rollout schema
+    version (older or newer); FileNotFoundError if it vanished (quarantined by another reader, or released)."""
     with pa.OSFile(str(segment.path), "r") as f:  # into Arrow's memory pool: fewer page faults than bytes
         data = f.read()
     if zlib.crc32(data) != segment.crc:
@@ -178,8 +178,10 @@ def load_segment(segment: Segment) -> list[pa.RecordBatch]:
         raise CorruptSegment(f"does not decode as Arrow IPC: {err}") from None
     version = schema_version_of(schema)
     if version != SCHEMA_VERSION:
-        raise ValueError(f"segment {segment.path} has rollout schema version {version}; this reader "
-                         f"knows version {SCHEMA_VERSION}: run the same pipelinerl version on both sides")
+        age = "an older" if version < SCHEMA_VERSION else "a newer"
+        raise ValueError(f"segment {segment.path} has rollout schema version {version}; this reader expects version "
+                         f"{SCHEMA_VERSION} and reads no other: the segment was written by {age} pipelinerl. Run the "
+                         "same pipelinerl version on both sides (a stream of another version: start a new run_dir)")
     if not schema.remove_metadata().equals(ROLLOUT_SCHEMA.remove_metadata()):
         raise CorruptSegment(f"schema differs from the rollout schema: {schema}")
     return batches
