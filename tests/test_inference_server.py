@@ -4,6 +4,7 @@ References are transformers' forward passes with a manual argmax loop (not `gene
 min_new_tokens would suppress EOS), on the same weights the server was sent.
 """
 
+import asyncio
 import json
 import os
 import re
@@ -19,8 +20,13 @@ import pytest
 import torch
 from conftest import GROUP_TIMEOUT_S, connect_broadcaster
 from helpers import hf_greedy, worker_port
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pipelinerl.actor.client import Completion, _parse_choice
 from pipelinerl.control import ControlError
+from pipelinerl.envs.environment import Environment, EnvReply
+from pipelinerl.envs.episode import EpisodeLimits
+from pipelinerl.envs.runner import run_episode
 from pipelinerl.rundir import list_servers, run_token
 from pipelinerl.weights import TensorMeta, WeightBroadcaster, dtype_name
 
@@ -257,6 +263,79 @@ def straddle_until_half(server, models, broadcaster, after_update=None) -> None:
 
 def test_in_flight_update_switches_versions_where_it_happened(server, models, broadcaster):
     straddle_until_half(server, models, broadcaster)  # kv_on_update=keep: continue on the stale KV cache
+
+
+class RelayEnv(Environment):
+    """A multi-turn episode of addition prompts: the user asks prompts[0]; each model turn is answered
+    with the next prompt, after `between()` (a weight update), until the last turn ends the episode."""
+
+    def __init__(self, prompts: list[str], between=None):
+        self.prompts, self.between, self.turn = prompts, between, 0
+
+    def messages(self) -> list[dict]:
+        return [{"role": "user", "content": self.prompts[0]}]
+
+    async def step(self, text: str) -> EnvReply:
+        self.turn += 1
+        if self.turn == len(self.prompts):
+            return EnvReply(done=True, reward=1.0)
+        if self.between is not None:
+            await asyncio.to_thread(self.between)
+        return EnvReply(messages=[{"role": "user", "content": self.prompts[self.turn]}])
+
+
+def _hf_turn(model, eos: int):
+    """Greedy turns of transformers' forward, ended by EOS (the reference)."""
+    async def generate(prefix: list[int], max_tokens: int) -> Completion:
+        out = hf_greedy(model, prefix, max_tokens)
+        out = out[:out.index(eos) + 1] if eos in out else out
+        return Completion(out, [0.0] * len(out), [0] * len(out), "", finished=out[-1] == eos)
+    return generate
+
+
+def _server_turn(url: str):
+    """Greedy turns of the real server: its completion of the episode's tokens so far."""
+    async def generate(prefix: list[int], max_tokens: int) -> Completion:
+        body = {"prompt": prefix, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0,
+                "return_token_ids": True}
+        async with httpx.AsyncClient() as http:
+            resp = await http.post(url + "/v1/completions", json=body, timeout=HTTP_TIMEOUT_S)
+        resp.raise_for_status()
+        return _parse_choice(resp.json()["choices"][0])
+    return generate
+
+
+def episode_straddles_updates(server, broadcaster, warm_dir) -> None:
+    """A three-turn episode on the server with a weight update between turns (the warm model's weights
+    again, under a new version): every turn continues the episode's exact token prefix, its tokens carry
+    the version that produced them, and the sequence is transformers' greedy episode token for token.
+    The prompts are the first whose reference episode ends every turn with EOS (so, by construction)."""
+    warm = AutoModelForCausalLM.from_pretrained(warm_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(warm_dir)
+    limits = EpisodeLimits(max_turns=3, max_tokens_per_turn=6, max_total_tokens=128)
+    pairs = [f"{a}+{b}=" for a in range(11, 99, 7) for b in range(12, 99, 11)]
+    with torch.no_grad():
+        for k in range(0, len(pairs) - 2, 3):
+            prompts = pairs[k:k + 3]
+            reference = asyncio.run(run_episode(_hf_turn(warm, tok.eos_token_id), RelayEnv(prompts), tok, limits, 60))
+            if reference.end_reason == "finished":
+                break
+        assert reference.end_reason == "finished", "no candidate episode ends every turn with EOS"
+        v0 = httpx.get(server["url"] + "/status", timeout=HTTP_TIMEOUT_S).json()["version"] + 1
+        _send(broadcaster, v0, warm)
+        versions = iter([v0 + 1, v0 + 2])
+        env = RelayEnv(prompts, lambda: _send(broadcaster, next(versions), warm))
+        result = asyncio.run(run_episode(_server_turn(server["url"]), env, tok, limits, HTTP_TIMEOUT_S))
+    ep = result.episode
+    assert result.end_reason == "finished" and ep.token_ids == reference.episode.token_ids
+    turns = ep.model_turns
+    assert [set(ep.versions[t.start:t.end]) for t in turns] == [{v0}, {v0 + 1}, {v0 + 2}]
+    assert all(ep.token_ids[t.end - 1] == tok.eos_token_id for t in turns)
+    assert sum(ep.loss_mask) == sum(t.end - t.start for t in turns)
+
+
+def test_an_episode_straddles_updates_between_turns(server, broadcaster, warm_model_dir):
+    episode_straddles_updates(server, broadcaster, warm_model_dir)  # kv_on_update=keep
 
 
 def test_control_routes_need_the_token(server):

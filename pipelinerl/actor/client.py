@@ -208,17 +208,19 @@ class CompletionsClient:
         self._watcher: asyncio.Task | None = None
 
     async def complete(self, http: httpx.AsyncClient, prompt_ids: list[int], greedy: bool, n: int = 1,
-                       temperature: float | None = None, min_version: int | None = None) -> list[Completion]:
+                       temperature: float | None = None, min_version: int | None = None,
+                       max_tokens: int | None = None) -> list[Completion]:
         """n completions of one prompt in one request (the server shares the prompt's prefill), sampled at
         `temperature` (None: actor.sampling.temperature) unless greedy. The log-probs are those of the
         distribution sampled (the servers' processed log-probs: tempered, EOS suppressed below min_tokens).
         `min_version`: only a server that reported at least this version takes the request, retries included
-        (the lag bound of the group: a retry must not land on a server restarted on an older checkpoint)."""
+        (the lag bound of the group: a retry must not land on a server restarted on an older checkpoint).
+        `max_tokens`: the length limit (None: actor.sampling.max_new_tokens)."""
         s = self.cfg.sampling
         temperature = s.temperature if temperature is None else temperature
         # No "model": servers of one run may serve different folders (a resumed run serves the latest
         # checkpoint's), and vLLM then uses the one model it serves.
-        body = {"prompt": prompt_ids, "max_tokens": s.max_new_tokens, "n": n,
+        body = {"prompt": prompt_ids, "max_tokens": s.max_new_tokens if max_tokens is None else max_tokens, "n": n,
                 "temperature": 0.0 if greedy else temperature, "top_p": 1.0 if greedy else s.top_p,
                 "min_tokens": 0 if greedy else s.min_new_tokens,
                 "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True}

@@ -34,10 +34,13 @@ from collections.abc import Iterator
 import httpx
 
 from pipelinerl.actor.client import Completion, CompletionsClient
+from pipelinerl.actor.episodes import EpisodeStats, episode_rollout
 from pipelinerl.actor.evals import actor_suites, sample_suite
 from pipelinerl.actor.resume import record_started, resume_position
 from pipelinerl.config import Config
 from pipelinerl.config.actor import DEFAULT_EVAL_SET
+from pipelinerl.envs.episode import EpisodeLimits
+from pipelinerl.envs.runner import run_episode
 from pipelinerl.eval_metrics import scalars as eval_scalars
 from pipelinerl.eval_metrics import summarize
 from pipelinerl.streams import EVAL_TOPIC, ROLLOUT_TOPIC, Rollout
@@ -76,6 +79,8 @@ class Actor:
         self.window = {"rewards": [], "tokens": 0, "samples": 0, "t0": time.monotonic()}
         self.held_since: float | None = None  # since when the lag bound has held every group back (_log_if_held)
         self.held_log = 0.0  # when the next such warning is due
+        self.episodes = EpisodeStats()  # multi-turn tasks: since the last log_window
+        self.episode_limits = episode_limits(cfg)
 
     def _resume(self) -> tuple[int, int, int]:
         """(samples in the stream from every actor, the next prompt number, groups lost in all lives): the
@@ -98,12 +103,47 @@ class Actor:
 
     async def run_group(self, http: httpx.AsyncClient, index: int, item: PromptItem,
                         min_version: int | None = None) -> list[Rollout]:
+        if self.task.multi_turn:
+            return await self.run_episodes(http, index, item, min_version)
         prompt_ids = self.prompt_ids(item)
         completions = await self.client.complete(http, prompt_ids, greedy=False, n=self.cfg.actor.attempts,
                                                  min_version=min_version)
         if self.client.reference_pool is not None:
             await self.client.score_reference(http, prompt_ids, completions)
         return await self.score(f"{self.actor_id}/{index}", item, prompt_ids, completions, {"prompt_index": index})
+
+    async def run_episodes(self, http: httpx.AsyncClient, index: int, item: PromptItem,
+                           min_version: int | None = None) -> list[Rollout]:
+        """The G episodes of one item, side by side (envs/runner.py), as one group of rows: each row's
+        completion is everything after the prompt, model and environment tokens, with its loss mask. Every
+        turn's request carries the group's min_version: the lag bound is taken at the episode's start."""
+        group_id = f"{self.actor_id}/{index}"
+
+        async def generate(prefix: list[int], max_tokens: int) -> Completion:
+            (done,) = await self.client.complete(http, prefix, greedy=False, n=1, max_tokens=max_tokens,
+                                                 min_version=min_version)
+            return done
+
+        results = await asyncio.gather(*[
+            run_episode(generate, self.task.environment(item), self.tokenizer, self.episode_limits,
+                        self.cfg.actor.episode.step_timeout_s, name=f"episode {group_id}/{k}")
+            for k in range(self.cfg.actor.attempts)])
+        rows = [episode_rollout(self.cfg.run_dir, group_id, k, item, r, self.task.name, self.actor_id,
+                                {"prompt_index": index}) for k, r in enumerate(results)]
+        if self.client.reference_pool is not None:
+            await self.score_episode_references(http, rows)
+        self.episodes.add(results)
+        return rows
+
+    async def score_episode_references(self, http: httpx.AsyncClient, rows: list[Rollout]) -> None:
+        """Each row's reference log-probs: one request per row (episodes of a group share no prompt past
+        the first turn)."""
+        async def one(row: Rollout) -> None:
+            c = Completion(list(row.completion_token_ids), [], [], "", row.finished)
+            await self.client.score_reference(http, list(row.prompt_token_ids), [c])
+            row.reference_logprobs = c.reference_logprobs
+
+        await asyncio.gather(*map(one, rows))
 
     def write(self, index: int, rows: list[Rollout]) -> None:
         """Hand a finished group to the stream. Under a lag bound, groups are written in the order they
@@ -200,7 +240,9 @@ class Actor:
                                        "actor/tokens_per_s": w["tokens"] / dt, "actor/samples_per_s": w["samples"] / dt,
                                        "actor/groups_in_flight": len(self.in_flight),
                                        **{f"actor/outcome/{k}": v
-                                          for k, v in self.task.outcome_counts(reset=True).items()}})
+                                          for k, v in self.task.outcome_counts(reset=True).items()},
+                                       **self.episodes.scalars()})
+        self.episodes = EpisodeStats()
         self.window = {"rewards": [], "tokens": 0, "samples": 0, "t0": time.monotonic()}
 
     async def run(self) -> None:
@@ -280,6 +322,14 @@ class Actor:
         self.eval_writer.close()
         self.tb.close()
         self.task.close()
+
+
+def episode_limits(cfg: Config) -> EpisodeLimits:
+    """actor.episode's limits; an episode never outgrows what a server holds (inference.max_model_len)."""
+    e = cfg.actor.episode
+    per_turn = e.max_tokens_per_turn or cfg.actor.sampling.max_new_tokens
+    total = min(e.max_total_tokens, cfg.inference.max_model_len or e.max_total_tokens)
+    return EpisodeLimits(max_turns=e.max_turns, max_tokens_per_turn=per_turn, max_total_tokens=total)
 
 
 def run_actor(cfg: Config, actor_id: str = "actor0") -> None:

@@ -44,6 +44,28 @@ class SamplingConfig:
 
 
 @dataclass
+class EpisodeConfig:
+    """Multi-turn episodes (tasks with an environment, e.g. tool_sums): when one is cut, and how long its
+    environment may take. Single-turn tasks ignore this section."""
+
+    max_turns: int = doc(4, "model turns per episode; an environment asking for one more ends it truncated")
+    max_tokens_per_turn: int | None = doc(None, "new tokens of one model turn (its request's max_tokens); a turn "
+                                                "cut there ends the episode truncated", unit="tokens",
+                                          null="actor.sampling.max_new_tokens")
+    max_total_tokens: int = doc(4096, "tokens of a whole episode: prompt, model and environment tokens; at most "
+                                      "inference.max_model_len", unit="tokens")
+    step_timeout_s: float = doc(30.0, "one answer of the environment (its tools included); past it the episode "
+                                      "ends with reward 0 and end reason env_error", unit="s")
+
+    def __post_init__(self) -> None:
+        check_positive(self.max_turns, "actor.episode.max_turns")
+        check(self.max_tokens_per_turn is None or self.max_tokens_per_turn > 0, "actor.episode.max_tokens_per_turn",
+              "must be > 0, or null for actor.sampling.max_new_tokens")
+        check_positive(self.max_total_tokens, "actor.episode.max_total_tokens")
+        check_positive(self.step_timeout_s, "actor.episode.step_timeout_s")
+
+
+@dataclass
 class ActorConfig:
     """The actor: prompts in, G attempts each, rewards, the lag throttle (`pipelinerl actor`)."""
 
@@ -68,6 +90,7 @@ class ActorConfig:
     eval_greedy: bool = doc(True, "the `default` set's completions are greedy (temperature 0); false = sampled "
                                   "like training")
     sampling: SamplingConfig = section(SamplingConfig)
+    episode: EpisodeConfig = section(EpisodeConfig)
 
     def __post_init__(self) -> None:
         check(self.attempts >= 2, "actor.attempts", "group advantages need at least 2 attempts per prompt")
@@ -140,7 +163,8 @@ class TaskConfig:
 
     name: str = doc("addition", "addition (2-digit sums, answer written units-first; CPU) | arithmetic (sums "
                                 "mixed with remainders by repeated subtraction: long-tailed lengths; CPU) | "
-                                "math (math-verify)")
+                                "math (math-verify) | tool_sums (3-digit sums with a calculator tool: "
+                                "multi-turn episodes, actor.episode; CPU)")
     dataset_path: str | None = doc(None, "math training rows: a .jsonl/.json/.parquet file (or a Hugging Face "
                                          "`datasets` folder) of {question, answer} "
                                          "rows (or problem/answer, or Open-Reasoner-Zero pairs)",
@@ -176,7 +200,7 @@ class TaskConfig:
                                        "that a correct answer always outscores a wrong one")
 
     def __post_init__(self) -> None:
-        check_choice(self.name, ("addition", "arithmetic", "math"), "task.name")
+        check_choice(self.name, ("addition", "arithmetic", "math", "tool_sums"), "task.name")
         check(self.name != "math" or bool(self.dataset_path), "task.dataset_path",
               "the math task needs a file of {question, answer} rows (.jsonl, .json or .parquet)")
         check(0.0 < self.eval_fraction < 1.0, "task.eval_fraction", "must be in (0, 1)")

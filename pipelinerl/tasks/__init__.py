@@ -22,7 +22,11 @@ def task_class(name: str) -> type[Task]:
         from pipelinerl.tasks.arithmetic import ArithmeticTask
 
         return ArithmeticTask
-    raise ValueError(f"unknown task {name!r}; choose addition, arithmetic or math")
+    if name == "tool_sums":
+        from pipelinerl.tasks.tool_sums import ToolSumsTask
+
+        return ToolSumsTask
+    raise ValueError(f"unknown task {name!r}; choose addition, arithmetic, math or tool_sums")
 
 
 def get_task(cfg: TaskConfig) -> Task:

@@ -39,6 +39,9 @@ class Task(abc.ABC):
     reports_greedy_success: bool = False
     # The gold answer is the exact completion text, so a supervised warm start can train on it (tiny tasks).
     exact_completions: bool = False
+    # Samples are multi-turn episodes: `environment(item)` answers each model turn (pipelinerl/envs/), and the
+    # episode's reward is the environment's, not `reward()`'s.
+    multi_turn: bool = False
 
     def __init__(self, train_items: list[PromptItem], eval_items: list[PromptItem], seed: int):
         if not train_items or not eval_items:
@@ -79,6 +82,10 @@ class Task(abc.ABC):
         """Reward of one completion. completion_text excludes the EOS token; finished is True when the
         model ended it (EOS), False when it was cut at the length limit; num_tokens of max_new_tokens is
         its length, for tasks whose reward depends on it (the math task's overlong penalty)."""
+
+    def environment(self, item: PromptItem):
+        """A fresh pipelinerl.envs.Environment for one episode of `item` (multi-turn tasks only)."""
+        raise NotImplementedError(f"task {self.name!r} is single-turn: it has no environment")
 
     def outcome_counts(self, reset: bool = False) -> dict[str, int]:
         """Completions per grading outcome since the last reset (the actor logs them); none by default."""

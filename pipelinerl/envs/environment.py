@@ -1,0 +1,77 @@
+"""The environment contract of a multi-turn episode.
+
+A task that trains episodes builds one `Environment` per episode from a data item. The runner
+(pipelinerl/envs/runner.py) asks it for the initial chat messages, then alternates: a model turn (the
+servers' completion of the episode's tokens so far), then `step(text)`, the environment's answer to that
+turn's text: more messages (tool results, which the chat template renders as the next turn's context), or
+the end of the episode with its reward. `step` may be slow (a sandboxed script): it is awaited, and many
+episodes run at once on the actor's event loop, so blocking work belongs on a thread
+(`asyncio.to_thread`) or in a process pool such as the Python sandbox's.
+
+What an environment may not do is stop the actor: a `step` that raises, runs past its timeout or returns
+anything but an `EnvReply` with well-formed messages ends only its own episode, with reward 0 and end
+reason "env_error" (runner.py logs the reason and the actor counts it).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+MESSAGE_ROLES = ("user", "tool")  # what an environment may answer with (the assistant's turns are the model's)
+
+
+@dataclass(frozen=True)
+class EnvReply:
+    """The environment's answer to one model turn: `messages` to continue with, or `done` with `reward`.
+    `tool_calls` / `tool_errors`: the calls the turn made and how many of them failed (malformed, unknown
+    tool, refused input), counted per episode in the stream and in TensorBoard."""
+
+    messages: Sequence[dict] = field(default_factory=tuple)
+    done: bool = False
+    reward: float = 0.0
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+class Environment(abc.ABC):
+    """One episode's environment. `tools`: the chat template's `tools` argument (Toolbox.template_tools),
+    rendered at every turn; None when the template should not list any."""
+
+    tools: list[dict] | None = None
+
+    @abc.abstractmethod
+    def messages(self) -> list[dict]:
+        """The episode's initial chat messages (a system prompt, the task's user message)."""
+
+    @abc.abstractmethod
+    async def step(self, text: str) -> EnvReply:
+        """The answer to a model turn whose content (decoded without its end token) is `text`."""
+
+    async def close(self) -> None:  # noqa: B027 - a hook: only environments holding resources override it
+        """Release what this episode holds; called once, however the episode ended."""
+
+
+def reply_problem(reply: object) -> str | None:
+    """Why `reply` is not a usable EnvReply (the runner's check of what `step` returned), or None."""
+    if not isinstance(reply, EnvReply):
+        return f"step() returned {type(reply).__name__}, not an EnvReply"
+    if isinstance(reply.reward, bool) or not isinstance(reply.reward, (int, float)) or not math.isfinite(reply.reward):
+        return f"the reward must be a finite number, got {reply.reward!r}"
+    for name in ("tool_calls", "tool_errors"):
+        value = getattr(reply, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"{name} must be a count (an int >= 0), got {value!r}"
+    if reply.tool_errors > reply.tool_calls:
+        return f"{reply.tool_errors} tool errors but only {reply.tool_calls} tool calls"
+    if reply.done:
+        return None
+    if isinstance(reply.messages, (str, bytes)) or not isinstance(reply.messages, Sequence) or not reply.messages:
+        return "a reply that does not end the episode needs at least one message"
+    for m in reply.messages:
+        if not isinstance(m, dict) or m.get("role") not in MESSAGE_ROLES or not isinstance(m.get("content"), str):
+            return (f"every message must be a dict with a role in {MESSAGE_ROLES} and a string content, "
+                    f"got {str(m)[:200]}")
+    return None
