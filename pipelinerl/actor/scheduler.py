@@ -66,6 +66,9 @@ class Actor:
         self.writer = StreamWriter(cfg.run_dir, ROLLOUT_TOPIC, actor_id, cfg.streams)
         self.eval_writer = StreamWriter(cfg.run_dir, EVAL_TOPIC, actor_id, cfg.streams)
         self.tb = Scalars(cfg.run_dir, actor_id)
+        if self.task.multi_turn and cfg.actor.eval_every_steps:
+            raise ValueError(f"task {self.task.name!r} is multi-turn and the actor's evaluation samples single "
+                             "completions: set actor.eval_every_steps=0 (evaluation with tools is not built yet)")
         # Built now, so a missing eval file stops the start (not the first evaluation, hours in).
         self.eval_suites = actor_suites(cfg, self.task) if cfg.actor.eval_every_steps else []
         self.version = 0  # the version every eligible server serves (the oldest they report; -1: none answered)
