@@ -84,6 +84,11 @@ class Kill:
     stall_s: float | None = None  # the longest wait for a trainer step from the kill to the next kill (or end)
     lost_groups: int | None = None
     redone_steps: int | None = None  # a trainer: steps trained again since its last checkpoint
+    hung: bool = False  # SIGSTOPped (kind `hang`), not killed
+
+    @property
+    def label(self) -> str:
+        return f"{self.role}:hang" if self.hung else self.role
 
 
 def make_plan(kills: int, seed: int, kinds: tuple[str, ...], num_servers: int) -> list[Planned]:
@@ -209,7 +214,7 @@ class Chaos:
             return None
         for pid in pids:
             os.killpg(pid, signal.SIGSTOP if p.kind == "hang" else signal.SIGKILL)
-        kill = Kill(role, self.last_step(), time.time() - self.t0, time.time(), broadcast, note)
+        kill = Kill(role, self.last_step(), time.time() - self.t0, time.time(), broadcast, note, hung=p.kind == "hang")
         self.kills.append(kill)
         print(f"chaos: {'stopped' if p.kind == 'hang' else 'killed'} {role} (pgids {pids}) at step {kill.step}, "
               f"{kill.t_s:.0f} s"
@@ -311,7 +316,7 @@ def table(chaos: Chaos, code: int, verdict: str) -> str:
     step_s, g = chaos.step_time_s(), chaos.cfg.actor.attempts
     lines = [f"run {chaos.run_dir}: launcher exit {code}; median step {step_s:.1f} s; "
              f"{len(chaos.kills)} kill(s)",
-             f"{'#':>2} {'role':<8} {'step':>4} {'t_s':>6} {'update':<6} {'down_s':>7} {'stall_s':>7} "
+             f"{'#':>2} {'role':<12} {'step':>4} {'t_s':>6} {'update':<6} {'down_s':>7} {'stall_s':>7} "
              f"{'stall_steps':>11} {'lost groups/samples':>19} {'redone':>6}  note"]
     for i, k in enumerate(chaos.kills):
         down = f"{k.down_s:7.1f}" if k.down_s is not None else f"{'-':>7}"
@@ -319,7 +324,7 @@ def table(chaos: Chaos, code: int, verdict: str) -> str:
         lost = "n/a (not logged)" if k.role == "actor" and k.lost_groups is None else "-"
         lost = f"{k.lost_groups}/{k.lost_groups * g}" if k.lost_groups is not None else lost
         redone = "-" if k.redone_steps is None else str(k.redone_steps)
-        lines.append(f"{i:>2} {k.role:<8} {k.step:>4} {k.t_s:6.0f} {'yes' if k.broadcast else 'no':<6} {down} "
+        lines.append(f"{i:>2} {k.label:<12} {k.step:>4} {k.t_s:6.0f} {'yes' if k.broadcast else 'no':<6} {down} "
                      f"{lost:>19} {redone:>6}  {k.note}")
     lines += [f"groups missing from the stream (lost in flight, whole run): {stream_gaps(chaos.run_dir)}", verdict]
     return "\n".join(lines)
