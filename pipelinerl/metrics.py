@@ -2,8 +2,8 @@
 
 TensorBoard event files are written with torch's SummaryWriter and read back in tests with
 TensorBoard's own EventAccumulator. The zarr arrays are 1-D and appendable while training: one entry
-per trained completion token, aligned across arrays, so `lag[i]`, `behaviour_logprobs[i]`,
-`current_logprobs[i]` and `step[i]` describe the same token.
+per trained completion token (the model's: an episode's environment tokens are not trained), aligned across
+arrays, so `lag[i]`, `behaviour_logprobs[i]`, `current_logprobs[i]` and `step[i]` describe the same token.
 """
 
 from __future__ import annotations

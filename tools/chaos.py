@@ -287,7 +287,8 @@ def exactly_once(run_dir: Path) -> tuple[bool, str]:
         return False, f"the stream holds {len(rows)} samples, the final checkpoint consumed {seen}"
     rows = rows[:seen]
     unique = len({r["sample_id"] for r in rows})
-    consumed = np.sort(np.concatenate([np.asarray(r["behaviour_logprobs"], dtype=np.float32) for r in rows]))
+    consumed = np.sort(np.concatenate([  # the model's tokens (loss mask 1): the trainer logs no others
+        np.asarray(r["behaviour_logprobs"], dtype=np.float32)[np.asarray(r["loss_mask"], bool)] for r in rows]))
     stats = read_token_stats(run_dir)
     trained = np.sort(stats["behaviour_logprobs"])
     facts = (f"{steps} steps, {seen} samples consumed ({unique} unique ids), {len(trained)} tokens trained vs "

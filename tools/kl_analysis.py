@@ -81,7 +81,8 @@ def completion_logprobs(model, rows: list[dict], temperature: float = 1.0, batch
 
 
 def token_kl(run_dir: Path, max_samples_per_step: int | None = None) -> dict[str, np.ndarray]:
-    """Per-token step (target version), lag, k1 and k3 of every consumed token whose target exists."""
+    """Per-token step (target version), lag, k1 and k3 of every consumed model token (loss mask 1: an episode's
+    environment tokens have no behaviour policy) whose target exists."""
     from transformers import AutoModelForCausalLM
 
     cfg = load_config(run_dir / "config.yaml")
@@ -93,9 +94,10 @@ def token_kl(run_dir: Path, max_samples_per_step: int | None = None) -> dict[str
             continue
         model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).eval()
         for row, target in zip(rows, completion_logprobs(model, rows, cfg.actor.sampling.temperature)):
-            log_r = target - np.asarray(row["behaviour_logprobs"], dtype=np.float64)
+            model_tokens = np.asarray(row["loss_mask"], bool)
+            log_r = (target - np.asarray(row["behaviour_logprobs"], dtype=np.float64))[model_tokens]
             steps.append(np.full(len(log_r), step))
-            lags.append(step - np.asarray(row["versions"]))
+            lags.append(step - np.asarray(row["versions"])[model_tokens])
             k1.append(-log_r)
             k3.append(np.expm1(log_r) - log_r)
     if not lags:

@@ -108,7 +108,7 @@ class LossInputs:
     behaviour_logprobs_T: torch.Tensor  # [T] float: log-prob reported by the inference server that sampled it
     advantages_T: torch.Tensor  # [T] float: the sequence's advantage on each of its tokens (grpo), GAE
     # advantages (value_function), or the DPO role +1 chosen / -1 rejected / 0 unpaired (dpo, see `dpo_roles`)
-    mask_T: torch.Tensor  # [T] bool: completion tokens that may get loss
+    mask_T: torch.Tensor  # [T] bool: tokens that may get loss: the model's (not prompt nor environment tokens)
     lag_T: torch.Tensor  # [T] int: trainer version - version that produced the token
     seq_index_T: torch.Tensor  # [T] int: any id of each token's sequence
     num_sequences: int  # sequences in the whole optimizer step, all ranks (> 0)
@@ -128,13 +128,17 @@ def compute_loss(inputs: LossInputs, cfg: RLConfig) -> tuple[torch.Tensor, dict[
     assert num_sequences > 0
     mask_T = mask_T.bool()
     keep_T = kept_tokens(mask_T, lag_T, cfg.max_token_lag)
-    behaviour_T = behaviour_logprobs_T.detach().to(new_logprobs_T.dtype)
+    # A token without loss (masked out, or dropped for its lag) weighs 0, and 0 * inf is NaN: its behaviour and
+    # reference log-probs become the current one (ratio 1, KL 0), so whatever the stream holds for it (a
+    # behaviour log-prob of -100 overflows float32's exp) changes neither the loss nor its gradient.
+    current_T = new_logprobs_T.detach()
+    behaviour_T = torch.where(keep_T, behaviour_logprobs_T.detach().to(new_logprobs_T.dtype), current_T)
     advantages_T = inputs.advantages_T.detach().to(new_logprobs_T.dtype)
     stats = token_stats(new_logprobs_T, behaviour_T, lag_T, mask_T, keep_T)
     stats["sequences"] = stats["tokens"].new_tensor(float(torch.unique(seq_index_T[mask_T]).numel()))
     if cfg.needs_reference_logprobs:
         assert ref_logprobs_T is not None, "this RL config needs ref_logprobs_T (kl_coef > 0 or dpo reference)"
-        ref_logprobs_T = ref_logprobs_T.detach().to(new_logprobs_T.dtype)
+        ref_logprobs_T = torch.where(keep_T, ref_logprobs_T.detach().to(new_logprobs_T.dtype), current_T)
     if cfg.algorithm == "dpo":
         assert num_pairs is not None, "algorithm=dpo needs num_pairs (the step's pairs, all ranks)"
         reference_T = ref_logprobs_T if cfg.dpo_reference == "reference" else behaviour_T

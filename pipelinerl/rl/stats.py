@@ -29,9 +29,10 @@ def k3_kl(log_ratio_T: torch.Tensor, bound: float | None = None) -> torch.Tensor
 
 def token_stats(new_logprobs_T: torch.Tensor, behaviour_logprobs_T: torch.Tensor, lag_T: torch.Tensor,
                 mask_T: torch.Tensor, keep_T: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Sums over one micro-batch. mask_T: completion tokens; keep_T: those that get loss (lag filter).
+    """Sums over one micro-batch. mask_T: the model's completion tokens (an episode's environment tokens have
+    no version, hence no lag, and are left out of every sum); keep_T: those that get loss (lag filter).
 
-    Lag statistics cover every completion token (so the histogram shows what the lag filter dropped);
+    Lag statistics cover every model token (so the histogram shows what the lag filter dropped);
     importance weights, KL and entropy cover the kept tokens (what the step trains on). Samples come
     from the behaviour policy mu, so with log r = log pi - log mu:
     KL(mu || pi) ~ k1 = -log r (unbiased, noisy) and k3 = r - 1 - log r (unbiased, >= 0, low variance);

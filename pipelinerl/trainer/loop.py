@@ -57,9 +57,10 @@ def check_supported(cfg: Config, dist: DistInfo) -> None:
 
 
 def rows_to_samples(batches, version: int, first_index: int, cfg: Config) -> list[Sample]:
-    """One record batch per group -> Samples with per-token behaviour log-probs and lags (and reference
-    log-probs when the objective needs them), and per-sequence advantage (or DPO role), group (and reward
-    when the objective needs it)."""
+    """One record batch per group -> Samples with per-token behaviour log-probs, lags and loss mask (and
+    reference log-probs when the objective needs them), and per-sequence advantage (or DPO role), group (and
+    reward when the objective needs it). An episode's environment tokens (loss mask 0) stay in the sample's
+    completion, as context for the model tokens after them; the loss and its statistics skip them."""
     from pipelinerl.rl import dpo_roles, group_advantages
 
     samples = []
@@ -73,7 +74,8 @@ def rows_to_samples(batches, version: int, first_index: int, cfg: Config) -> lis
             adv = group_advantages(rewards, group, cfg.rl.baseline, cfg.rl.divide_by_std)
         for i, completion in enumerate(rows["completion_token_ids"]):
             n = len(completion)
-            tokens = {"behaviour": rows["behaviour_logprobs"][i], "lag": [version - v for v in rows["versions"][i]]}
+            tokens = {"behaviour": rows["behaviour_logprobs"][i], "lag": [version - v for v in rows["versions"][i]],
+                      "loss_mask": rows["loss_mask"][i]}
             if cfg.rl.needs_reference_logprobs:
                 tokens["reference"] = _reference_logprobs(rows, i, n)
             seq = {"advantage": float(adv[i]), "group": float(g)}
@@ -85,7 +87,7 @@ def rows_to_samples(batches, version: int, first_index: int, cfg: Config) -> lis
 
 def _field_names(cfg: Config) -> tuple[list[str], list[str]]:
     """The per-token and per-sequence fields `rows_to_samples` gives every sample under this config."""
-    return (["behaviour", "lag"] + ["reference"] * cfg.rl.needs_reference_logprobs,
+    return (["behaviour", "lag", "loss_mask"] + ["reference"] * cfg.rl.needs_reference_logprobs,
             ["advantage", "group"] + ["reward"] * cfg.rl.value_function)
 
 
@@ -107,28 +109,43 @@ def step_samples(batches, cfg: Config, dist: DistInfo, version: int) -> tuple[li
 
 def _loss_fn(cfg: Config, num_sequences: int, num_pairs: int, device: torch.device, token_log: list):
     """The loss of one micro-batch, normalised by the step's sequence (and DPO pair) counts over all ranks.
-    Per-sequence fields are expanded to the tokens here (suffix _N: completion tokens, _S: the row's sequences)."""
-    from pipelinerl.rl import LossInputs, compute_loss, gae_advantages, terminal_rewards
+    Per-sequence fields are expanded to the tokens here (suffix _N: completion tokens, _S: the row's sequences).
+    Only model tokens (loss mask 1) get loss, statistics and a token_log entry; GAE runs over them alone, so an
+    episode's environment tokens are part of the transition from one model token to the next."""
+    from pipelinerl.rl import LossInputs, compute_loss
 
     def loss_fn(mb: MicroBatch, new_N: torch.Tensor, values_N: torch.Tensor | None):
         f = {k: v.to(device) for k, v in mb.fields_N.items()}
         per_seq = {k: v.to(device) for k, v in mb.seq_fields_S.items()}
         lag_N = f["lag"].long()
-        mask_N = torch.full_like(lag_N, not mb.is_padding, dtype=torch.bool)  # padding: zero loss and stats
+        mask_N = f["loss_mask"].bool() & (not mb.is_padding)  # padding: zero loss and stats
         seq_N = mb.row_seq_N.to(device)
         advantages_N, returns_N = per_seq["advantage"][seq_N], None
         if cfg.rl.value_function:
-            rewards_N = terminal_rewards(per_seq["reward"], seq_N, mask_N)
-            advantages_N, returns_N = gae_advantages(rewards_N, values_N, seq_N, cfg.rl.gamma, cfg.rl.gae_lambda)
+            advantages_N, returns_N = _model_token_gae(per_seq["reward"], values_N, seq_N, mask_N, cfg)
         inputs = LossInputs(new_N, f["behaviour"], advantages_N, mask_N, lag_N, seq_N, num_sequences,
                             ref_logprobs_T=f.get("reference"), values_T=values_N, returns_T=returns_N,
                             group_index_T=per_seq["group"][seq_N].long(), num_pairs=num_pairs)
         loss, stats = compute_loss(inputs, cfg.rl)
         if not mb.is_padding:
-            token_log.append((lag_N.cpu(), f["behaviour"].cpu(), new_N.detach().cpu()))
+            token_log.append((lag_N[mask_N].cpu(), f["behaviour"][mask_N].cpu(), new_N.detach()[mask_N].cpu()))
         return loss, {k: v.detach().cpu() for k, v in stats.items()}
 
     return loss_fn
+
+
+def _model_token_gae(rewards_S: torch.Tensor, values_N: torch.Tensor, seq_N: torch.Tensor, mask_N: torch.Tensor,
+                     cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (advantages, returns) over the model tokens (mask_N) alone, each sequence's reward on its last one;
+    zeros on the other tokens, which get no loss."""
+    from pipelinerl.rl import gae_advantages, terminal_rewards
+
+    rewards_M = terminal_rewards(rewards_S, seq_N, mask_N)[mask_N]
+    advantages_M, returns_M = gae_advantages(rewards_M, values_N[mask_N], seq_N[mask_N], cfg.rl.gamma,
+                                             cfg.rl.gae_lambda)
+    advantages_N = torch.zeros_like(values_N).masked_scatter(mask_N, advantages_M)
+    returns_N = torch.zeros_like(values_N).masked_scatter(mask_N, returns_M)
+    return advantages_N, returns_N
 
 
 def _reduce_stats(stats_list: list[dict]) -> dict[str, float]:
