@@ -1,6 +1,7 @@
 """The tiny model's supervised warm start: loss goes down, the saved folder loads, greedy success is
-measured like transformers' own generate."""
+measured like transformers' own generate; a multi-turn task's, on its demonstrated episodes."""
 
+import asyncio
 import shutil
 
 import pytest
@@ -8,10 +9,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelinerl.config import TaskConfig, TinyModelConfig
+from pipelinerl.envs.runner import run_episode
 from pipelinerl.tasks import get_task
 from pipelinerl.tasks.warm_start import (
+    _Greedy,
+    encode_episodes,
     encode_examples,
     greedy_completions,
+    greedy_episodes,
     greedy_success,
     heldout_greedy,
     warm_start,
@@ -80,3 +85,39 @@ def test_a_task_without_exact_completions_is_refused(tiny_model_dir, tmp_path):
 
     with pytest.raises(ValueError, match="exact completions.*'graded'"):
         warm_start(tiny_model_dir, Graded(TaskConfig()), TinyModelConfig(warm_start_steps=1))
+
+
+def test_a_multi_turn_task_warm_starts_on_its_demonstrated_episodes(tiny_model_dir, tmp_path):
+    """tool_sums: the examples are the environment's own episodes (loss on model tokens), and held-out greedy
+    episodes, batched turn by turn, equal episodes run one at a time with transformers' generate."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    task = get_task(TaskConfig(name="tool_sums", eval_fraction=0.01))
+    item = task.train_items[0]
+    ids, labels = encode_episodes(tok, task, [item])
+    expr, total = item.prompt[:-1], item.answer
+    assert tok.decode(ids[0]) == f"<bos>{item.prompt}=={expr}=<eos>{total}{total}<eos>"
+    model_tokens = [int(t) for t in labels[0] if t >= 0]
+    assert tok.decode(model_tokens) == f"=={expr}=<eos>{total}<eos>"  # the tool's answer has no loss
+    model_dir = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, model_dir)
+    shape = TinyModelConfig(warm_start_steps=40, warm_start_target=1.0, warm_start_check_every=40)
+    result = warm_start(model_dir, task, shape)
+    assert result["steps"] == 40 and result["last_loss"] < 0.6 * result["first_loss"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    items = task.eval_items[:24]
+    batched = greedy_episodes(model, tok, task, items)
+
+    async def one_at_a_time(prefix, max_tokens):
+        out = model.generate(torch.tensor([prefix]), max_new_tokens=max_tokens, do_sample=False)[0, len(prefix):]
+        out = out.tolist()
+        finished = tok.eos_token_id in out
+        out = out[:out.index(tok.eos_token_id) + 1] if finished else out
+        return _Greedy(out, [0.0] * len(out), [0] * len(out), finished)
+
+    with torch.no_grad():
+        reference = [asyncio.run(run_episode(one_at_a_time, task.environment(i), tok, task.episode_limits, 10))
+                     for i in items]
+    assert [r.episode.token_ids for r in batched] == [r.episode.token_ids for r in reference]
+    assert [r.reward for r in batched] == [r.reward for r in reference]
+    assert any(len(r.episode.model_turns) > 1 for r in batched)  # the model calls the tool: a real comparison
+    assert greedy_success(model, tok, task, items) == sum(r.reward for r in batched) / len(items)

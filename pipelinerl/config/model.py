@@ -28,6 +28,8 @@ class TinyModelConfig:
     seed: int = doc(0, "weights are a pure function of this seed and the shape")
     warm_start_steps: int = doc(400, "supervised steps on the task before RL; 0 = raw random init", unit="steps")
     warm_start_target: float = doc(0.30, "stop warm start once held-out greedy success reaches this")
+    warm_start_check_every: int = doc(20, "held-out greedy success is checked every this many warm-start steps "
+                                          "(and after the last)", unit="steps")
     warm_start_lr: float = doc(1e-3, "AdamW learning rate of the warm start")
 
     def __post_init__(self) -> None:
@@ -43,6 +45,7 @@ class TinyModelConfig:
               "must divide num_attention_heads")
         check(self.warm_start_steps >= 0, "model.tiny.warm_start_steps", "must be >= 0")
         check(0.0 <= self.warm_start_target <= 1.0, "model.tiny.warm_start_target", "must be in [0, 1]")
+        check_positive(self.warm_start_check_every, "model.tiny.warm_start_check_every")
         check_positive(self.warm_start_lr, "model.tiny.warm_start_lr")
 
 

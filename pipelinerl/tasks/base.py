@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipelinerl.envs.episode import EpisodeLimits
 from pipelinerl.tasks.data import load_rows
 
 
@@ -42,6 +43,9 @@ class Task(abc.ABC):
     # Samples are multi-turn episodes: `environment(item)` answers each model turn (pipelinerl/envs/), and the
     # episode's reward is the environment's, not `reward()`'s.
     multi_turn: bool = False
+    # A multi-turn task's limits for the episodes it runs itself: its warm start's demonstrations and the
+    # held-out greedy report (the actor's episodes take actor.episode's).
+    episode_limits: EpisodeLimits = EpisodeLimits()
 
     def __init__(self, train_items: list[PromptItem], eval_items: list[PromptItem], seed: int):
         if not train_items or not eval_items:
@@ -86,6 +90,10 @@ class Task(abc.ABC):
     def environment(self, item: PromptItem):
         """A fresh pipelinerl.envs.Environment for one episode of `item` (multi-turn tasks only)."""
         raise NotImplementedError(f"task {self.name!r} is single-turn: it has no environment")
+
+    def demonstration(self, item: PromptItem) -> list[str]:
+        """The model turns' texts of an episode that solves `item` (a multi-turn task's warm start)."""
+        raise NotImplementedError(f"task {self.name!r} has no demonstrations")
 
     def outcome_counts(self, reset: bool = False) -> dict[str, int]:
         """Completions per grading outcome since the last reset (the actor logs them); none by default."""

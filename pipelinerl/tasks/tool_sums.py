@@ -18,7 +18,8 @@ import random
 
 from pipelinerl.config import TaskConfig
 from pipelinerl.envs.environment import Environment, EnvReply
-from pipelinerl.envs.tool_calls import call_format
+from pipelinerl.envs.episode import EpisodeLimits
+from pipelinerl.envs.tool_calls import COMPACT_CLOSE, COMPACT_OPEN, call_format
 from pipelinerl.envs.toolbox import Toolbox, calculator_tool
 from pipelinerl.tasks.base import PromptItem, Task, split_held_out
 
@@ -47,7 +48,8 @@ class ToolSumsEnv(Environment):
 class ToolSumsTask(Task):
     name = "tool_sums"
     multi_turn = True
-    reports_greedy_success = False  # success needs the environment: it is measured by the actor's evaluation
+    reports_greedy_success = True  # greedy episodes of the tiny model, batched turn by turn: seconds
+    episode_limits = EpisodeLimits(max_turns=3, max_tokens_per_turn=20, max_total_tokens=96)
 
     def __init__(self, cfg: TaskConfig):
         rng, seen, items = random.Random(f"tool_sums/{cfg.seed}"), set(), []
@@ -62,6 +64,10 @@ class ToolSumsTask(Task):
 
     def environment(self, item: PromptItem) -> ToolSumsEnv:
         return ToolSumsEnv(item)
+
+    def demonstration(self, item: PromptItem) -> list[str]:
+        """One call of the whole sum, then its result copied."""
+        return [f"{COMPACT_OPEN}{item.prompt[:-1]}{COMPACT_CLOSE}", item.answer]
 
     def reward(self, item: PromptItem, completion_text: str, finished: bool, *, num_tokens: int | None = None,
                max_new_tokens: int | None = None) -> float:

@@ -1,24 +1,34 @@
-"""Supervised warm start of the tiny model on a tiny task (its answers are exact completions), so that RL
-starts from a non-zero success rate (measured on the tiny model: RL got stuck from 0.21 held-out greedy and
-worked from >= 0.30).
+"""Supervised warm start of the tiny model on a tiny task (its answers are exact completions, or a multi-turn
+task's demonstrated episodes), so that RL starts from a non-zero success rate (measured on the tiny model: RL
+got stuck from 0.21 held-out greedy and worked from >= 0.30).
+
+A multi-turn task's examples are its demonstrations (`Task.demonstration`: the model turns of a correct
+episode) built into episodes by the environment itself (envs/episode.py), with loss on the model tokens only;
+held-out greedy success of such a task runs whole episodes (envs/runner.py), every turn batched over items.
 
 The recipe that reached it: AdamW (betas 0.9/0.98), batch 128, loss on the answer tokens (and EOS)
-only, held-out greedy success checked every 20 steps, stop at the target or the step budget.
+only, held-out greedy success checked every model.tiny.warm_start_check_every steps, stop at the target or
+the step budget.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pipelinerl.config import TaskConfig, TinyModelConfig
+from pipelinerl.envs.episode import Episode
+from pipelinerl.envs.runner import EpisodeResult, run_episode
 from pipelinerl.tasks.base import PromptItem, Task
 from pipelinerl.tiny_model import build_tiny_model, save_model
 
 BATCH_SIZE = 128
-CHECK_EVERY = 20
+STEP_TIMEOUT_S = 30.0  # an environment's answer in a demonstration or a greedy episode
+EPISODE_CHUNK = 1024  # episodes run at once (a greedy turn of all of them is one generate call)
 IGNORE = -100  # label of tokens without loss (transformers' convention)
 
 
@@ -31,6 +41,41 @@ def encode_examples(tokenizer, items: list[PromptItem]) -> tuple[torch.Tensor, t
         answer = tokenizer(item.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
         labels.append([IGNORE] * len(prompt) + answer)
+    return _padded(tokenizer, rows, labels)
+
+
+def encode_episodes(tokenizer, task: Task, items: list[PromptItem]) -> tuple[torch.Tensor, torch.Tensor]:
+    """encode_examples for a multi-turn task: each item's demonstrated episode, labels on its model tokens."""
+    episodes = [ep for chunk in _chunks(items) for ep in asyncio.run(_demonstrated(tokenizer, task, chunk))]
+    rows = [ep.token_ids for ep in episodes]
+    labels = [[t if m else IGNORE for t, m in zip(ep.token_ids, ep.loss_mask)] for ep in episodes]
+    return _padded(tokenizer, rows, labels)
+
+
+async def _demonstrated(tokenizer, task: Task, items: list[PromptItem]) -> list[Episode]:
+    async def one(item: PromptItem) -> Episode:
+        turns = iter(task.demonstration(item))
+
+        async def generate(prefix: list[int], max_tokens: int) -> _Greedy:
+            ids = tokenizer(next(turns), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+            return _Greedy(ids, [0.0] * len(ids), [0] * len(ids), True)
+
+        result = await run_episode(generate, task.environment(item), tokenizer, task.episode_limits, STEP_TIMEOUT_S)
+        if result.end_reason != "finished" or not task.is_success(result.reward):
+            raise ValueError(f"task {task.name!r}: the demonstration of item {item.id} does not solve it "
+                             f"({result.end_reason}, reward {result.reward})")
+        return result.episode
+
+    return list(await asyncio.gather(*map(one, items)))
+
+
+def _chunks(items: list[PromptItem]) -> list[list[PromptItem]]:
+    """Episodes run EPISODE_CHUNK at a time: each one's step timeout counts from its call, on a loop that all
+    of them share."""
+    return [items[i:i + EPISODE_CHUNK] for i in range(0, len(items), EPISODE_CHUNK)]
+
+
+def _padded(tokenizer, rows: list[list[int]], labels: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     length = max(map(len, rows))
     ids_BL = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
     labels_BL = torch.full((len(rows), length), IGNORE, dtype=torch.long)
@@ -74,8 +119,70 @@ def greedy_completions(model, tokenizer, items: list[PromptItem], batch_size: in
     return results
 
 
+@dataclass
+class _Greedy:
+    """One model turn (envs/runner.py's Sampled)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finished: bool
+
+
+@torch.inference_mode()
+def greedy_episodes(model, tokenizer, task: Task, items: list[PromptItem]) -> list[EpisodeResult]:
+    """Every item's episode (task.episode_limits) with argmax turns. The episodes run side by side; the turns
+    they wait for are decoded together (_decode)."""
+    was_training = model.training
+    model.eval()
+    results = [r for chunk in _chunks(items) for r in asyncio.run(_greedy_episodes(model, tokenizer, task, chunk))]
+    model.train(was_training)
+    return results
+
+
+async def _greedy_episodes(model, tokenizer, task: Task, items: list[PromptItem]) -> list[EpisodeResult]:
+    waiting: list[tuple[list[int], int, asyncio.Future]] = []
+
+    async def generate(prefix: list[int], max_tokens: int) -> _Greedy:
+        done = asyncio.get_running_loop().create_future()
+        waiting.append((prefix, max_tokens, done))
+        return await done
+
+    episodes = [asyncio.create_task(run_episode(generate, task.environment(item), tokenizer, task.episode_limits,
+                                                STEP_TIMEOUT_S, name=f"greedy episode {item.id}")) for item in items]
+    while not all(e.done() for e in episodes):
+        while len(waiting) + sum(e.done() for e in episodes) < len(episodes):  # every episode at its next turn
+            await asyncio.sleep(0 if len(waiting) else 1e-3)
+        batch, waiting[:] = list(waiting), []
+        _decode(model, tokenizer.eos_token_id, batch)
+    return [e.result() for e in episodes]
+
+
+def _decode(model, eos: int, batch: list[tuple[list[int], int, asyncio.Future]]) -> None:
+    """Answer each waiting turn: argmax tokens up to its max_tokens, through its first EOS. One generate per
+    max_tokens, the prefixes left-padded (the attention mask hides the padding; generate derives the
+    positions from it)."""
+    by_limit: dict[int, list] = {}
+    for prefix, max_tokens, done in batch:
+        by_limit.setdefault(max_tokens, []).append((prefix, done))
+    for max_tokens, group in by_limit.items():
+        width = max(len(p) for p, _ in group)
+        ids_BL = torch.full((len(group), width), eos, dtype=torch.long)
+        mask_BL = torch.zeros((len(group), width), dtype=torch.long)
+        for i, (prefix, _) in enumerate(group):
+            ids_BL[i, width - len(prefix):], mask_BL[i, width - len(prefix):] = torch.tensor(prefix), 1
+        out = model.generate(ids_BL, attention_mask=mask_BL, do_sample=False, max_new_tokens=max_tokens,
+                             min_new_tokens=0, eos_token_id=eos, pad_token_id=eos)[:, width:]
+        for (_, done), tokens in zip(group, out.tolist()):
+            finished = eos in tokens
+            tokens = tokens[:tokens.index(eos) + 1] if finished else tokens
+            done.set_result(_Greedy(tokens, [0.0] * len(tokens), [0] * len(tokens), finished))
+
+
 def greedy_success(model, tokenizer, task: Task, items: list[PromptItem]) -> float:
-    """Share of items whose greedy completion is a success (`Task.is_success`)."""
+    """Share of items whose greedy completion (a multi-turn task: episode) is a success (`Task.is_success`)."""
+    if task.multi_turn:
+        return sum(task.is_success(r.reward) for r in greedy_episodes(model, tokenizer, task, items)) / len(items)
     completions = greedy_completions(model, tokenizer, items)
     return sum(task.is_success(task.reward(item, *done)) for item, done in zip(items, completions)) / len(items)
 
@@ -100,12 +207,13 @@ def warm_start(model_dir: str | Path, task: Task, shape: TinyModelConfig) -> dic
     or at the first check with held-out greedy success >= shape.warm_start_target. Deterministic given
     shape.seed (batch order) apart from floating-point thread effects.
     """
-    if not task.exact_completions:
-        raise ValueError(f"the warm start trains on exact completions (the tiny tasks: addition, arithmetic); "
-                         f"task {task.name!r} has none")
+    if not (task.exact_completions or task.multi_turn):
+        raise ValueError(f"the warm start trains on exact completions or demonstrated episodes (the tiny tasks: "
+                         f"addition, arithmetic, tool_sums); task {task.name!r} has neither")
     started = time.monotonic()
     model, tokenizer = _load(model_dir)
-    ids_BL, labels_BL = encode_examples(tokenizer, task.train_items)
+    ids_BL, labels_BL = (encode_episodes(tokenizer, task, task.train_items) if task.multi_turn
+                         else encode_examples(tokenizer, task.train_items))
     lengths_B = (labels_BL != IGNORE).int().cumsum(1).argmax(1) + 1  # up to each row's last labelled token
     generator = torch.Generator().manual_seed(shape.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=shape.warm_start_lr, betas=(0.9, 0.98))
@@ -120,7 +228,7 @@ def warm_start(model_dir: str | Path, task: Task, shape: TinyModelConfig) -> dic
         optimizer.step()
         losses.append(loss.item())
         steps += 1
-        if steps % CHECK_EVERY == 0 or steps == shape.warm_start_steps:
+        if steps % shape.warm_start_check_every == 0 or steps == shape.warm_start_steps:
             success = greedy_success(model, tokenizer, task, task.eval_items)
             if success >= shape.warm_start_target:
                 break
