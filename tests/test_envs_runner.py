@@ -1,10 +1,11 @@
 """The episode runner (envs/runner.py) with the tiny tokenizer and a scripted policy: the tool_sums episode
 token for token, every prefix a server was given is a prefix of the final sequence, and an environment that
 raises, hangs or answers garbage ends only its own episode. Then the actor's stream row of an episode and
-its statistics (actor/episodes.py)."""
+its statistics (actor/episodes.py), and the README's example environment."""
 
 import asyncio
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from pipelinerl.envs.environment import Environment, EnvReply, reply_problem
 from pipelinerl.envs.episode import NO_VERSION, EpisodeLimits
 from pipelinerl.envs.runner import ENV_ERROR, run_episode
 from pipelinerl.streams.schema import group_batch
+from pipelinerl.tasks.base import PromptItem
 from pipelinerl.tasks.tool_sums import ToolSumsTask
 from pipelinerl.tiny_model import build_tokenizer
 
@@ -165,3 +167,23 @@ def test_an_episode_row_and_its_statistics(tok, task):
     assert s["actor/episode/turns"] == 1.5 and s["actor/episode/env_errors"] == 1.0
     assert s["actor/episode/straddling"] == 0.5 and s["actor/episode/tool_call_success"] == 1.0
     assert s["actor/episode/env_tokens"] == len(item.answer) / 2
+
+
+def test_the_readme_s_environment_example_runs_with_the_real_sandbox():
+    """README.md's "Writing an environment" code: a Python tool call through the sandbox, then the answer."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("Writing an environment"):]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start:section.index("\n```", start)]
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 -- the project's own README
+    env = namespace["PythonMathEnv"](PromptItem("q", "What is 6*7?", "42"))
+    assert [t["function"]["name"] for t in env.tools] == ["python"]
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'
+    ran = asyncio.run(env.step(call))
+    assert ran.messages == [{"role": "tool", "content": "42\n"}] and (ran.tool_calls, ran.tool_errors) == (1, 0)
+    bad = asyncio.run(env.step("<tool_call>{not json}</tool_call>"))
+    assert bad.tool_errors == 1 and bad.messages[0]["content"].startswith("Error:")
+    assert asyncio.run(env.step(r"so \boxed{42}")) == EnvReply(done=True, reward=1.0)
+    assert asyncio.run(env.step(r"so \boxed{41}")).reward == 0.0
+    asyncio.run(namespace["SANDBOX"].close())
