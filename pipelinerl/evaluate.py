@@ -195,8 +195,8 @@ async def sample_suites(cfg: Config, task, tokenizer, suites: list) -> tuple[lis
     limits = httpx.Limits(max_connections=cfg.actor.max_groups_in_flight)
     async with httpx.AsyncClient(limits=limits) as http:
         version = await client.serving_version(http)
-        sampled = await asyncio.gather(*(sample_suite(client, http, task, tokenizer, suite,
-                                                      cfg.actor.sampling.max_new_tokens, gate) for suite in suites))
+        sampled = await asyncio.gather(*(sample_suite(client, http, task, tokenizer, suite, cfg, gate)
+                                         for suite in suites))
     return [[s.outcome for s in items] for items in sampled], version
 
 

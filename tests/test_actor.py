@@ -612,3 +612,56 @@ def test_a_server_killed_mid_run_costs_no_group(servers, tmp_path):
     # Its requests fail, or move when its failed /status read sets it aside first: they were retried either way.
     assert re.search(rf"completion on {killed} failed|server {killed} set aside \(.*\): cancelling", log), log[-3000:]
     assert list_servers(run_dir)  # discovery files are the launcher's to clean, not the actor's
+
+
+def test_a_multi_turn_task_is_evaluated_in_episodes(tmp_path, tiny_model_dir):
+    """tool_sums' held-out split, greedy, against a fake server that continues each episode's token prefix
+    as scripted: item 0 calls the calculator, then copies its answer (success); item 1 answers "1" at once.
+    The eval rows are the episodes (turns, tool calls, loss mask) and pass@1, mean length (model tokens) and
+    truncation rate are the hand-computed ones."""
+    cfg = _config(tmp_path / "run", tiny_model_dir, tmp_path / "actor.yaml", "actor.max_lag=null",
+                  "task.name=tool_sums", "actor.eval_every_steps=1", "actor.eval_samples=2",
+                  "actor.sampling.max_new_tokens=20", "inference.max_model_len=96")
+    (tmp_path / "run" / SERVERS_DIR).mkdir(parents=True)
+    (tmp_path / "run" / SERVERS_DIR / "h_1").write_text("http://h:1\n")
+    actor = Actor(cfg, "probe")
+    tok, (suite,) = actor.tokenizer, actor.eval_suites
+    first, second = suite.items
+    call = f"=={first.prompt[:-1]}="
+    prompts = {tuple(actor.prompt_ids(i)): i for i in suite.items}
+    requests = []
+
+    def complete(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        prefix = tuple(body["prompt"])
+        requests.append((len(prefix), body["max_tokens"], body["temperature"]))
+        if prefix in prompts:
+            text = call if prompts[prefix] is first else "1"
+        else:  # item 0's second turn: the prefix ends with the calculator's answer
+            assert tok.decode(list(prefix)).endswith(f"{call}<eos>{first.answer}"), tok.decode(list(prefix))
+            text = first.answer
+        ids = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": text, "token_ids": ids,
+                                                      "logprobs": {"token_logprobs": [-0.5] * len(ids)},
+                                                      "policy_versions": [3] * len(ids), "finish_reason": "stop"}]})
+
+    async def evaluate() -> dict:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(complete)) as http:
+            return await actor.evaluate(http, 3)
+
+    try:
+        returned = asyncio.run(evaluate())
+    finally:
+        actor.close()
+    assert len(requests) == 3 and all(t == 0.0 for _, _, t in requests)
+    model_tokens = [len(call) + 1 + len(first.answer) + 1, 1 + 1]
+    expected = {"eval/default/pass@1": 0.5, "eval/success": 0.5, "eval/default/mean_length": sum(model_tokens) / 2,
+                "eval/default/truncation_rate": 0.0}
+    assert returned == pytest.approx(expected)
+    groups = [g.to_pylist() for g in StreamReader(cfg.run_dir, "eval", cfg.streams).read_groups(2, timeout_s=5.0)]
+    rows = {json.loads(g[0]["metadata"])["prompt_id"]: g[0] for g in groups}
+    solved, wrong = rows[first.id], rows[second.id]
+    assert (solved["turns"], solved["tool_calls"], solved["reward"], solved["end_reason"]) == (2, 1, 1.0, "finished")
+    assert (wrong["turns"], wrong["tool_calls"], wrong["reward"]) == (1, 0, 0.0)
+    assert sum(solved["loss_mask"]) == model_tokens[0] and len(solved["loss_mask"]) == model_tokens[0] + len(
+        first.answer)  # the calculator's answer: environment tokens

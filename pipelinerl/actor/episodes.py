@@ -8,13 +8,51 @@ trainer counts them.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass
 
-from pipelinerl.envs.episode import NO_VERSION
-from pipelinerl.envs.runner import EpisodeResult
+import httpx
+
+from pipelinerl.actor.client import Completion, CompletionsClient
+from pipelinerl.config import Config
+from pipelinerl.envs.episode import NO_VERSION, EpisodeLimits
+from pipelinerl.envs.runner import EpisodeResult, run_episode
+from pipelinerl.eval_metrics import ItemOutcome
 from pipelinerl.streams import Rollout
-from pipelinerl.tasks import PromptItem
+from pipelinerl.tasks import PromptItem, Task
+
+
+def episode_limits(cfg: Config) -> EpisodeLimits:
+    """actor.episode's limits; an episode never outgrows what a server holds (inference.max_model_len)."""
+    e = cfg.actor.episode
+    per_turn = e.max_tokens_per_turn or cfg.actor.sampling.max_new_tokens
+    total = min(e.max_total_tokens, cfg.inference.max_model_len or e.max_total_tokens)
+    return EpisodeLimits(max_turns=e.max_turns, max_tokens_per_turn=per_turn, max_total_tokens=total)
+
+
+async def sample_episodes(client: CompletionsClient, http: httpx.AsyncClient, task: Task, tokenizer,
+                          item: PromptItem, cfg: Config, n: int, greedy: bool, temperature: float | None = None,
+                          min_version: int | None = None, name: str = "episode") -> list[EpisodeResult]:
+    """n episodes of `item`, side by side (envs/runner.py), every turn one request (`temperature`: None is
+    actor.sampling's). Each turn's request carries `min_version`: the lag bound taken at the episode's start."""
+    async def generate(prefix: list[int], max_tokens: int) -> Completion:
+        (done,) = await client.complete(http, prefix, greedy=greedy, n=1, temperature=temperature,
+                                        min_version=min_version, max_tokens=max_tokens)
+        return done
+
+    limits, timeout_s = episode_limits(cfg), cfg.actor.episode.step_timeout_s
+    return list(await asyncio.gather(*[run_episode(generate, task.environment(item), tokenizer, limits, timeout_s,
+                                                   name=f"{name}/{k}") for k in range(n)]))
+
+
+def episode_outcome(task: Task, item: PromptItem, results: list[EpisodeResult]) -> ItemOutcome:
+    """An eval item's ItemOutcome from its episodes: the last model turn's text (the answer), the episode's
+    reward, its model tokens as the length, and whether it ended as the environment decided (finished)."""
+    texts = [r.episode.model_turns[-1].text for r in results]
+    rewards = [r.reward for r in results]
+    return ItemOutcome(item.id, texts, rewards, [task.is_success(x) for x in rewards],
+                       [sum(r.episode.loss_mask) for r in results], [r.end_reason == "finished" for r in results])
 
 
 def episode_rollout(run_id: str, group_id: str, k: int, item: PromptItem, result: EpisodeResult, task: str,

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
 from pipelinerl.actor.client import Completion, CompletionsClient
+from pipelinerl.actor.episodes import episode_outcome, sample_episodes
 from pipelinerl.config import Config
 from pipelinerl.config.actor import DEFAULT_EVAL_SET
+from pipelinerl.envs.runner import EpisodeResult
 from pipelinerl.eval_metrics import ItemOutcome
 from pipelinerl.tasks import PromptItem, Task
 
@@ -44,12 +46,14 @@ class EvalSuite:
 
 @dataclass
 class SampledItem:
-    """One item of a suite: its prompt tokens, its completions and their grades."""
+    """One item of a suite: its prompt tokens, its completions (a multi-turn task: episodes) and their
+    grades."""
 
     item: PromptItem
     prompt_ids: list[int]
     completions: list[Completion]
     outcome: ItemOutcome
+    episodes: list[EpisodeResult] = field(default_factory=list)
 
 
 def held_out_suite(cfg: Config, task: Task, samples: int, temperature: float) -> EvalSuite:
@@ -85,15 +89,19 @@ def grade(task: Task, item: PromptItem, completions: list[Completion], max_new_t
 
 
 async def sample_suite(client: CompletionsClient, http: httpx.AsyncClient, task: Task, tokenizer,
-                       suite: EvalSuite, max_new_tokens: int,
-                       gate: asyncio.Semaphore | None = None) -> list[SampledItem]:
+                       suite: EvalSuite, cfg: Config, gate: asyncio.Semaphore | None = None) -> list[SampledItem]:
     """Every item of the suite, in order: its `samples` completions in one request (at most `gate`'s count of
-    requests at once; None: no bound), graded off the event loop (the math task's grading may block)."""
+    items at once; None: no bound), graded off the event loop (the math task's grading may block). A
+    multi-turn task's item is `samples` episodes with its environment (actor.episode's limits), graded by it."""
     async def one(item: PromptItem) -> SampledItem:
         ids = item.token_ids(tokenizer)
         async with gate or contextlib.nullcontext():
+            if task.multi_turn:
+                episodes = await sample_episodes(client, http, task, tokenizer, item, cfg, suite.samples,
+                                                 suite.greedy, suite.temperature, name=f"eval {suite.name}/{item.id}")
+                return SampledItem(item, ids, [], episode_outcome(task, item, episodes), episodes)
             completions = await client.complete(http, ids, suite.greedy, suite.samples, suite.temperature)
-        outcome = await asyncio.to_thread(grade, task, item, completions, max_new_tokens)
+        outcome = await asyncio.to_thread(grade, task, item, completions, cfg.actor.sampling.max_new_tokens)
         return SampledItem(item, ids, completions, outcome)
 
     return list(await asyncio.gather(*map(one, suite.items)))

@@ -34,13 +34,11 @@ from collections.abc import Iterator
 import httpx
 
 from pipelinerl.actor.client import Completion, CompletionsClient
-from pipelinerl.actor.episodes import EpisodeStats, episode_rollout
+from pipelinerl.actor.episodes import EpisodeStats, episode_rollout, sample_episodes
 from pipelinerl.actor.evals import actor_suites, sample_suite
 from pipelinerl.actor.resume import record_started, resume_position
 from pipelinerl.config import Config
 from pipelinerl.config.actor import DEFAULT_EVAL_SET
-from pipelinerl.envs.episode import EpisodeLimits
-from pipelinerl.envs.runner import run_episode
 from pipelinerl.eval_metrics import scalars as eval_scalars
 from pipelinerl.eval_metrics import summarize
 from pipelinerl.streams import EVAL_TOPIC, ROLLOUT_TOPIC, Rollout
@@ -66,9 +64,6 @@ class Actor:
         self.writer = StreamWriter(cfg.run_dir, ROLLOUT_TOPIC, actor_id, cfg.streams)
         self.eval_writer = StreamWriter(cfg.run_dir, EVAL_TOPIC, actor_id, cfg.streams)
         self.tb = Scalars(cfg.run_dir, actor_id)
-        if self.task.multi_turn and cfg.actor.eval_every_steps:
-            raise ValueError(f"task {self.task.name!r} is multi-turn and the actor's evaluation samples single "
-                             "completions: set actor.eval_every_steps=0 (evaluation with tools is not built yet)")
         # Built now, so a missing eval file stops the start (not the first evaluation, hours in).
         self.eval_suites = actor_suites(cfg, self.task) if cfg.actor.eval_every_steps else []
         self.version = 0  # the version every eligible server serves (the oldest they report; -1: none answered)
@@ -83,7 +78,6 @@ class Actor:
         self.held_since: float | None = None  # since when the lag bound has held every group back (_log_if_held)
         self.held_log = 0.0  # when the next such warning is due
         self.episodes = EpisodeStats()  # multi-turn tasks: since the last log_window
-        self.episode_limits = episode_limits(cfg)
 
     def _resume(self) -> tuple[int, int, int]:
         """(samples in the stream from every actor, the next prompt number, groups lost in all lives): the
@@ -121,16 +115,9 @@ class Actor:
         completion is everything after the prompt, model and environment tokens, with its loss mask. Every
         turn's request carries the group's min_version: the lag bound is taken at the episode's start."""
         group_id = f"{self.actor_id}/{index}"
-
-        async def generate(prefix: list[int], max_tokens: int) -> Completion:
-            (done,) = await self.client.complete(http, prefix, greedy=False, n=1, max_tokens=max_tokens,
-                                                 min_version=min_version)
-            return done
-
-        results = await asyncio.gather(*[
-            run_episode(generate, self.task.environment(item), self.tokenizer, self.episode_limits,
-                        self.cfg.actor.episode.step_timeout_s, name=f"episode {group_id}/{k}")
-            for k in range(self.cfg.actor.attempts)])
+        results = await sample_episodes(self.client, http, self.task, self.tokenizer, item, self.cfg,
+                                        self.cfg.actor.attempts, greedy=False, min_version=min_version,
+                                        name=f"episode {group_id}")
         rows = [episode_rollout(self.cfg.run_dir, group_id, k, item, r, self.task.name, self.actor_id,
                                 {"prompt_index": index}) for k, r in enumerate(results)]
         if self.client.reference_pool is not None:
@@ -214,16 +201,17 @@ class Actor:
         """Every eval suite (actor_suites) on the servers' weights of `version`: each item's completions go to the
         `eval` topic as one group tagged with its set; per set, pass@1, pass@<samples>, mean length and
         truncation rate go to TensorBoard (and the `default` set's pass@1 as `eval/success` too)."""
-        limit = self.cfg.actor.sampling.max_new_tokens
-        results = await asyncio.gather(*[sample_suite(self.client, http, self.task, self.tokenizer, suite, limit)
+        results = await asyncio.gather(*[sample_suite(self.client, http, self.task, self.tokenizer, suite, self.cfg)
                                          for suite in self.eval_suites])
         scalars = {}
         for suite, sampled in zip(self.eval_suites, results):
             for s in sampled:
-                self.eval_writer.write_group(self.rollouts(
-                    f"{self.actor_id}/eval{version}/{suite.name}/{s.item.id}", s.item, s.prompt_ids, s.completions,
-                    s.outcome.rewards, {"eval_version": version, "eval_set": suite.name,
-                                        "temperature": suite.temperature}))
+                group_id = f"{self.actor_id}/eval{version}/{suite.name}/{s.item.id}"
+                meta = {"eval_version": version, "eval_set": suite.name, "temperature": suite.temperature}
+                self.eval_writer.write_group(
+                    [episode_rollout(self.cfg.run_dir, group_id, k, s.item, r, self.task.name, self.actor_id, meta)
+                     for k, r in enumerate(s.episodes)] if s.episodes else
+                    self.rollouts(group_id, s.item, s.prompt_ids, s.completions, s.outcome.rewards, meta))
             scalars |= eval_scalars(suite.name, summarize([s.outcome for s in sampled]))
         self.eval_writer.flush()
         if f"eval/{DEFAULT_EVAL_SET}/pass@1" in scalars:  # read by launch/summary.py and tools/report.py
@@ -325,14 +313,6 @@ class Actor:
         self.eval_writer.close()
         self.tb.close()
         self.task.close()
-
-
-def episode_limits(cfg: Config) -> EpisodeLimits:
-    """actor.episode's limits; an episode never outgrows what a server holds (inference.max_model_len)."""
-    e = cfg.actor.episode
-    per_turn = e.max_tokens_per_turn or cfg.actor.sampling.max_new_tokens
-    total = min(e.max_total_tokens, cfg.inference.max_model_len or e.max_total_tokens)
-    return EpisodeLimits(max_turns=e.max_turns, max_tokens_per_turn=per_turn, max_total_tokens=total)
 
 
 def run_actor(cfg: Config, actor_id: str = "actor0") -> None:
