@@ -1,6 +1,7 @@
 """tools/bench_pipeline_vs_conventional.py's CPU time per role, on a fake run: a `pipelinerl.cli run` process
 that starts an actor and a server (each leading a process group of its own, as the launcher starts roles),
-the server with an engine-core child named as vLLM names it. Each burns a known amount of CPU time."""
+the server with an engine-core child named as vLLM names it. Each burns a known amount of CPU time. Then its
+episode statistics, from a hand-written stream."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS))
 
-from bench_pipeline_vs_conventional import ENGINE_CORE, RoleCpuSampler, cpu_per_role  # noqa: E402
+from bench_pipeline_vs_conventional import ENGINE_CORE, RoleCpuSampler, _stream_stats, cpu_per_role  # noqa: E402
 
 # burns `cpu_s` of its own CPU time, then waits for the file `stop`
 BURN = """
@@ -92,3 +93,21 @@ def test_processes_outside_the_roles_are_not_counted(tmp_path):
         while time.monotonic() < deadline and len(sampler.samples) < 20:
             time.sleep(0.1)
     assert len(sampler.samples) >= 20 and all(totals == {} for _, totals in sampler.samples)
+
+
+def test_stream_statistics_count_model_tokens_turns_and_straddling(tmp_path):
+    from pipelinerl.config import StreamsConfig
+    from pipelinerl.streams import Rollout, StreamWriter
+
+    def row(k: int, mask: list[int], versions: list[int], turns: int) -> Rollout:
+        n = len(mask)
+        return Rollout(run_id="r", group_id="g", sample_id=f"g/{k}", prompt_token_ids=[1], completion_token_ids=[5] * n,
+                       behaviour_logprobs=[0.0] * n, versions=versions, loss_mask=mask, reward=0.0, finished=True,
+                       truncated=False, task="t", actor_id="a", turns=turns, created_at=100.0)
+
+    with StreamWriter(tmp_path, "rollouts", "a", StreamsConfig()) as writer:
+        writer.write_group([row(0, [1, 1, 0, 0, 1], [3, 3, -1, -1, 4], 2), row(1, [1, 1, 1], [4, 4, 4], 1)])
+    stats = _stream_stats(tmp_path, 0.0, 200.0)
+    assert stats["tokens"] == 6 and stats["lengths"] == [3, 3] and stats["turn_lengths"] == [2, 1, 3]
+    assert stats["turns"] == [2, 1] and stats["straddling"] == [True, False]
+    assert _stream_stats(tmp_path, 0.0, 50.0)["tokens"] == 0  # received before the window

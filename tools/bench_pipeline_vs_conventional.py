@@ -3,11 +3,13 @@
 Each mode is a real `pipelinerl run` of one config (default configs/tiny_long_tail.yaml: the long-tailed
 arithmetic task, server and trainer on their own cores), the conventional one with `mode=conventional`, G
 steps per batch and the whole batch in flight, while this process samples the servers' running-requests
-gauge from /metrics. Then, side by side: samples trained per second and generated tokens per second (over
-the same window: first to last optimizer step), inference batch occupancy (running requests /
+gauge from /metrics. Then, side by side: samples trained per second and generated (model) tokens per second
+(over the same window: first to last optimizer step), inference batch occupancy (running requests /
 inference.max_num_seqs: mean, and per quarter of the window), trainer idle fraction (time waiting for data
 / step time), token lag mean and max next to tools/lag_model.py's prediction from the measured occupancy and
-rates, mean ESS and KL(behaviour||current) (k3) of the steps, the completion lengths, and the wall time from
+rates, mean ESS and KL(behaviour||current) (k3) of the steps, the completion lengths (model tokens), for
+multi-turn tasks (configs/tiny_tools.yaml) the turns per sample, the share of samples straddling a weight
+update (model tokens of more than one version) and the model turns' lengths, and the wall time from
 the first held-out evaluation (version 0) to the first one at or above --target; then where the time goes:
 the trainer's mean seconds per step waiting for data, training and broadcasting, and each role's CPU time
 per trained sample (vLLM's engine core apart from its API server) with the cores all roles kept busy, from the
@@ -199,22 +201,42 @@ def _time_to_target(evals: list, target: float) -> tuple[float | None, int | Non
     return None, None
 
 
-def _generated_tokens(run_dir: Path, t0: float, t1: float) -> tuple[int, list[int]]:
-    """Completion tokens received by the actor in [t0, t1], and every completion's length."""
+def _stream_stats(run_dir: Path, t0: float, t1: float) -> dict:
+    """From the rollout stream: model tokens received by the actor in [t0, t1] (`tokens`), every sample's model
+    tokens (`lengths`), every model turn's length (a run of loss_mask 1s), the model turns per sample, and
+    whether a sample's model tokens come from more than one policy version (it straddled an update)."""
     import pyarrow as pa
 
     from pipelinerl.streams.segments import list_segments, list_writers, topic_dir
 
-    tdir, tokens, lengths = topic_dir(run_dir, "rollouts"), 0, []
+    tdir = topic_dir(run_dir, "rollouts")
+    out = {"tokens": 0, "lengths": [], "turn_lengths": [], "turns": [], "straddling": []}
     for writer in list_writers(tdir):
         for segment in list_segments(tdir / writer):
             with pa.memory_map(str(segment.path)) as mapped:
                 table = pa.ipc.open_file(mapped).read_all()
-            n = [len(c) for c in table.column("completion_token_ids").to_pylist()]
-            created = table.column("created_at").to_pylist()
-            lengths += n
-            tokens += sum(k for k, t in zip(n, created) if t0 <= t <= t1)
-    return tokens, lengths
+            rows = zip(table.column("loss_mask").to_pylist(), table.column("versions").to_pylist(),
+                       table.column("turns").to_pylist(), table.column("created_at").to_pylist())
+            for mask, versions, turns, created in rows:
+                n = sum(mask)
+                out["lengths"].append(n)
+                out["tokens"] += n if t0 <= created <= t1 else 0
+                out["turn_lengths"] += _runs_of_ones(mask)
+                out["turns"].append(turns)
+                out["straddling"].append(len({v for v, m in zip(versions, mask) if m}) > 1)
+    return out
+
+
+def _runs_of_ones(mask: list[int]) -> list[int]:
+    """The lengths of the runs of 1s: [1, 1, 0, 1] -> [2, 1]."""
+    runs, n = [], 0
+    for m in [*mask, 0]:
+        if m:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs
 
 
 def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float, target: float,
@@ -225,7 +247,8 @@ def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float,
     steps = sorted(trainer["read_s"], key=lambda e: e.step)
     t0, t1 = steps[0].wall_time, steps[-1].wall_time  # from the end of step 1 to the end of the last
     window_s = t1 - t0
-    tokens, lengths = _generated_tokens(run_dir, t0, t1)
+    stream = _stream_stats(run_dir, t0, t1)
+    tokens, lengths, turn_lengths = stream["tokens"], stream["lengths"], stream["turn_lengths"]
     busy = [sum(e.value for e in trainer[k]) for k in ("read_s", "train_s", "broadcast_s")]
     running = [v for t, v in gauge if t0 <= t <= t1]
     slots = cfg.inference.max_num_seqs * cfg.inference.num_servers
@@ -242,6 +265,11 @@ def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float,
             "trainer_idle": busy[0] / sum(busy), "lag_mean": float(lag.mean()), "lag_max": int(lag.max()),
             "time_to_target_s": to_target_s, "target_version": at_version, "wall_s": wall_s,
             "mean_length": float(np.mean(lengths)), "lengths": lengths,
+            "turns_mean": float(np.mean(stream["turns"])),
+            "multi_turn": float(np.mean(np.asarray(stream["turns"]) > 1)),
+            "straddling": float(np.mean(stream["straddling"])),
+            "turn_length_median": float(np.median(turn_lengths)),
+            "turn_length_p99": float(np.percentile(turn_lengths, 99)),
             "steps": steps[-1].step, "samples_per_step": cfg.trainer.samples_per_step, "max_lag": cfg.actor.max_lag,
             # where the trainer's time goes, per optimizer step
             **{f"step_{k}": float(np.mean([e.value for e in trainer[k]]))
@@ -278,6 +306,10 @@ ROWS = [("samples trained / s", "samples_per_s", "{:.1f}"), ("generated tokens /
         ("lag max", "lag_max", "{}"), ("lag mean / max, lag model", "predicted", "{}"),
         ("ESS (mean of steps)", "ess", "{:.3f}"), ("KL(behaviour||current) k3", "kl_k3", "{:.4f}"),
         ("completion length median", "length_median", "{:.0f}"), ("completion length p99", "length_p99", "{:.0f}"),
+        ("model turns per sample", "turns_mean", "{:.2f}"), ("  samples of > 1 turn", "multi_turn", "{:.3f}"),
+        ("  straddling an update", "straddling", "{:.3f}"),
+        ("model turn length median", "turn_length_median", "{:.0f}"),
+        ("model turn length p99", "turn_length_p99", "{:.0f}"),
         ("s to target success", "time_to_target_s", "{:.0f}"), ("  reached at version", "target_version", "{}"),
         ("wall s (whole run)", "wall_s", "{:.0f}"),
         ("trainer s/step: waiting", "step_read_s", "{:.3f}"), ("trainer s/step: training", "step_train_s", "{:.3f}"),
