@@ -158,13 +158,37 @@ def parse_eval_set(name: str, value) -> EvalSetConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """The Python sandbox of the math_tir task's tool calls (pipelinerl/envs/tools/sandbox.py): each call one
+    fresh confined process; these limits apply to each."""
+
+    workers: int = doc(4, "tool calls run at once per actor; more wait their turn, and the wait counts against "
+                          "actor.episode.step_timeout_s, not against timeout_s")
+    timeout_s: float = doc(10.0, "wall clock of one call; the model is told the script failed (timeout). Keep "
+                                 "actor.episode.step_timeout_s above it", unit="s")
+    cpu_s: float = doc(5.0, "CPU time of one call (whole seconds, rounded up); the model is told (cpu_limit)",
+                       unit="s")
+    memory_mb: int = doc(1024, "address space of each process of a call; numpy needs ~256", unit="MiB")
+    max_output_bytes: int = doc(4096, "kept of a call's stdout and of its stderr each: the tool message's size "
+                                      "(more stops the call: output_limit)", unit="bytes")
+    allow_unconfined_fs: bool = doc(False, "accept the weakest confinement (rlimits and seccomp only), where the "
+                                           "code can read every file the user can (a run's auth_token included); "
+                                           "false = the sandbox refuses to start on such a node")
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "timeout_s", "cpu_s", "memory_mb", "max_output_bytes"):
+            check_positive(getattr(self, name), f"task.sandbox.{name}")
+
+
+@dataclass
 class TaskConfig:
     """The data set and its reward."""
 
     name: str = doc("addition", "addition (2-digit sums, answer written units-first; CPU) | arithmetic (sums "
                                 "mixed with remainders by repeated subtraction: long-tailed lengths; CPU) | "
-                                "math (math-verify) | tool_sums (3-digit sums with a calculator tool: "
-                                "multi-turn episodes, actor.episode; CPU)")
+                                "math (math-verify) | math_tir (math with a Python tool: multi-turn episodes, "
+                                "actor.episode and task.sandbox; the final answer graded as math's) | tool_sums "
+                                "(3-digit sums with a calculator tool: multi-turn episodes, actor.episode; CPU)")
     dataset_path: str | None = doc(None, "math training rows: a .jsonl/.json/.parquet file (or a Hugging Face "
                                          "`datasets` folder) of {question, answer} "
                                          "rows (or problem/answer, or Open-Reasoner-Zero pairs)",
@@ -198,11 +222,19 @@ class TaskConfig:
            "rescaled to 0/1 rewards). 0 = off", unit="tokens")
     overlong_penalty: float = doc(0.5, "the penalty at the length limit when overlong_buffer_tokens > 0; below 1 so "
                                        "that a correct answer always outscores a wrong one")
+    sandbox: SandboxConfig = section(SandboxConfig)
 
     def __post_init__(self) -> None:
-        check_choice(self.name, ("addition", "arithmetic", "math", "tool_sums"), "task.name")
-        check(self.name != "math" or bool(self.dataset_path), "task.dataset_path",
-              "the math task needs a file of {question, answer} rows (.jsonl, .json or .parquet)")
+        check_choice(self.name, ("addition", "arithmetic", "math", "math_tir", "tool_sums"), "task.name")
+        check(self.name not in ("math", "math_tir") or bool(self.dataset_path), "task.dataset_path",
+              f"the {self.name} task needs a file of {{question, answer}} rows (.jsonl, .json or .parquet)")
+        # math_tir grades only an episode's answer turn, which the model ended: a cut turn ends the episode
+        # truncated with reward 0 (envs/runner.py) before any grading, and episodes have no completion length.
+        check(self.name != "math_tir" or not self.credit_truncated, "task.credit_truncated",
+              "math_tir never grades a cut turn (its episode ends truncated with reward 0); set it to false")
+        check(self.name != "math_tir" or self.overlong_buffer_tokens == 0, "task.overlong_buffer_tokens",
+              "the overlong penalty is per single-turn completion; math_tir's episodes are cut by actor.episode's "
+              "limits instead: set it to 0")
         check(0.0 < self.eval_fraction < 1.0, "task.eval_fraction", "must be in (0, 1)")
         check(isinstance(self.reward_timeout_s, int) and self.reward_timeout_s >= 1, "task.reward_timeout_s",
               "must be a whole number of seconds >= 1")

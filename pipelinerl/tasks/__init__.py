@@ -18,6 +18,10 @@ def task_class(name: str) -> type[Task]:
         from pipelinerl.tasks.math_task import MathTask
 
         return MathTask
+    if name == "math_tir":
+        from pipelinerl.tasks.math_tir import MathTirTask
+
+        return MathTirTask
     if name == "arithmetic":
         from pipelinerl.tasks.arithmetic import ArithmeticTask
 
@@ -26,7 +30,7 @@ def task_class(name: str) -> type[Task]:
         from pipelinerl.tasks.tool_sums import ToolSumsTask
 
         return ToolSumsTask
-    raise ValueError(f"unknown task {name!r}; choose addition, arithmetic, math or tool_sums")
+    raise ValueError(f"unknown task {name!r}; choose addition, arithmetic, math, math_tir or tool_sums")
 
 
 def get_task(cfg: TaskConfig) -> Task:
