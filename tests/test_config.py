@@ -61,6 +61,12 @@ def test_overrides_apply_with_types():
         (["model.tiny.num_attention_heads=8"], "head_dim = 16"),
         (["trainer.lr_schedule=cosine", "trainer.max_steps=null"], "set max_steps"),
         (["task.name=math"], "config `task.dataset_path`"),
+        (["task.name=math_tir"], "config `task.dataset_path`: the math_tir task needs a file"),
+        (["task.name=math_tir", "task.dataset_path=x.jsonl", "task.credit_truncated=true"],
+         "config `task.credit_truncated`: math_tir never grades a cut turn"),
+        (["task.name=math_tir", "task.dataset_path=x.jsonl", "task.overlong_buffer_tokens=10"],
+         "config `task.overlong_buffer_tokens`: the overlong penalty is per single-turn completion"),
+        (["task.sandbox.workers=0"], "config `task.sandbox.workers`: got 0; must be > 0"),
         (["task.overlong_buffer_tokens=100"], "config `task.overlong_buffer_tokens`: got 100: the penalty zone"),
         (["lr=1"], "unknown key `lr`"),
         (["trainer.lr"], "is not of the form key=value"),
@@ -119,7 +125,7 @@ def test_an_eval_set_name_becomes_a_tensorboard_tag():
 def test_the_7b_and_32b_configs_name_aime24_and_math500_beside_their_training_data():
     """Named, not read: the files are the user's and are checked when the actor or `pipelinerl eval` starts
     (tests/test_actor.py), so these configs load here without them."""
-    for name in ("qwen7b_orz.yaml", "qwen7b_orz_conventional.yaml", "qwen32b_orz.yaml"):
+    for name in ("qwen7b_orz.yaml", "qwen7b_orz_conventional.yaml", "qwen7b_tir.yaml", "qwen32b_orz.yaml"):
         cfg = load_config(REPO / "configs" / name)
         sets = cfg.task.eval_sets
         assert set(sets) == {"aime24", "math500"}

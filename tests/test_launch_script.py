@@ -90,6 +90,18 @@ def test_sbatch_lines_match_the_script_config(script):
     assert cfg.trainer.num_gpus in (None, s.training_nodes * node_placement(cfg).trainer_ranks)
 
 
+def test_the_tir_7b_config_renders_as_the_7b_script():
+    """configs/qwen7b_tir.yaml has qwen7b_orz.yaml's cluster: its script differs in the names alone."""
+    def script(name: str) -> str:
+        cfg = load_config(REPO / "configs" / name)
+        check_config(cfg)
+        return render_script(cfg, f"configs/{name}", [], "pipelinerl-7b", "job.sh")
+
+    tir, orz = script("qwen7b_tir.yaml"), script("qwen7b_orz.yaml")
+    assert "learning `math_tir` by RL" in tir and "pipelinerl_main configs/qwen7b_tir.yaml" in tir
+    assert tir.replace("qwen7b_tir", "qwen7b_orz").replace("`math_tir`", "`math`") == orz
+
+
 def test_optional_slurm_fields_reach_every_component():
     cfg = load_config(REPO / "configs/qwen7b_orz.yaml", ["launch.slurm.partition=gpu", "launch.slurm.account=rl",
                                                          "launch.slurm.cpus_per_task=4", "launch.slurm.time=01:00:00"])

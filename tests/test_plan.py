@@ -162,6 +162,14 @@ def test_reference_servers_appear_with_their_prompt_logprobs():
     assert not _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "rl.kl_coef=0.05").fits  # 72 + 12.5
 
 
+def test_the_tir_7b_config_plans_as_the_7b_run():
+    """configs/qwen7b_tir.yaml: the 7B run's cluster, servers and sequence length, so the same budget."""
+    for gpu in (80, 141):
+        tir, orz = (_plan(name, f"launch.gpu_memory_gb={gpu}") for name in ("qwen7b_tir.yaml", "qwen7b_orz.yaml"))
+        assert tir.fits, tir.problems
+        assert {r: p.items for r, p in tir.roles.items()} == {r: p.items for r, p in orz.roles.items()}
+
+
 def test_json_schema_and_exit_codes(capsys):
     assert cli.main(["plan", str(REPO / "configs/qwen32b_orz.yaml"), "--gpu-memory-gb", "141", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
