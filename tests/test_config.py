@@ -67,6 +67,8 @@ def test_overrides_apply_with_types():
         (["task.name=math_tir", "task.dataset_path=x.jsonl", "task.overlong_buffer_tokens=10"],
          "config `task.overlong_buffer_tokens`: the overlong penalty is per single-turn completion"),
         (["task.sandbox.workers=0"], "config `task.sandbox.workers`: got 0; must be > 0"),
+        (["task.name=math_tir", "task.dataset_path=x.jsonl", "task.sandbox.timeout_s=40"],
+         "config `actor.episode.step_timeout_s`: got 30.0; a step runs the turn's scripts"),
         (["task.overlong_buffer_tokens=100"], "config `task.overlong_buffer_tokens`: got 100: the penalty zone"),
         (["lr=1"], "unknown key `lr`"),
         (["trainer.lr"], "is not of the form key=value"),

@@ -51,6 +51,9 @@ class Config:
         check(self.task.overlong_buffer_tokens <= self.actor.sampling.max_new_tokens, "task.overlong_buffer_tokens",
               f"got {self.task.overlong_buffer_tokens}: the penalty zone must fit in actor.sampling.max_new_tokens "
               f"({self.actor.sampling.max_new_tokens})")
+        check(self.task.name != "math_tir" or self.actor.episode.step_timeout_s > self.task.sandbox.timeout_s,
+              "actor.episode.step_timeout_s", f"got {self.actor.episode.step_timeout_s}; a step runs the turn's "
+              f"scripts, each up to task.sandbox.timeout_s ({self.task.sandbox.timeout_s}): set it above that")
         check_choice(self.mode, ("pipeline", "conventional"), "mode")
         if self.mode == "conventional":
             self._check_conventional()
