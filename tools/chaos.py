@@ -106,7 +106,8 @@ def make_plan(kills: int, seed: int, kinds: tuple[str, ...], num_servers: int) -
 
 
 def role_leaders(cfg: Config) -> dict[str, int]:
-    """Role name (server<slot>, reference<i>, trainer, actor) -> pid of its process-group leader, live ones."""
+    """Role name (server<slot>, reference<i>, trainer, actor) -> pid of its process-group leader, live ones (not
+    zombies, not stopped)."""
     config_path, found = str(Path(cfg.run_dir) / "config.yaml"), {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -118,7 +119,8 @@ def role_leaders(cfg: Config) -> dict[str, int]:
             leader = os.getpgid(pid) == pid
         except (OSError, UnicodeDecodeError):
             continue
-        if state == "Z" or not leader or "pipelinerl.cli" not in argv or config_path not in argv:
+        # a SIGSTOPped one (T) is hung, not running: a kill waits for its replacement (healed)
+        if state in ("Z", "T") or not leader or "pipelinerl.cli" not in argv or config_path not in argv:
             continue
         sub = argv[argv.index("pipelinerl.cli") + 1]
         if sub == "serve":
