@@ -193,7 +193,9 @@ def check_report(report: dict, root: bool) -> None:
         assert bomb["reason"] == "timeout", (tier, bomb)
         if not root:  # root is exempt from RLIMIT_NPROC: its 500 forks may not all be done before the wall clock
             forks = int(bomb["stdout"].split("forks ")[1].split()[0])
-            assert forks < 32, (tier, forks)
+            # Tiers B and C: max_processes (32) more than the uid ran at the call's start, so a task of the uid
+            # that ends meanwhile (another call's, the driver's) frees a slot; CI once saw 32. Bounded either way.
+            assert forks < 2 * 32, (tier, forks)
         secrets = got["secrets"]["stdout"]
         env = secrets.rpartition("\nenv ")[2]
         assert env.startswith("[") and "SECRET" not in env and "HF_TOKEN" not in env, (tier, secrets)
