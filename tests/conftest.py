@@ -35,9 +35,9 @@ if _JIT_LOCK.exists() and time.time() - _JIT_LOCK.stat().st_mtime > 600:
 SHARED = {"test_conventional": "conventional_runs", "test_kl_analysis": "conventional_runs",
           "test_e2e_rl_options": "conventional_runs", "test_inference_recompute": "recompute_server",
           "test_sampling_logprobs": "recompute_server"}
-SLOWEST_FIRST = ["test_slurm", "conventional_runs", "test_chaos", "test_chaos_episodes", "test_delivery_trap", "test_trainer_loop",
-                 "test_e2e_local", "recompute_server", "test_inference_server", "test_actor", "test_launch_health",
-                 "test_reference", "test_trainer_deepspeed", "test_eval", "test_trainer_critic"]
+SLOWEST_FIRST = ["test_slurm", "conventional_runs", "test_chaos", "test_chaos_episodes", "test_delivery_trap",
+                 "test_trainer_loop", "test_e2e_local", "recompute_server", "test_inference_server", "test_actor",
+                 "test_launch_health", "test_reference", "test_trainer_deepspeed", "test_eval", "test_trainer_critic"]
 
 
 def _group(nodeid: str) -> str:

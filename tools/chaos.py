@@ -301,17 +301,20 @@ def exactly_once(run_dir: Path) -> tuple[bool, str]:
 
 
 def stream_gaps(run_dir: Path) -> int:
-    """Prompt numbers never published below each actor's highest: groups lost over the whole run."""
-    from pipelinerl.streams import ROLLOUT_TOPIC, StreamReader, StreamTimeout
+    """Prompt numbers never published below each actor's highest: groups lost over the whole run (a group
+    of equal rewards that rl.filter_zero_variance kept from the trainer is in the `filtered` topic)."""
+    from pipelinerl.streams import FILTERED_TOPIC, ROLLOUT_TOPIC, StreamReader, StreamTimeout
 
-    reader, numbers = StreamReader(run_dir, ROLLOUT_TOPIC, StreamsConfig()), {}
-    try:
-        while True:
-            for group in reader.read_groups(max_groups=256, timeout_s=1.0):
-                actor, _, k = group.column("group_id")[0].as_py().rpartition("/")
-                numbers.setdefault(actor, set()).add(int(k)) if k.isdigit() else None
-    except StreamTimeout:
-        pass
+    numbers = {}
+    for topic in (ROLLOUT_TOPIC, FILTERED_TOPIC):
+        reader = StreamReader(run_dir, topic, StreamsConfig())
+        try:
+            while True:
+                for group in reader.read_groups(max_groups=256, timeout_s=1.0):
+                    actor, _, k = group.column("group_id")[0].as_py().rpartition("/")
+                    numbers.setdefault(actor, set()).add(int(k)) if k.isdigit() else None
+        except StreamTimeout:
+            pass
     return sum(max(ks) + 1 - len(ks) for ks in numbers.values())
 
 

@@ -8,8 +8,9 @@ its group id is `<actor_id>/<k>`. Two facts, each on disk before anything depend
   await), so no request reaches a server for a prompt number it does not cover. N: prompts started in all
   the actor's lives; L: groups lost in flight up to this life's start.
 * The totals in the actor's newest published segment (streams.segments.WriterTotals): groups and rows
-  published in all its lives. They are in the segment's own metadata (published with it, atomically) and
-  the trainer's retention never deletes a writer's newest segment, so they survive `retention: delete`.
+  published in all its lives, in the rollouts and (rl.filter_zero_variance) in the `filtered` topic. They
+  are in the segment's own metadata (published with it, atomically) and the trainer's retention never
+  deletes a writer's newest segment, so they survive `retention: delete`.
 
 A restarted actor continues at prompt N. The groups it started and never published, N - published (in
 flight, or finished but still in the writer's buffer, when it died), are lost: counted, logged and never
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelinerl import atomic
-from pipelinerl.streams import ROLLOUT_TOPIC
+from pipelinerl.streams import FILTERED_TOPIC, ROLLOUT_TOPIC
 from pipelinerl.streams.segments import WriterTotals, list_writers, topic_dir, writer_totals
 
 log = logging.getLogger(__name__)
@@ -56,10 +57,13 @@ def state_path(run_dir: str | Path, actor_id: str) -> Path:
 
 
 def resume_position(run_dir: str | Path, actor_id: str) -> Resume:
-    """Where the actor `actor_id` of this run directory resumes (from the start if it never ran)."""
+    """Where the actor `actor_id` of this run directory resumes (from the start if it never ran). A group
+    written to the `filtered` topic (rl.filter_zero_variance) is published too, but not a sample to train."""
     tdir = topic_dir(run_dir, ROLLOUT_TOPIC)
     totals = {w: writer_totals(tdir / w) for w in list_writers(tdir)}
+    filtered = topic_dir(run_dir, FILTERED_TOPIC) / actor_id
     published = totals.get(actor_id, WriterTotals()).groups
+    published += writer_totals(filtered).groups if filtered.is_dir() else 0
     path = state_path(run_dir, actor_id)
     state = json.loads(path.read_text()) if path.exists() else {"started": 0, "lost": 0}
     started = max(state["started"], published)

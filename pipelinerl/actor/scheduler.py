@@ -41,12 +41,17 @@ from pipelinerl.config import Config
 from pipelinerl.config.actor import DEFAULT_EVAL_SET
 from pipelinerl.eval_metrics import scalars as eval_scalars
 from pipelinerl.eval_metrics import summarize
-from pipelinerl.streams import EVAL_TOPIC, ROLLOUT_TOPIC, Rollout
+from pipelinerl.streams import EVAL_TOPIC, FILTERED_TOPIC, ROLLOUT_TOPIC, Rollout
 from pipelinerl.tasks import PromptItem, get_task
 
 log = logging.getLogger(__name__)
 
 VERSION_WAIT_S = 1.0  # how long a loop turn waits for the servers' versions before it goes on without them
+
+
+def informative(group: list[Rollout]) -> bool:
+    """Whether a group's rewards differ: with all G equal, every group baseline gives advantage 0."""
+    return len({r.reward for r in group}) > 1
 
 
 class Actor:
@@ -63,6 +68,8 @@ class Actor:
                                         max_lag=cfg.actor.max_lag if cfg.mode == "pipeline" else 0)
         self.writer = StreamWriter(cfg.run_dir, ROLLOUT_TOPIC, actor_id, cfg.streams)
         self.eval_writer = StreamWriter(cfg.run_dir, EVAL_TOPIC, actor_id, cfg.streams)
+        self.filtered_writer = (StreamWriter(cfg.run_dir, FILTERED_TOPIC, actor_id, cfg.streams)
+                                if cfg.rl.filter_zero_variance else None)
         self.tb = Scalars(cfg.run_dir, actor_id)
         # Built now, so a missing eval file stops the start (not the first evaluation, hours in).
         self.eval_suites = actor_suites(cfg, self.task) if cfg.actor.eval_every_steps else []
@@ -74,7 +81,7 @@ class Actor:
         self.evals: set[asyncio.Task] = set()
         self.finished: dict[int, list[Rollout]] = {}  # prompt number -> rows waiting for earlier groups
         self.next_write = self.next_prompt  # the next group to write when writes are ordered
-        self.window = {"rewards": [], "tokens": 0, "samples": 0, "t0": time.monotonic()}
+        self.window = self._new_window()
         self.held_since: float | None = None  # since when the lag bound has held every group back (_log_if_held)
         self.held_log = 0.0  # when the next such warning is due
         self.episodes = EpisodeStats()  # multi-turn tasks: since the last log_window
@@ -138,7 +145,14 @@ class Actor:
     def write(self, index: int, rows: list[Rollout]) -> None:
         """Hand a finished group to the stream. Under a lag bound, groups are written in the order they
         started: the trainer then trains sample i at step floor(i / S), which is what the throttle
-        assumed when it let sample i start (a group finishing early waits for the ones before it)."""
+        assumed when it let sample i start (a group finishing early waits for the ones before it).
+
+        Dynamic sampling (rl.filter_zero_variance): a group of equal rewards goes to the `filtered` topic in
+        its turn instead, and leaves the throttle's count at once. Sample i is then the i-th informative
+        one; a group started while the filtered one was in flight counted it, so it waited for a version
+        at least as new as the bound needs: the bound still holds, and the actor generates on."""
+        if self.filtered_writer is not None and not informative(rows):
+            self.started_samples -= len(rows)
         self.finished[index] = rows
         ordered = self.cfg.actor.max_lag is not None or self.cfg.mode == "conventional"
         ready = sorted(self.finished) if not ordered else []
@@ -147,7 +161,10 @@ class Actor:
             self.next_write += 1
         for i in ready:
             group = self.finished.pop(i)
-            self.writer.write_group(group)
+            filtered = self.filtered_writer is not None and not informative(group)
+            (self.filtered_writer if filtered else self.writer).write_group(group)
+            self.window["groups"] += 1
+            self.window["filtered"] += filtered
             self.window["rewards"] += [r.reward for r in group]
             self.window["tokens"] += sum(len(r.completion_token_ids) for r in group)
             self.window["samples"] += len(group)
@@ -233,8 +250,15 @@ class Actor:
                                        **{f"actor/outcome/{k}": v
                                           for k, v in self.task.outcome_counts(reset=True).items()},
                                        **self.episodes.scalars()})
+        if self.filtered_writer is not None and w["groups"]:
+            self.tb.log(self.version, {"actor/filtered_frac": w["filtered"] / w["groups"]})
         self.episodes = EpisodeStats()
-        self.window = {"rewards": [], "tokens": 0, "samples": 0, "t0": time.monotonic()}
+        self.window = self._new_window()
+
+    @staticmethod
+    def _new_window() -> dict:
+        """The counters of one log window: rewards, tokens and samples written, groups finished and filtered."""
+        return {"rewards": [], "tokens": 0, "samples": 0, "groups": 0, "filtered": 0, "t0": time.monotonic()}
 
     async def run(self) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -311,6 +335,8 @@ class Actor:
     def close(self) -> None:
         self.writer.close()
         self.eval_writer.close()
+        if self.filtered_writer is not None:
+            self.filtered_writer.close()
         self.tb.close()
         self.task.close()
 

@@ -126,6 +126,11 @@ class RLConfig:
     gamma: float = doc(1.0, "GAE discount (value_function only)")
     gae_lambda: float = doc(1.0, "GAE lambda (value_function only)")
     value_coef: float = doc(0.5, "weight of the critic's squared error (value_function only)")
+    filter_zero_variance: bool = doc(False, "dynamic sampling (DAPO): a group whose G rewards are all equal gets "
+                                            "advantage 0 from the group baseline and is not trained; the actor "
+                                            "writes it to the `filtered` stream topic instead of the rollouts and "
+                                            "generates on, so every step trains samples_per_step informative "
+                                            "samples (with rl.kl_coef > 0 such groups lose only their KL term)")
     dpo_beta: float = doc(0.1, "online DPO temperature (algorithm=dpo only); the DPO loss is the mean over the "
                                "step's pairs of -log sigmoid(beta * margin) (seed 004)")
     dpo_reference: str = doc("reference", "DPO's reference log-probs (algorithm=dpo only): reference (the frozen "
@@ -142,6 +147,8 @@ class RLConfig:
               "ppo_clip and tis_cap both reshape the importance ratio; set at most one of them")
         check(self.algorithm == "grpo" or not self.value_function, "rl.value_function",
               "the critic's GAE advantages apply to algorithm=grpo only; DPO uses no advantages")
+        check(not (self.filter_zero_variance and self.value_function), "rl.filter_zero_variance",
+              "the critic learns from every group (GAE advantages are not zero for equal rewards): turn one off")
         check(self.max_token_lag is None or self.max_token_lag >= 0, "rl.max_token_lag",
               "must be >= 0, or null to keep every token")
         check(self.kl_coef >= 0, "rl.kl_coef", "must be >= 0")

@@ -33,8 +33,8 @@ Parallel filesystems (Lustre, GPFS, NFS) give no reliable locks, inotify or appe
 from pipelinerl.streams.reader import StreamReader, StreamTimeout, release
 from pipelinerl.streams.report import format_inspect, inspect
 from pipelinerl.streams.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION, Rollout
-from pipelinerl.streams.segments import EVAL_TOPIC, ROLLOUT_TOPIC
+from pipelinerl.streams.segments import EVAL_TOPIC, FILTERED_TOPIC, ROLLOUT_TOPIC
 from pipelinerl.streams.writer import StreamWriter
 
-__all__ = ["EVAL_TOPIC", "ROLLOUT_SCHEMA", "ROLLOUT_TOPIC", "SCHEMA_VERSION", "Rollout", "StreamReader",
-           "StreamTimeout", "StreamWriter", "format_inspect", "inspect", "release"]
+__all__ = ["EVAL_TOPIC", "FILTERED_TOPIC", "ROLLOUT_SCHEMA", "ROLLOUT_TOPIC", "SCHEMA_VERSION", "Rollout",
+           "StreamReader", "StreamTimeout", "StreamWriter", "format_inspect", "inspect", "release"]

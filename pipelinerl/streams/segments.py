@@ -38,6 +38,7 @@ CORRUPT_SUFFIX = ".corrupt"
 TOTALS_KEY = b"pipelinerl.writer_totals"  # schema metadata: WriterTotals as JSON
 
 ROLLOUT_TOPIC = "rollouts"  # the actors' training samples, read by the trainer (RUN_DIR/streams/rollouts)
+FILTERED_TOPIC = "filtered"  # groups of equal rewards the actors did not hand to the trainer (rl.filter_zero_variance)
 EVAL_TOPIC = "eval"  # the actors' held-out evaluation completions, for analysis (RUN_DIR/streams/eval)
 
 
