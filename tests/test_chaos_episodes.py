@@ -1,13 +1,16 @@
 """Multi-turn episodes survive crashes (issue #28), through tools/chaos.py: one short `pipelinerl run` of
 tiny_tools.yaml on a tool-calling tiny model, the actor SIGKILLed while its episodes run, then the only server
-SIGKILLed during a weight update. Every episode it consumed is trained exactly once, and the lag throttle at
-episode start bounds the lag of every trained model token, though episodes straddle updates.
+SIGKILLed during a weight update, on 2 trainer ranks with dynamic sampling (rl.filter_zero_variance). Every
+episode it consumed is trained exactly once, each step's samples_per_step are all of informative groups, every
+started group is in the rollouts or the `filtered` topic, and the lag throttle at episode start bounds the lag
+of every trained model token, though episodes straddle updates.
 
 No timing luck: the actor kill comes right after a trainer step, when the throttle has just let the actor start
 new groups (a tiny episode is two model turns: calculator call, then answer); the exactly-once verdict holds
 whatever was in flight. The server kill polls /status until `updating` is true. Every wait is bounded.
 """
 
+import collections
 import importlib.util
 import sys
 from pathlib import Path
@@ -45,7 +48,8 @@ def result(tmp_path_factory, tools_model_dir):
     overrides = [f"model.path={tools_model_dir}", "model.build_tiny_if_missing=false", "trainer.max_steps=14",
                  "trainer.samples_per_step=64", "trainer.warmup_steps=0", f"actor.max_lag={MAX_LAG}",
                  "actor.eval_every_steps=0", "checkpoints.every_steps=2", "checkpoints.keep_last=2",
-                 "streams.segment_max_seconds=0.5", f"inference.base_port={PORT}",
+                 "streams.segment_max_seconds=0.5", "trainer.num_gpus=2", "rl.filter_zero_variance=true",
+                 f"inference.base_port={PORT}",
                  f"trainer.broadcast_port={PORT + 50}"]
     out = tmp_path_factory.mktemp("chaos_episodes") / "run"
     res = chaos.run_chaos(str(REPO / "configs" / "tiny_tools.yaml"), PLAN, out, overrides, timeout_s=1500)
@@ -75,6 +79,9 @@ def test_the_episode_run_survives_an_actor_and_a_server_kill_training_every_epis
     assert res.kills[1].broadcast, "the server kill did not come during a weight update"
     assert all(k.down_s is not None for k in res.kills), res.table  # the trainer stepped after every kill
     assert res.exactly_once, res.table
+    # the prompts missing from both topics are the groups the restarted actor counted lost in flight: a filtered
+    # group is recorded, never silently gone
+    assert chaos.stream_gaps(out) == sum(k.lost_groups or 0 for k in res.kills), res.table
 
 
 def test_consumed_samples_are_multi_turn_episodes_and_every_trained_token_is_within_the_lag_bound(result):
@@ -83,6 +90,11 @@ def test_consumed_samples_are_multi_turn_episodes_and_every_trained_token_is_wit
     res, out = result
     assert res.code == 0, res.table
     rows = _consumed_rows(out)
+    assert len(rows) == 14 * 64  # max_steps x samples_per_step, on 2 ranks
+    rewards = collections.defaultdict(set)
+    for r in rows:
+        rewards[r["group_id"]].add(r["reward"])
+    assert all(len(v) > 1 for v in rewards.values())  # dynamic sampling: no group of equal rewards trained
     multi_turn = [r for r in rows if r["turns"] >= 2]
     assert len(multi_turn) > len(rows) / 2, f"{len(multi_turn)} of {len(rows)} episodes called the tool"
     for r in multi_turn:
