@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default 0)")
     p.add_argument("--warm-start", action="store_true",
                    help="then train it briefly (supervised) on --task so RL starts above 0 success")
-    p.add_argument("--task", choices=("addition", "arithmetic"), default="addition",
+    p.add_argument("--task", choices=("addition", "arithmetic", "tool_sums"), default="addition",
                    help="the tiny task of --warm-start (default addition)")
     p.set_defaults(func=cmd_make_tiny_model)
 
