@@ -260,12 +260,30 @@ def test_environment_is_an_allowlist_and_scratch_is_removed(sandbox, monkeypatch
     assert not Path(cwd).exists() and not Path(cwd).parent.exists()
 
 
-def test_close_stops_running_code(sandbox):
-    box = PythonSandbox(SandboxLimits(wall_s=60))
+def _code_running(work_root: Path) -> bool:
+    """Whether a sandboxed script of a work directory under `work_root` runs: its exec'd interpreter's command
+    line names <work>/scratch/main.py (in every tier: the host's /proc lists a child PID namespace's processes)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if f"{work_root}/pipelinerl-sbx-".encode() in cmdline and cmdline.rstrip(b"\0").endswith(b"/scratch/main.py"):
+            return True
+    return False
+
+
+def test_close_stops_running_code(sandbox, tmp_path):
+    box = PythonSandbox(SandboxLimits(wall_s=60, work_root=str(tmp_path)))
 
     async def main():
         run = asyncio.ensure_future(box.run("import time\ntime.sleep(60)"))
-        await asyncio.sleep(0.5)
+        # Closed once the code runs, not after a guessed delay: a launcher still starting Python (a loaded
+        # machine) would die of close's SIGTERM without a report, and a run not yet started would not be stopped.
+        deadline = time.monotonic() + 60
+        while not (box._running and _code_running(tmp_path)):
+            assert not run.done() and time.monotonic() < deadline, "the code never started running"
+            await asyncio.sleep(0.02)
         start = time.monotonic()
         await box.close()
         return await run, time.monotonic() - start
