@@ -80,7 +80,9 @@ out = Path(sys.argv[1])
 got = []
 signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
 visible = os.environ.get('CUDA_VISIBLE_DEVICES', '')
-(out / f"ready{os.environ['RANK']}").write_text(os.environ['WORLD_SIZE'] + " " + visible)
+ready = out / f"ready{os.environ['RANK']}"
+ready.with_suffix(".tmp").write_text(os.environ['WORLD_SIZE'] + " " + visible)
+ready.with_suffix(".tmp").rename(ready)  # whole once it exists: the test reads it as soon as it sees it
 while not got:
     time.sleep(0.05)
 (out / f"signalled{os.environ['RANK']}").touch()

@@ -11,11 +11,14 @@ import pytest
 
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
 
-# A role that starts a grandchild (as vLLM and DeepSpeed do), records both pids, then sleeps.
+# A role that starts a grandchild (as vLLM and DeepSpeed do), records both pids (whole once the file exists: written
+# aside, then renamed), then sleeps.
 PARENT = textwrap.dedent("""
-    import subprocess, sys, time
+    import os, subprocess, sys, time
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    open(sys.argv[1], "w").write(f"{__import__('os').getpid()} {child.pid}")
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
     time.sleep(600)
 """)
 
@@ -32,7 +35,7 @@ def _alive(pid: int) -> bool:
 def _wait_pids(path, timeout=20.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
+        if path.exists():
             return [int(p) for p in path.read_text().split()]
         time.sleep(0.05)
     raise AssertionError(f"no pids in {path}")
