@@ -69,7 +69,9 @@ def test_a_request_on_a_server_gone_silent_moves_to_another_within_server_silenc
 
     with caplog.at_level(logging.WARNING, logger="pipelinerl.actor.client"):
         elapsed = asyncio.run(hang_then_complete())
-    assert servers.asked == ["h:1", "h:2"] and 1.0 <= elapsed < 5.0
+    # moved after the silence (it counts from the request's start), and far below request_timeout_s: the slack is for
+    # a loaded machine (a silence of 1 s, probed every 0.5 s, moves it at about 1-1.5 s)
+    assert servers.asked == ["h:1", "h:2"] and 1.0 <= elapsed < 15.0
     assert "server http://h:1 set aside (no answer for 1 s, actor.server_silence_s=1" in caplog.text
     assert "cancelling its 1 request(s) in flight" in caplog.text
     client.pool.load["http://h:2"] = 5
@@ -103,7 +105,9 @@ def test_the_requests_of_a_server_whose_discovery_file_is_removed_move(tmp_path,
 
     with caplog.at_level(logging.WARNING, logger="pipelinerl.actor.client"):
         elapsed = asyncio.run(two_requests())
-    assert servers.asked == ["h:1", "h:1", "h:2", "h:2"] and elapsed < 2.0
+    # within about a probe period (0.5 s); /status still answers, so only the removed file can move them before
+    # request_timeout_s (3600 s): the bound leaves a loaded machine its slack
+    assert servers.asked == ["h:1", "h:1", "h:2", "h:2"] and elapsed < 15.0
     assert "server http://h:1 set aside (its discovery file is gone): cancelling its 2 request(s)" in caplog.text
 
     _announce(tmp_path, 1)
