@@ -559,7 +559,8 @@ def _assert_each_group_once(rows: list[dict], reader: StreamReader, groups: int)
 def test_a_hung_server_s_requests_move_to_the_other_one(servers, tmp_path):
     """server1 is SIGSTOPped (it accepts connections and answers nothing) while it runs requests, under a lag
     bound (ordered writes): the probe sets it aside after actor.server_silence_s, its requests move to
-    server0, and every group arrives, once, within a minute, far below request_timeout_s (3600 s)."""
+    server0, and every group arrives, once, within 3 minutes (a loaded machine's slack), far below
+    request_timeout_s (3600 s)."""
     run_dir = tmp_path / "run"
     _announce_servers(run_dir, servers["urls"])
     cfg_path = tmp_path / "actor.yaml"
@@ -575,7 +576,7 @@ def test_a_hung_server_s_requests_move_to_the_other_one(servers, tmp_path):
         os.killpg(pgid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()
-            rows = _read_samples(reader, total, proc, tmp_path / "actor.log", timeout_s=60)
+            rows = _read_samples(reader, total, proc, tmp_path / "actor.log", timeout_s=180)
             elapsed = time.monotonic() - t0
         finally:
             os.killpg(pgid, signal.SIGCONT)
@@ -584,7 +585,7 @@ def test_a_hung_server_s_requests_move_to_the_other_one(servers, tmp_path):
     log = (tmp_path / "actor.log").read_text()
     moved = re.search(rf"server {hung} set aside \((.*?)\): cancelling its (\d+) request\(s\) in flight", log)
     assert moved and int(moved[2]) >= 1, log[-3000:]
-    assert elapsed < 60
+    assert elapsed < 180
     _assert_each_group_once(rows, reader, total // G)
 
 
