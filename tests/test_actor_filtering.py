@@ -5,6 +5,8 @@ each prompt is known from the task, so which groups are informative is fixed by 
 
 import asyncio
 import json
+import logging
+import re
 from pathlib import Path
 
 import httpx
@@ -21,16 +23,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 class _ScriptedServer:
     """Version 0; a prompt whose answer has an even last digit gets one right completion among G (an
-    informative group), any other prompt G wrong ones (equal rewards: filtered)."""
+    informative group), any other prompt G wrong ones (equal rewards: filtered). `solves=False`: every prompt
+    gets G wrong ones."""
 
-    def __init__(self, answers: dict[tuple[int, ...], str]):
-        self.answers = answers
+    def __init__(self, answers: dict[tuple[int, ...], str], solves: bool = True):
+        self.answers, self.solves = answers, solves
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/status":
             return httpx.Response(200, json=_status(0))
         answer = self.answers[tuple(json.loads(request.content)["prompt"])]
-        right = int(answer[-1]) % 2 == 0
+        right = self.solves and int(answer[-1]) % 2 == 0
         texts = [answer if right and k == 0 else "x" for k in range(G)]
         return httpx.Response(200, json={"choices": [_choice(k, t, 2, True) for k, t in enumerate(texts)]})
 
@@ -46,12 +49,17 @@ def _groups(run_dir: Path, topic: str, cfg) -> list[list[dict]]:
 
 def _run_until_held(actor: Actor, server: _ScriptedServer, monkeypatch) -> None:
     """The actor's loop until the lag bound holds it with nothing in flight, then closed (publishing all)."""
+    _run_until(actor, server, monkeypatch, lambda: not actor.in_flight and actor.held_by() == "lag")
+
+
+def _run_until(actor: Actor, server: _ScriptedServer, monkeypatch, done) -> None:
+    """The actor's loop until `done()` (within 60 s), then closed (publishing all)."""
     monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: _ASYNC_CLIENT(transport=httpx.MockTransport(server), **kw))
 
     async def run() -> None:
         loop = asyncio.create_task(actor.run())
         async with asyncio.timeout(60):
-            while actor.in_flight or actor.held_by() != "lag":
+            while not done():
                 assert not loop.done(), "the actor stopped"
                 await asyncio.sleep(0.01)
         loop.cancel()
@@ -88,6 +96,26 @@ def test_filtered_groups_leave_the_rollouts_and_the_throttle_count_and_are_not_l
         assert again.held_by() == "lag"
     finally:
         again.close()
+
+
+def test_a_run_of_only_filtered_groups_is_warned_about(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    """A model that solves none of its prompts: every group goes to the `filtered` topic, the trainer would get
+    nothing, and the actor says so every actor.wait_log_s instead of generating on in silence."""
+    run_dir = tmp_path / "run"
+    cfg = _config(run_dir, tiny_model_dir, tmp_path / "actor.yaml", "actor.max_lag=null",
+                  "rl.filter_zero_variance=true", "actor.max_groups_in_flight=3", "actor.wait_log_s=0.01")
+    _announce(run_dir, 1)
+    actor = Actor(cfg, "a0")
+    items = actor.task.iter_train(0)
+    answers = {tuple(actor.prompt_ids(item)): item.answer for item in (next(items) for _ in range(2000))}
+    warned = re.compile(r"the last (\d+) groups \(\d+ s\) all had equal rewards \(the last: all 0\) and went to "
+                        r"the 'filtered' topic \(rl.filter_zero_variance\): the trainer gets no sample")
+    with caplog.at_level(logging.WARNING, logger="pipelinerl.actor.scheduler"):
+        _run_until(actor, _ScriptedServer(answers, solves=False), monkeypatch,
+                   lambda: any(warned.search(r.getMessage()) for r in caplog.records))
+    counts = [int(m[1]) for r in caplog.records if (m := warned.search(r.getMessage()))]
+    assert counts[0] >= 2 and counts == sorted(counts)  # the first group starts the run; the count only grows
+    assert not _groups(run_dir, ROLLOUT_TOPIC, cfg) and _groups(run_dir, FILTERED_TOPIC, cfg)
 
 
 def test_the_rule_and_its_config():

@@ -84,6 +84,7 @@ class Actor:
         self.window = self._new_window()
         self.held_since: float | None = None  # since when the lag bound has held every group back (_log_if_held)
         self.held_log = 0.0  # when the next such warning is due
+        self.filtered_run: tuple[float, int, float] | None = None  # since when, how many, next warning (_log_filtered)
         self.episodes = EpisodeStats()  # multi-turn tasks: since the last log_window
 
     def _resume(self) -> tuple[int, int, int]:
@@ -163,11 +164,29 @@ class Actor:
             group = self.finished.pop(i)
             filtered = self.filtered_writer is not None and not informative(group)
             (self.filtered_writer if filtered else self.writer).write_group(group)
+            if self.filtered_writer is not None:
+                self._log_filtered(filtered, group[0].reward)
             self.window["groups"] += 1
             self.window["filtered"] += filtered
             self.window["rewards"] += [r.reward for r in group]
             self.window["tokens"] += sum(len(r.completion_token_ids) for r in group)
             self.window["samples"] += len(group)
+
+    def _log_filtered(self, filtered: bool, reward: float) -> None:
+        """While every group written goes to the `filtered` topic, a warning every actor.wait_log_s: the trainer
+        gets nothing meanwhile (a model that solves none, or all, of its prompts stalls the run)."""
+        now = time.monotonic()
+        if not filtered:
+            self.filtered_run = None
+            return
+        since, count, due = self.filtered_run or (now, 0, now + self.cfg.actor.wait_log_s)
+        if now >= due:
+            log.warning("the last %d groups (%.0f s) all had equal rewards (the last: all %g) and went to the "
+                        "'filtered' topic (rl.filter_zero_variance): the trainer gets no sample until a group's "
+                        "rewards differ; version %d of the model may solve none, or all, of its prompts",
+                        count + 1, now - since, reward, self.version)
+            due = now + self.cfg.actor.wait_log_s
+        self.filtered_run = (since, count + 1, due)
 
     async def score(self, group_id: str, item: PromptItem, prompt_ids: list[int], completions: list[Completion],
                     metadata: dict) -> list[Rollout]:

@@ -83,7 +83,9 @@ class ActorConfig:
         unit="s")
     wait_log_s: float = doc(30.0, "while no server may take a request, a warning every this often names what the "
                                   "request waits for: the version it needs, each announced server's last reported "
-                                  "version, the servers set aside and why", unit="s")
+                                  "version, the servers set aside and why; and while every group written goes to the "
+                                  "`filtered` topic (rl.filter_zero_variance), a warning every this often says so",
+                            unit="s")
     eval_every_steps: int = doc(20, "held-out evaluation every N trainer versions; 0 = never", unit="versions")
     eval_samples: int = doc(200, "prompts of the `default` eval set (the task's held-out split) per evaluation, one "
                                  "completion each (pass@1); 0 = no `default` set (task.eval_sets still run)")
