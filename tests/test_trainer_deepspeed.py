@@ -28,8 +28,9 @@ pytestmark = pytest.mark.slow  # real multi-process DeepSpeed: about 2 minutes
 PERSIST_NOTHING = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}  # shard every tensor
 
 
-def trainer_config(stage: int, micro_batch_tokens: int) -> TrainerConfig:
-    return TrainerConfig(zero_stage=stage, micro_batch_tokens=micro_batch_tokens, samples_per_step=SAMPLES_PER_STEP,
+def trainer_config(stage: int, micro_batch_tokens: int, backend: str = "deepspeed") -> TrainerConfig:
+    return TrainerConfig(backend=backend, zero_stage=stage, micro_batch_tokens=micro_batch_tokens,
+                         samples_per_step=SAMPLES_PER_STEP,
                          max_steps=STEPS, lr=LR, lr_schedule="linear", warmup_steps=2, weight_decay=0.01,
                          grad_clip=1.0, deepspeed_config=PERSIST_NOTHING, dist_timeout_s=120,
                          data_timeout_s=60)
@@ -78,18 +79,18 @@ def worker(rank, world, port, model_dir, spec, out_path):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    from pipelinerl.trainer.backends import backend_class
     from pipelinerl.trainer.checkpoints import (
         latest_checkpoint,
         load_checkpoint,
         save_checkpoint,
     )
-    from pipelinerl.trainer.deepspeed_backend import DeepSpeedTrainer
     from pipelinerl.trainer.dist import init_process_group, read_dist_env
 
     dist = read_dist_env()
-    cfg = trainer_config(spec["stage"], spec["micro_batch_tokens"])
+    cfg = trainer_config(spec["stage"], spec["micro_batch_tokens"], spec.get("backend", "deepspeed"))
     init_process_group(dist, cfg.dist_timeout_s)
-    trainer = DeepSpeedTrainer(cfg, dist)
+    trainer = backend_class(cfg.backend)(cfg, dist)
     trainer.init(model_dir)
     first, log = 0, []
     if spec.get("resume"):
@@ -154,7 +155,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     @functools.cache
     def get(world, **spec):
         name = "_".join(f"{k}{v}" for k, v in sorted(spec.items()) if k != "ckpt_root") + f"_w{world}"
-        if world == 2 and spec["stage"] == 3 and "ckpt_root" not in spec:
+        if world == 2 and (spec["stage"] == 3 or spec.get("backend") == "fsdp2") and "ckpt_root" not in spec:
             spec["ckpt_root"] = str(out / f"ckpt_{name}")
         result = run_trainer(tiny_model_dir, out / f"{name}.pt", world, **spec)
         return {**result, "ckpt_root": Path(spec["ckpt_root"]) if "ckpt_root" in spec else None}
@@ -231,5 +232,49 @@ def test_resume_equals_uninterrupted_run(runs, tmp_path):
     assert resumed["first"] == 2
     assert [r["loss"] for r in resumed["log"]] == pytest.approx([r["loss"] for r in uninterrupted["log"][2:]],
                                                                 rel=1e-6)
+    for name, want in uninterrupted["state"].items():
+        torch.testing.assert_close(resumed["state"][name], want, rtol=0, atol=1e-7, msg=name)
+
+
+def test_fsdp2_two_ranks_equals_plain_pytorch_and_zero3(runs, reference):
+    """Both backends' weights are as near the float64 run as plain float32 (not nearer each other: each
+    rounds its own way); their losses and grad norms agree step by step."""
+    fsdp2 = runs(2, stage=3, backend="fsdp2", micro_batch_tokens=24, steps=STEPS)
+    zero3 = runs(2, stage=3, micro_batch_tokens=24, steps=STEPS)
+    assert_matches_reference(fsdp2, reference)
+    assert_matches_reference(zero3, reference)
+    for a, b in zip(fsdp2["log"], zero3["log"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-8)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["lr"] == b["lr"]
+
+
+def test_fsdp2_one_rank_with_big_rows_equals_two_with_small_ones(runs):
+    one = runs(1, stage=3, backend="fsdp2", micro_batch_tokens=200, steps=STEPS)
+    two = runs(2, stage=3, backend="fsdp2", micro_batch_tokens=24, steps=STEPS)
+    for a, b in zip(one["log"], two["log"], strict=True):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-8)
+
+
+def test_fsdp2_resume_equals_uninterrupted_run_and_its_hf_folder_is_the_gathered_weights(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    uninterrupted = runs(2, stage=3, backend="fsdp2", micro_batch_tokens=24, steps=STEPS)
+    root = tmp_path / "checkpoints"
+    shutil.copytree(uninterrupted["ckpt_root"], root)
+    hf_dir = root / "step_00000004" / "hf"
+    assert json.loads((hf_dir / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir).state_dict()
+    for name, want in uninterrupted["state"].items():
+        torch.testing.assert_close(hf[name], want, rtol=0, atol=0, msg=name)
+    shutil.rmtree(root / "step_00000003")
+    shutil.rmtree(root / "step_00000004")
+    resumed = runs(2, stage=3, backend="fsdp2", micro_batch_tokens=24, steps=STEPS, ckpt_root=str(root),
+                   resume=True)
+    assert resumed["first"] == 2
+    assert [r["loss"] for r in resumed["log"]] == pytest.approx([r["loss"] for r in uninterrupted["log"][2:]],
+                                                                rel=1e-6)
+    assert [r["lr"] for r in resumed["log"]] == [r["lr"] for r in uninterrupted["log"][2:]]
     for name, want in uninterrupted["state"].items():
         torch.testing.assert_close(resumed["state"][name], want, rtol=0, atol=1e-7, msg=name)

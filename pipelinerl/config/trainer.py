@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pipelinerl.config.fields import check, check_choice, check_positive, doc
 
-TRAINER_BACKENDS = ("deepspeed",)  # trainer/backends.py maps each name to its class (and checks the two agree)
+TRAINER_BACKENDS = ("deepspeed", "fsdp2")  # trainer/backends.py maps each name to its class (and checks the two agree)
 
 
 @dataclass
@@ -14,8 +14,10 @@ class TrainerConfig:
     """The trainer (`pipelinerl train`): its backend, batch shape, optimizer and timeouts."""
 
     backend: str = doc("deepspeed", f"which trainer backend builds the model and optimizer: "
-                                    f"{' | '.join(TRAINER_BACKENDS)}")
-    zero_stage: int = doc(3, "DeepSpeed ZeRO stage: 0 (plain DDP), 1, 2 or 3 (sharded params, for 7B/32B)")
+                                    f"{' | '.join(TRAINER_BACKENDS)} (FSDP2: fully_shard per decoder layer, float32 "
+                                    "master weights, model.dtype compute)")
+    zero_stage: int = doc(3, "DeepSpeed ZeRO stage: 0 (plain DDP), 1, 2 or 3 (sharded params, for 7B/32B); "
+                             "backend deepspeed only (FSDP2 always shards weights, gradients and optimizer state)")
     num_gpus: int | None = doc(None, "trainer ranks (one per GPU; gloo processes on CPU)",
                                null="every GPU of the training nodes / of launch.training_gpus (1 process on CPU)")
     micro_batch_tokens: int = doc(8192, "token budget of one packed micro-batch (prompt + completion tokens)",

@@ -20,16 +20,21 @@ if TYPE_CHECKING:
 # name (config trainer.backend) -> "module:class", imported only when chosen (each pulls in its framework)
 BACKENDS = {
     "deepspeed": "pipelinerl.trainer.deepspeed_backend:DeepSpeedTrainer",
+    "fsdp2": "pipelinerl.trainer.fsdp2_backend:FSDP2Trainer",
 }
 assert tuple(BACKENDS) == TRAINER_BACKENDS, "a backend is named in config/trainer.py TRAINER_BACKENDS and here"
 
 
-def build_trainer(cfg: Config, dist: DistInfo, publisher: WeightPublisher | None) -> Trainer:
-    """The backend named by cfg.trainer.backend, constructed (not yet initialised: call `init`)."""
-    name = cfg.trainer.backend
+def backend_class(name: str) -> type:
+    """The class of the backend called `name` (config trainer.backend), imported now."""
     if name not in BACKENDS:
         raise ValueError(f"trainer.backend={name!r} is not one of {', '.join(BACKENDS)}")
     module, _, cls = BACKENDS[name].partition(":")
-    backend = getattr(importlib.import_module(module), cls)
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_trainer(cfg: Config, dist: DistInfo, publisher: WeightPublisher | None) -> Trainer:
+    """The backend named by cfg.trainer.backend, constructed (not yet initialised: call `init`)."""
+    backend = backend_class(cfg.trainer.backend)
     return backend(cfg.trainer, dist, cfg.model.dtype, publisher=publisher, value_head=cfg.rl.value_function,
                    temperature=cfg.actor.sampling.temperature, lm_head_fp32=cfg.model.lm_head_fp32)

@@ -1,0 +1,155 @@
+"""What every trainer backend shares, whatever shards the model: construction, the LM's preparation, the
+padded accumulation, and the weights that leave the trainer (publication, gathered copies, the HF folder).
+
+A backend subclasses `BackendBase` and supplies how the model is built and sharded (`init`), one backward
+(`backward`), the optimizer step, its own state files, and two views of the LM's parameters that need no
+whole-model gather: `named_shapes` (full shapes, no collective) and `gathered_parameters` (full tensors one
+module at a time, a collective every rank runs in the same order).
+
+Loss weighting (contract.Trainer.accumulate). A micro-batch's loss is its share of the step's loss, so the
+step's gradient is the plain sum of micro-batch gradients over every rank; each backend reduces so. Both
+backends reduce gradients on every micro-batch's backward (ZeRO-2/3; FSDP2's reduce-scatter), so every rank
+must run the same number of them: `accumulate` pads the shorter ranks with zero-loss micro-batches.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from pipelinerl.config import TrainerConfig
+from pipelinerl.trainer.contract import LossFn, WeightPublisher
+from pipelinerl.trainer.dist import DistInfo, all_reduce_max
+from pipelinerl.trainer.model import ValueHeadLM, completion_forward, enable_chunked_logprobs
+from pipelinerl.trainer.packing import MicroBatch, padding_micro_batch
+
+# Files of an HF folder that describe weights; everything else (config, tokenizer) is copied as-is.
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+class BackendBase:
+    """contract.Trainer's shared part (constructor as the contract says). `publisher` (rank 0 only) is a
+    contract.WeightPublisher, or None to gather without publishing (benchmarks, tests). `value_head`: train a
+    critic head beside the LM (ValueHeadLM); `forward` and `accumulate` then also give the values.
+    `temperature`: the rollouts' sampling temperature (actor.sampling.temperature); completion log-probs are
+    scored at it, like the behaviour log-probs, cfg.logprob_chunk_tokens rows at a time (model.LogprobHead:
+    scoring is a call of the LM head module, so a sharding framework's hooks on it gather its weight).
+    `lm_head_fp32` (model.lm_head_fp32): the LM head's logits in float32, as on the servers."""
+
+    # transformers' gradient_checkpointing_kwargs (trainer.gradient_checkpointing); None: its default
+    checkpointing_kwargs: dict | None = None
+
+    def __init__(self, cfg: TrainerConfig, dist: DistInfo, dtype: str = "float32",
+                 publisher: WeightPublisher | None = None, value_head: bool = False, temperature: float = 1.0,
+                 lm_head_fp32: bool = False):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r} (actor.sampling.temperature)")
+        self.cfg, self.dist, self.dtype, self.publisher = cfg, dist, dtype, publisher
+        self.value_head, self.temperature, self.lm_head_fp32 = value_head, temperature, lm_head_fp32
+        self.model_path: Path | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(f"cuda:{self.dist.local_rank}") if self.dist.backend == "nccl" else torch.device("cpu")
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """What the forward pass calls: the (sharded) LM, or ValueHeadLM around it."""
+        raise NotImplementedError
+
+    @property
+    def lm(self) -> torch.nn.Module:
+        """The HF causal LM (without the value head)."""
+        return self.model.lm if self.value_head else self.model
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The loaded HF LM made ready for training, before any sharding: no KV cache, gradient checkpointing
+        (trainer.gradient_checkpointing), the chunked / float32 LM head, and the value head around it."""
+        model.config.use_cache = False
+        if self.cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self.checkpointing_kwargs)
+        if self.cfg.logprob_chunk_tokens is not None or self.lm_head_fp32:
+            enable_chunked_logprobs(model, fp32=self.lm_head_fp32)
+        return ValueHeadLM(model) if self.value_head else model
+
+    def forward(self, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return completion_forward(self.model, micro_batch, self.device, self.temperature,
+                                  self.cfg.logprob_chunk_tokens)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def accumulate(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> list[dict]:
+        """Forward + loss + backward over this rank's micro-batches, padded to the ranks' maximum count.
+        loss_fn(micro_batch, new_logprobs_N, values_N) -> (loss share, stats); values_N is None without a
+        value head, else aligned with new_logprobs_N (see `completion_forward`), and the loss must use it so
+        that every rank reduces the head's gradients. Returns the real batches' stats."""
+        count = max(all_reduce_max(len(micro_batches)), 1)  # >= 1 pass: the optimizer step needs gradients
+        first = micro_batches[0] if micro_batches else None
+        pad = padding_micro_batch(first.fields_N, first.seq_fields_S) if first else padding_micro_batch()
+        stats = []
+        for mb in micro_batches + [pad] * (count - len(micro_batches)):
+            new_N, values_N = self.forward(mb)
+            if mb.is_padding:  # touches every parameter, adds nothing
+                loss = (new_N.sum() if values_N is None else new_N.sum() + values_N.sum()) * 0.0
+            else:
+                loss, mb_stats = loss_fn(mb, new_N, values_N)
+                stats.append(mb_stats)
+            self.backward(loss)
+        return stats
+
+    def modules_with_params(self) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
+        """The LM's parameters (HF names, no value head) grouped by owning module, in a fixed order shared
+        by metas and tensors."""
+        for prefix, module in self.lm.named_modules():
+            own = [(f"{prefix}.{n}" if prefix else n, p) for n, p in module.named_parameters(recurse=False)]
+            if own:
+                yield own
+
+    def named_shapes(self) -> list[tuple[str, str, list[int]]]:
+        """(HF name, dtype on the wire, full shape) of every LM parameter, without gathering."""
+        raise NotImplementedError
+
+    def gathered_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full LM parameters in named_shapes' order and dtypes, one module at a time: a collective every rank
+        must exhaust. Each tensor is valid until the next one is requested."""
+        raise NotImplementedError
+
+    def publish_weights(self, version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        tensors = (t for _, t in self.gathered_parameters())
+        if self.dist.is_main and self.publisher is not None:
+            from pipelinerl.weights import TensorMeta
+
+            metas = [TensorMeta(name=n, dtype=d, shape=s) for n, d, s in self.named_shapes()]
+            nbytes = float(self.publisher.publish(version, metas, tensors).bytes)
+        else:
+            nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
+        return {"bytes": nbytes, "publish_s": time.perf_counter() - start}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """CPU copies of all LM weights on rank 0 (empty elsewhere); a collective."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in self.gathered_parameters()
+                if self.dist.is_main}
+
+    def save_hf(self, out_dir: Path) -> None:
+        """HF folder loadable by transformers and vLLM: gathered weights + the source's config/tokenizer (its
+        `architectures` too: a wrapped model's class name is the framework's, which vLLM does not know)."""
+        state = self.full_state_dict()
+        if not self.dist.is_main:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for src in self.model_path.iterdir():
+            if src.is_file() and not any(src.match(p) for p in _WEIGHT_FILES):
+                shutil.copy2(src, out_dir / src.name)
+        self.lm.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        source = json.loads((self.model_path / "config.json").read_text())
+        written = json.loads((out_dir / "config.json").read_text())
+        if "architectures" in source and written.get("architectures") != source["architectures"]:
+            written["architectures"] = source["architectures"]
+            (out_dir / "config.json").write_text(json.dumps(written, indent=2) + "\n")
