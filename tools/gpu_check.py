@@ -4,7 +4,8 @@ Each step runs what the device and the installed libraries allow, and says "skip
 
 1. trainer: optimizer steps of the project's trainer on a random-init model built offline (the tiny model,
    and on CUDA a Qwen2-1.5B-shaped one). With DeepSpeed: the DeepSpeed backend, ZeRO-3 on one rank, built
-   from a Config by `backends.build_trainer`. Without it: plain torch in the same precision scheme (bf16
+   from a Config by `backends.build_trainer` (`--trainer fsdp2`: the FSDP2 backend, the same way). Without
+   it: plain torch in the same precision scheme (bf16
    weights and gradients, float32 master weights and AdamW states), with the same chunked log-prob head.
    Peak memory (CUDA: max_memory_allocated; CPU: growth of the process's peak RSS, getrusage) and step time.
 2. plan: `pipelinerl plan`'s predicted trainer memory per GPU for the same config, beside the measured peak.
@@ -99,6 +100,7 @@ def write_config(path: Path, model_dir: Path, run_dir: Path, args, extra: tuple[
 
     overrides = [f"run_dir={run_dir}", f"model.path={model_dir}", "model.build_tiny_if_missing=false",
                  f"model.dtype={args.dtype}", "trainer.zero_stage=3", "trainer.num_gpus=1",
+                 f"trainer.backend={'fsdp2' if args.trainer == 'fsdp2' else 'deepspeed'}",
                  f"trainer.micro_batch_tokens={args.tokens}", f"trainer.logprob_chunk_tokens={args.chunk}",
                  f"trainer.broadcast_bucket_mb={args.bucket_mb}", "actor.sampling.min_new_tokens=0", *extra]
     save_config(load_config(BASE_CONFIG, overrides), path)
@@ -129,15 +131,15 @@ def pg_loss(mb, new_N, values_N, num_sequences: int):
     return loss, {"loss": loss.item()}
 
 
-class DeepSpeedStepper:
-    """The project's DeepSpeed backend on one rank, built from the config as `pipelinerl train` builds it."""
-
-    name = "deepspeed zero-3"
+class BackendStepper:
+    """The project's trainer backend (cfg.trainer.backend) on one rank, built as `pipelinerl train` builds it."""
 
     def __init__(self, cfg):
         from pipelinerl.launch.procs import free_port
         from pipelinerl.trainer.backends import build_trainer
         from pipelinerl.trainer.dist import init_process_group, read_dist_env
+
+        self.name = "deepspeed zero-3" if cfg.trainer.backend == "deepspeed" else cfg.trainer.backend
 
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
@@ -269,10 +271,10 @@ def run_child(args) -> dict:
     cfg = load_config(args.child)
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401 - loaded before the baseline: not the model's memory
 
-    if args.trainer == "deepspeed":
-        import deepspeed  # noqa: F401
+    if args.trainer != "torch":
+        import deepspeed  # noqa: F401 - both backends' process group starts through deepspeed.init_distributed
     rss0 = current_rss()
-    stepper = DeepSpeedStepper(cfg) if args.trainer == "deepspeed" else TorchStepper(cfg, args.device)
+    stepper = TorchStepper(cfg, args.device) if args.trainer == "torch" else BackendStepper(cfg)
     times = []
     for step in range(args.steps):
         samples = random_samples(stepper.vocab, args.tokens, min(args.seq_len, args.tokens), seed=step)
@@ -413,7 +415,7 @@ def run_checks(args) -> list[Row]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--trainer", choices=("auto", "deepspeed", "torch"), default="auto",
+    p.add_argument("--trainer", choices=("auto", "deepspeed", "fsdp2", "torch"), default="auto",
                    help="auto: the DeepSpeed backend when deepspeed imports, else plain torch")
     p.add_argument("--models", help="comma-separated shapes of " + ", ".join(SHAPES) +
                    " (default: tiny,1.5b on CUDA, tiny on CPU)")

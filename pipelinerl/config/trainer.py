@@ -4,9 +4,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipelinerl.config.fields import check, check_choice, check_positive, doc
+from pipelinerl.config.fields import check, check_choice, check_positive, doc, section
 
 TRAINER_BACKENDS = ("deepspeed", "fsdp2")  # trainer/backends.py maps each name to its class (and checks the two agree)
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    """LoRA RL (peft): low-rank adapters beside the target linear layers are trained, the base stays frozen.
+    Servers always get the merged weights (W + alpha / rank * B A), dense or as deltas, so they serve as
+    for full fine-tuning; checkpoints hold the adapter (adapter/, peft's format), the trainer state and the
+    merged HF folder."""
+
+    rank: int = doc(0, "adapter rank r; 0 = off (every weight trained)")
+    alpha: float = doc(16.0, "scaling numerator: the update is alpha / rank * B A")
+    target_modules: list = doc(list(LORA_TARGETS), "names (last component) of the linear layers that get adapters")
+    dropout: float = doc(0.0, "dropout on the adapter's input (training only)")
+    seed: int = doc(0, "the adapters' initial values (A random, B zero) are a function of this seed, the same on "
+                       "every rank")
+
+    def __post_init__(self) -> None:
+        check(self.rank >= 0, "trainer.lora.rank", "must be >= 0 (0 = off)")
+        check_positive(self.alpha, "trainer.lora.alpha")
+        check(bool(self.target_modules) and all(isinstance(t, str) and t for t in self.target_modules),
+              "trainer.lora.target_modules", "must be a non-empty list of module names, e.g. [q_proj, v_proj]")
+        check(0.0 <= self.dropout < 1.0, "trainer.lora.dropout", "must be in [0, 1)")
 
 
 @dataclass
@@ -31,6 +56,7 @@ class TrainerConfig:
     betas: list = doc([0.9, 0.999], "AdamW (beta1, beta2)")
     adam_eps: float = doc(1e-8, "AdamW epsilon")
     grad_clip: float | None = doc(1.0, "max global gradient L2 norm", null="no clipping")
+    lora: LoraConfig = section(LoraConfig, "LoRA adapters instead of full fine-tuning (rank 0: off)")
     gradient_checkpointing: bool = doc(False, "recompute activations in backward (long sequences on GPU)")
     logprob_chunk_tokens: int | None = doc(
         1024, "the LM head and log-softmax run over this many completion tokens at a time, each chunk's logits "

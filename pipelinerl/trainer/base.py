@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 
 from pipelinerl.config import TrainerConfig
+from pipelinerl.dtypes import dtype_name
 from pipelinerl.trainer.contract import LossFn, WeightPublisher
 from pipelinerl.trainer.dist import DistInfo, all_reduce_max
+from pipelinerl.trainer.lora import WeightGroup, adapter_tensors, add_adapters, weight_groups
 from pipelinerl.trainer.model import ValueHeadLM, completion_forward, enable_chunked_logprobs
 from pipelinerl.trainer.packing import MicroBatch, padding_micro_batch
 
@@ -51,6 +53,7 @@ class BackendBase:
             raise ValueError(f"temperature must be > 0, got {temperature!r} (actor.sampling.temperature)")
         self.cfg, self.dist, self.dtype, self.publisher = cfg, dist, dtype, publisher
         self.value_head, self.temperature, self.lm_head_fp32 = value_head, temperature, lm_head_fp32
+        self.lora = cfg.lora.rank > 0
         self.model_path: Path | None = None
 
     @property
@@ -69,13 +72,22 @@ class BackendBase:
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """The loaded HF LM made ready for training, before any sharding: no KV cache, gradient checkpointing
-        (trainer.gradient_checkpointing), the chunked / float32 LM head, and the value head around it."""
+        (trainer.gradient_checkpointing), the chunked / float32 LM head, LoRA adapters (trainer.lora; the
+        base frozen), and the value head around it (trained in full)."""
         model.config.use_cache = False
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self.checkpointing_kwargs)
         if self.cfg.logprob_chunk_tokens is not None or self.lm_head_fp32:
             enable_chunked_logprobs(model, fp32=self.lm_head_fp32)
+        if self.lora:
+            model = add_adapters(model, self.cfg.lora)
+            if self.cfg.gradient_checkpointing:  # frozen embeddings: a checkpointed layer's input needs a grad
+                model.enable_input_require_grads()
         return ValueHeadLM(model) if self.value_head else model
+
+    def trainable(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer steps: all of them, or with LoRA the adapters (and a value head)."""
+        return [p for p in model.parameters() if p.requires_grad]
 
     def forward(self, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         return completion_forward(self.model, micro_batch, self.device, self.temperature,
@@ -103,22 +115,35 @@ class BackendBase:
             self.backward(loss)
         return stats
 
-    def modules_with_params(self) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
-        """The LM's parameters (HF names, no value head) grouped by owning module, in a fixed order shared
-        by metas and tensors."""
-        for prefix, module in self.lm.named_modules():
-            own = [(f"{prefix}.{n}" if prefix else n, p) for n, p in module.named_parameters(recurse=False)]
-            if own:
-                yield own
+    def weight_groups(self) -> Iterator[WeightGroup]:
+        """The LM's weights (HF names, no value head) as groups of parameters gathered together, in a fixed
+        order shared by metas and tensors; with LoRA an adapted layer's group gives its merged weight."""
+        return weight_groups(self.lm, self.lora)
+
+    def full_shape(self, p: torch.nn.Parameter) -> torch.Size:
+        """A parameter's full shape, whatever this rank holds of it (no collective)."""
+        raise NotImplementedError
+
+    def wire_dtype(self, p: torch.nn.Parameter) -> torch.dtype:
+        """The dtype a parameter's full tensor leaves the trainer in (the one servers load)."""
+        raise NotImplementedError
+
+    def gathered_groups(self, groups: Iterator[WeightGroup]) -> Iterator[tuple[WeightGroup, list[torch.Tensor]]]:
+        """Each group with the full tensors of its params, one group at a time: a collective every rank must
+        exhaust. The tensors are valid until the next group is requested."""
+        raise NotImplementedError
 
     def named_shapes(self) -> list[tuple[str, str, list[int]]]:
-        """(HF name, dtype on the wire, full shape) of every LM parameter, without gathering."""
-        raise NotImplementedError
+        """(HF name, dtype on the wire, full shape) of every LM weight, without gathering."""
+        return [(name, dtype_name(self.wire_dtype(p)), list(self.full_shape(p)))
+                for group in self.weight_groups() for name, p in zip(group.names, group.shapes_of)]
 
     def gathered_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full LM parameters in named_shapes' order and dtypes, one module at a time: a collective every rank
+        """Full LM weights in named_shapes' order and dtypes, one group at a time: a collective every rank
         must exhaust. Each tensor is valid until the next one is requested."""
-        raise NotImplementedError
+        for group, full in self.gathered_groups(self.weight_groups()):
+            for name, p, tensor in zip(group.names, group.shapes_of, group.outputs(full)):
+                yield name, tensor.to(self.wire_dtype(p))
 
     def publish_weights(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
@@ -133,14 +158,27 @@ class BackendBase:
         return {"bytes": nbytes, "publish_s": time.perf_counter() - start}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """CPU copies of all LM weights on rank 0 (empty elsewhere); a collective."""
-        return {name: t.detach().to("cpu", copy=True) for name, t in self.gathered_parameters()
-                if self.dist.is_main}
+        """CPU copies of all LM weights (merged with LoRA) on rank 0 (empty elsewhere); a collective."""
+        return self._gathered_state()[0]
+
+    def _gathered_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """full_state_dict, and with LoRA the adapter's tensors in peft's names (rank 0; a collective)."""
+        state, adapters = {}, []
+        for group, full in self.gathered_groups(self.weight_groups()):
+            if not self.dist.is_main:
+                continue
+            for name, p, tensor in zip(group.names, group.shapes_of, group.outputs(full)):
+                state[name] = tensor.detach().to("cpu", self.wire_dtype(p), copy=True)
+            if group.scaling is not None:
+                adapters.append((group, [t.detach().to("cpu", copy=True) for t in full]))
+        return state, adapter_tensors(adapters)
 
     def save_hf(self, out_dir: Path) -> None:
-        """HF folder loadable by transformers and vLLM: gathered weights + the source's config/tokenizer (its
-        `architectures` too: a wrapped model's class name is the framework's, which vLLM does not know)."""
-        state = self.full_state_dict()
+        """HF folder loadable by transformers and vLLM: gathered weights (merged with LoRA) + the source's
+        config/tokenizer (its `architectures` too: a wrapped model's class name is the framework's, which vLLM
+        does not know). With LoRA, also the adapter alone in peft's format beside it (`adapter/`: load it
+        over the run's base model with peft.PeftModel.from_pretrained)."""
+        state, adapters = self._gathered_state()
         if not self.dist.is_main:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -153,3 +191,18 @@ class BackendBase:
         if "architectures" in source and written.get("architectures") != source["architectures"]:
             written["architectures"] = source["architectures"]
             (out_dir / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+        if self.lora:
+            self.save_adapter(out_dir.with_name("adapter"), adapters)
+
+    def save_adapter(self, out_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
+        """peft's adapter folder: adapter_config.json (the run's trainer.lora, base = model.path) and
+        adapter_model.safetensors."""
+        from safetensors.torch import save_file
+
+        from pipelinerl.trainer.lora import peft_config
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        config = peft_config(self.cfg.lora)
+        config.base_model_name_or_path = str(self.model_path)
+        config.save_pretrained(str(out_dir))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))

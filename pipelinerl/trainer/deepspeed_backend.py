@@ -11,13 +11,12 @@ with the DeepSpeed state; weights that leave the trainer are the LM's alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from pipelinerl.config import TrainerConfig
-from pipelinerl.dtypes import dtype_name, torch_dtype
+from pipelinerl.dtypes import torch_dtype
 from pipelinerl.trainer.base import BackendBase
 from pipelinerl.trainer.model import lr_factor
 
@@ -90,7 +89,7 @@ class DeepSpeedTrainer(BackendBase):
                                      weight_decay=cfg.weight_decay)
 
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), optimizer=make_optimizer, config=ds_config,
+            model=model, model_parameters=self.trainable(model), optimizer=make_optimizer, config=ds_config,
             lr_scheduler=lambda opt: LambdaLR(opt, lambda step: lr_factor(step, cfg)))
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -104,20 +103,21 @@ class DeepSpeedTrainer(BackendBase):
         norm = self.engine.get_global_grad_norm()
         return {"grad_norm": float(norm) if norm is not None else float("nan"), "lr": lr}
 
-    def named_shapes(self) -> list[tuple[str, str, list[int]]]:
+    def full_shape(self, p: torch.nn.Parameter) -> torch.Size:
         """ZeRO-3 keeps each partitioned parameter's full shape as ds_shape."""
-        return [(name, dtype_name(p.dtype), list(getattr(p, "ds_shape", p.shape)))
-                for own in self.modules_with_params() for name, p in own]
+        return getattr(p, "ds_shape", p.shape)
 
-    def gathered_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Under ZeRO-3 each module's parameters are gathered together and re-partitioned when the next
-        module's are requested."""
+    def wire_dtype(self, p: torch.nn.Parameter) -> torch.dtype:
+        return p.dtype  # the engine's 16-bit (or float32) copy, model.dtype
+
+    def gathered_groups(self, groups):
+        """Under ZeRO-3 each group's parameters are gathered together and re-partitioned when the next
+        group's are requested."""
         import deepspeed
 
-        for own in self.modules_with_params():
-            with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
-                for name, p in own:
-                    yield name, p.data
+        for group in groups:
+            with deepspeed.zero.GatheredParameters([p for _, p in group.params], modifier_rank=None):
+                yield group, [p.data for _, p in group.params]
 
     def save_state(self, out_dir: Path) -> None:
         """DeepSpeed engine state (sharded weights with the value head, optimizer, schedule); every rank writes

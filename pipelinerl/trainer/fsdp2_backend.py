@@ -25,7 +25,6 @@ of the optimizer state, and the schedule, under `state/`; loading reshards to th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -78,7 +77,7 @@ class FSDP2Trainer(BackendBase):
                 module.set_force_sum_reduction_for_comms(True)
         self._model = model
         cfg = self.cfg
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
+        self.optimizer = torch.optim.AdamW(self.trainable(model), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)
         self.scheduler = LambdaLR(self.optimizer, lambda step: lr_factor(step, cfg))
 
@@ -97,18 +96,18 @@ class FSDP2Trainer(BackendBase):
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": float(norm), "lr": lr}
 
-    def named_shapes(self) -> list[tuple[str, str, list[int]]]:
-        """A DTensor's shape is the full one; every tensor leaves in model.dtype."""
-        return [(name, self.dtype, list(p.shape)) for own in self.modules_with_params() for name, p in own]
+    def full_shape(self, p: torch.nn.Parameter) -> torch.Size:
+        return p.shape  # a DTensor's shape is the full one
 
-    def gathered_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def wire_dtype(self, p: torch.nn.Parameter) -> torch.dtype:
+        return torch_dtype(self.dtype)  # float32 master weights leave in model.dtype, what the servers load
+
+    def gathered_groups(self, groups):
+        """`full_tensor()` all-gathers one parameter (every rank, same order)."""
         from torch.distributed.tensor import DTensor
 
-        wire = torch_dtype(self.dtype)
-        for own in self.modules_with_params():
-            for name, p in own:
-                full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
-                yield name, full.to(wire)
+        for group in groups:
+            yield group, [p.detach().full_tensor() if isinstance(p, DTensor) else p.detach() for _, p in group.params]
 
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -11,6 +11,7 @@ every announced server, so a server restarted on an old checkpoint catches up wh
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -199,11 +200,17 @@ def train_step(trainer: Trainer, samples: list[Sample], cfg: Config, dist: DistI
     return stats
 
 
-def resume(trainer: Trainer, root: Path, dist: DistInfo) -> LoopState:
-    """Restore the latest complete checkpoint, if any (every rank reads the same folder)."""
+def resume(trainer: Trainer, root: Path, dist: DistInfo, backend: str) -> LoopState:
+    """Restore the latest complete checkpoint, if any (every rank reads the same folder), written by the same
+    trainer `backend` (checkpoints before the meta named it are DeepSpeed's)."""
     path = latest_checkpoint(root)
     if path is None:
         return LoopState()
+    wrote = json.loads((path / "meta.json").read_text()).get("backend", "deepspeed")
+    if wrote != backend:
+        raise ValueError(f"{path} was written by trainer.backend={wrote}, this run has trainer.backend={backend}: "
+                         "its trainer state does not load across backends; resume with trainer.backend="
+                         f"{wrote}, or start a new run_dir from its hf/ folder (model.path)")
     meta = load_checkpoint(trainer, path)
     if "cursor" not in meta:
         raise ValueError(f"{path} holds per-rank stream cursors (written before the trainer read the stream on "
@@ -216,7 +223,8 @@ def resume(trainer: Trainer, root: Path, dist: DistInfo) -> LoopState:
 def checkpoint(trainer: Trainer, cfg: Config, dist: DistInfo, state: LoopState) -> None:
     """Collective. The cursor is the stream position after the last trained step, so a stop that came
     while a step's data was being read re-reads that data after the resume."""
-    meta = {"version": state.step, "samples_seen": state.samples_seen, "cursor": state.cursor}
+    meta = {"version": state.step, "samples_seen": state.samples_seen, "cursor": state.cursor,
+            "backend": cfg.trainer.backend}
     save_checkpoint(trainer, Path(cfg.run_dir) / "checkpoints", state.step, meta, cfg.checkpoints.keep_last, dist)
     state.last_saved = state.step
     if dist.is_main and state.cursor is not None:
@@ -278,7 +286,7 @@ def train(cfg: Config) -> None:
     publication = Publication() if dist.is_main else None
     trainer = build_trainer(cfg, dist, publication)
     trainer.init(cfg.model.path)
-    state = resume(trainer, Path(cfg.run_dir) / "checkpoints", dist)
+    state = resume(trainer, Path(cfg.run_dir) / "checkpoints", dist, cfg.trainer.backend)
     signals = StopSignals()
     if cfg.checkpoints.save_on_signal:
         signals.install()
