@@ -19,7 +19,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 REPO = Path(__file__).resolve().parent.parent
-os.environ.setdefault("PIPELINERL_MASTER_PORT_BASE", str(29400 + 500 * WORKER))  # trainer ranks' ports (helpers.py)
+# Assigned, not defaulted: xdist workers inherit the controller's environment, where WORKER is 0.
+os.environ["PIPELINERL_MASTER_PORT_BASE"] = str(29400 + 500 * WORKER)  # trainer ranks' ports (helpers.py)
 
 # torch's JIT extension loader (DeepSpeed's CPU shm comm op, loaded by every trainer rank) holds a lock file
 # while it checks the build; a process killed meanwhile leaves it behind and every later load waits forever.
