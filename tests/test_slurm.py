@@ -603,10 +603,12 @@ def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, sub
 @pytest.mark.timeout(JOB_TIMEOUT_S + 300)
 def test_flagship_shape_in_conventional_mode(slurm_env, submitted, tiny_model_dir, tmp_path):
     """configs/tiny_cpu_conventional.yaml (G = 4 steps per generated batch, one sync per batch) on the same
-    shape: each component on its own nodes, every sample trained once, lag <= G - 1 on every rank."""
+    shape, trained by the FSDP2 backend (its ranks on two nodes; the other flagship runs train on DeepSpeed):
+    each component on its own nodes, every sample trained once, lag <= G - 1 on every rank."""
     run_dir, max_steps, G = tmp_path / "run", 8, 4
     overrides = _tiny_overrides(run_dir, tiny_model_dir, max_steps=max_steps, port=18440) + [
-        f"conventional.steps_per_batch={G}", f"actor.max_groups_in_flight={G * SAMPLES_PER_STEP // 8}"]
+        f"conventional.steps_per_batch={G}", f"actor.max_groups_in_flight={G * SAMPLES_PER_STEP // 8}",
+        "trainer.backend=fsdp2"]
     started = time.monotonic()
     job = _sbatch(slurm_env, submitted, tmp_path, "run_tiny_flagship.sh", overrides,
                   config="configs/tiny_cpu_conventional.yaml")
@@ -625,6 +627,7 @@ def test_flagship_shape_in_conventional_mode(slurm_env, submitted, tiny_model_di
     assert sum(r["JobID"].startswith(f"{job}+1.") for r in steps) == 2, rows
     meta = _meta(run_dir)
     assert meta["step"] == max_steps and meta["samples_seen"] == max_steps * SAMPLES_PER_STEP
+    assert meta["backend"] == "fsdp2", meta
     _assert_ends_with_summary(tmp_path / f"slurm-{job}.out", max_steps, run_dir)
     stats = _trained_exactly_once(run_dir, max_steps)
     lag_max = {rank: int(s["lag"].max()) for rank, s in stats.items()}
