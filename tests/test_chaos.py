@@ -58,3 +58,27 @@ def test_the_run_survives_a_kill_of_each_role(result):
 def test_every_consumed_sample_was_trained_exactly_once(result):
     res, _ = result
     assert res.code == 0 and res.exactly_once, res.table
+
+
+def test_fsdp2_trainer_killed_twice_on_two_ranks_trains_every_sample_once(tmp_path, tiny_model_dir):
+    """trainer.backend=fsdp2 with 2 ranks: two SIGKILLs of the trainer (both ranks' process group), each
+    resumed from its DCP checkpoint (every 2 steps, the last 2 kept): each redoes at most 2 steps, and the
+    stream's samples are trained exactly once."""
+    port = worker_port(19380)
+    overrides = [f"model.path={tiny_model_dir}", "model.build_tiny_if_missing=false", "trainer.max_steps=10",
+                 "trainer.backend=fsdp2", "trainer.num_gpus=2", "trainer.samples_per_step=32",
+                 "trainer.warmup_steps=0", "actor.max_lag=2", "actor.eval_every_steps=0",
+                 "checkpoints.every_steps=2", "checkpoints.keep_last=2", "inference.max_model_len=64",
+                 "streams.segment_max_seconds=0.5", f"inference.base_port={port}",
+                 f"trainer.broadcast_port={port + 40}"]
+    out = tmp_path / "run"
+    plan = [chaos.Planned("trainer", after_steps=2), chaos.Planned("trainer", after_steps=2)]
+    res = chaos.run_chaos(str(REPO / "configs" / "tiny_cpu.yaml"), plan, out, overrides, timeout_s=1200)
+    print(res.table)
+    assert res.code == 0 and res.exactly_once, res.table + (out / "logs" / "launcher.log").read_text()[-3000:]
+    assert [k.role for k in res.kills] == ["trainer", "trainer"], res.table
+    assert all(k.down_s is not None and 0 <= k.redone_steps <= 2 for k in res.kills), res.table
+    meta = chaos.json.loads(max((out / "checkpoints").glob("step_*[0-9]")).joinpath("meta.json").read_text())
+    assert meta["backend"] == "fsdp2" and meta["step"] == 10, meta
+    resumed = [line for line in (out / "logs" / "trainer.log").read_text().splitlines() if "2 rank(s))" in line]
+    assert sorted(line.split("train[", 1)[1][:6] for line in resumed) == ["rank 0", "rank 0", "rank 1", "rank 1"]
