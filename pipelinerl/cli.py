@@ -90,9 +90,11 @@ MASTER_PORT_BASE = 29400
 def cmd_train(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.overrides)
     if args.nproc is None:
+        from pipelinerl.trainer.dist import close_process_group
         from pipelinerl.trainer.loop import train
 
         train(cfg)
+        close_process_group()
         return
     from pipelinerl.launch.placement import parse_gpu_ids
     from pipelinerl.launch.procs import free_port

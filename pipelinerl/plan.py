@@ -6,9 +6,10 @@ P = parameters, N = trainer ranks, TP = tensor_parallel_size, b = bytes per elem
 bfloat16), T = trainer.micro_batch_tokens, C = trainer.logprob_chunk_tokens, H, L, I, V = hidden size,
 layers, FFN width, vocabulary. The estimates, so that a measurement can correct them (tools/gpu_check.sh):
 
-trainer rank  params/grads: b x P, sharded over N by ZeRO-3 (grads from ZeRO-2, optimizer from ZeRO-1);
-              optimizer: float32 master (when b < 4) + Adam m and v = 12 B x P / N in bfloat16, so 16 B x P / N
-              in all; zero_buffers: ZeRO-3's live gathered parameters (stage3_max_live_parameters, default
+trainer rank  params: b x P, sharded over N by ZeRO-3; grads: the float32 accumulation (4 B x P in bfloat16
+              with ZeRO >= 1, else b x P), sharded from ZeRO-2; optimizer (sharded from ZeRO-1): float32
+              master (when b < 4) + Adam m and v = 12 B x P / N in bfloat16, so 18 B x P / N in all with
+              ZeRO-3; zero_buffers: ZeRO-3's live gathered parameters (stage3_max_live_parameters, default
               1e9) + a gradient reduce bucket (reduce_bucket_size, default 5e8), b bytes each, at most P;
               activations: each layer keeps about b x (8H + 2 kv_dim + 4I) per token (RMSNorm's float32
               input counts double; q, k, v; attention output; MLP gate, up, act, product). With gradient
@@ -27,7 +28,8 @@ trainer rank  params/grads: b x P, sharded over N by ZeRO-3 (grads from ZeRO-2, 
               optimizer step (torch AdamW's multi-tensor temporaries): 8 B x P / N.
               trainer.lora: gradients, optimizer state and the optimizer step count only the adapters'
               A = r x (in + out) parameters per adapted layer instead of P (the frozen base keeps its params
-              share: b x P on DeepSpeed, float32 on FSDP2), and the frozen LM head has no gradient.
+              share, b x P: no float32 master on either backend; FSDP2's adapters: 4 B x A / N), and the
+              frozen LM head has no gradient.
 policy server vLLM takes gpu_memory_utilization x GPU for weights (b x P / TP), its profiled activations
               (max_num_batched_tokens x (3I + q_dim + 2 kv_dim) / TP x b + 4 H x b, and the sampler's
               float32 logits of max_num_seqs rows, 4 copies), CUDA graphs and runtime (a fixed 2.5 GB); the rest
@@ -224,7 +226,8 @@ def zero_state_bytes(cfg: Config, shape: ModelShape, ranks: int) -> dict[str, fl
     """ZeRO's per-rank params, grads, optimizer states and communication buffers (offloaded ones: 0)."""
     p, b, stage, zero = shape.params, DTYPE_BYTES[cfg.model.dtype], cfg.trainer.zero_stage, _zero(cfg)
     a = trained_params(cfg, shape)
-    items = {"params": b * p / (ranks if stage >= 3 else 1), "grads": b * a / (ranks if stage >= 2 else 1),
+    g = 4 if cfg.model.dtype == "bfloat16" and stage >= 1 else b  # deepspeed_backend: float32 accumulation
+    items = {"params": b * p / (ranks if stage >= 3 else 1), "grads": g * a / (ranks if stage >= 2 else 1),
              "optimizer": ((4 if b < 4 else 0) + 8) * a / (ranks if stage >= 1 else 1)}
     if zero["offload_optimizer"]:
         items["optimizer"] = 0.0
@@ -240,7 +243,8 @@ def fsdp2_state_bytes(cfg: Config, shape: ModelShape, ranks: int) -> dict[str, f
     p, b, a = shape.params, DTYPE_BYTES[cfg.model.dtype], trained_params(cfg, shape)
     root = shape.vocab * shape.hidden * (1 if shape.tied else 2) + shape.hidden
     layer = (p - root) / shape.layers
-    return {"params": 4 * p / ranks, "grads": 4 * a / ranks, "optimizer": 8 * a / ranks,
+    params = b * p + 4 * a if cfg.trainer.lora.rank else 4 * p  # LoRA: the frozen base has no float32 master
+    return {"params": params / ranks, "grads": 4 * a / ranks, "optimizer": 8 * a / ranks,
             "fsdp_buffers": b * (root + 2 * layer) + (b + 4) * max(root, layer)}
 
 

@@ -68,7 +68,7 @@ def _trainer_7b_bytes(gpu_checkpointing: bool = True) -> dict[str, float]:
     ranks, tokens, b = 8, 16384, 2
     layer = tokens * b * (8 * 3584 + 2 * 512 + 4 * 18944)  # what one layer keeps for backward
     acts = 28 * tokens * 3584 * b + 2 * layer if gpu_checkpointing else 29 * layer
-    return {"zero3_shards": 16 * P_7B / ranks,  # bf16 params 2 + bf16 grads 2 + fp32 master/m/v 12, over 8
+    return {"zero3_shards": 18 * P_7B / ranks,  # bf16 params 2 + fp32 accumulated grads 4 + fp32 master/m/v 12
             "zero_buffers": 2 * (1e9 + 5e8),  # live params + reduce bucket, bf16
             "fwd_bwd": acts + 1024 * V * (8 + b) + V * 3584 * (4 + b),  # + log-prob chunk + head gradient
             "optimizer_step": 8 * P_7B / ranks,  # fp32 grads + AdamW temporary, shard < sub_group_size
@@ -84,7 +84,7 @@ def test_7b_on_80_and_141_gb_matches_the_hand_budget():
         got = plan.roles["trainer"]
         shards = got.items["params"] + got.items["grads"] + got.items["optimizer"]
         assert shards == pytest.approx(t["zero3_shards"] / GB)
-        assert got.per_gpu_gb == pytest.approx(trainer / GB) and round(trainer / GB, 2) == 35.26
+        assert got.per_gpu_gb == pytest.approx(trainer / GB) and round(trainer / GB, 2) == 37.16
         server = plan.roles["server"]
         weights = 2 * P_7B  # bf16, TP 1
         acts = 8192 * (3 * 18944 + 3584 + 2 * 512 + 4 * 3584) * 2 + 256 * V * 4 * 4
@@ -118,11 +118,11 @@ def test_32b_on_80_and_141_gb_matches_the_hand_budget():
     layer = tokens * b * (8 * 5120 + 2 * 1024 + 4 * 27648)
     fwd_bwd = 64 * tokens * 5120 * b + 2 * layer + 1024 * V * (8 + b) + V * 5120 * (4 + b)
     step = 8 * 1e9  # the 2.05e9-parameter shard is stepped in sub-groups of 1e9
-    trainer = 16 * P_32B / ranks + 3e9 + max(fwd_bwd, step) + 2e9
+    trainer = 18 * P_32B / ranks + 3e9 + max(fwd_bwd, step) + 2e9
     for gpu in (80, 141):
         plan = _plan("qwen32b_orz.yaml", f"launch.gpu_memory_gb={gpu}")
         assert plan.fits, plan.problems
-        assert plan.roles["trainer"].per_gpu_gb == pytest.approx(trainer / GB) and round(trainer / GB, 1) == 54.4
+        assert plan.roles["trainer"].per_gpu_gb == pytest.approx(trainer / GB) and round(trainer / GB, 1) == 58.5
         server = plan.roles["server"]
         assert server.items["weights"] == pytest.approx(2 * P_32B / 4 / GB)  # TP 4
         # on the receiving worker's GPU: one bucket, at least the embedding (> 1 GiB); the other three receive none
@@ -199,7 +199,7 @@ def test_json_schema_and_exit_codes(capsys):
     bad = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "plan", "configs/qwen7b_orz.yaml", "--json",
                           "--gpu-memory-gb", "30"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and json.loads(bad.stdout)["fits"] is False
-    assert "does not fit: trainer rank: 35.3 GB > 30 GB; raise launch.slurm.training_nodes" in bad.stderr
+    assert "does not fit: trainer rank: 37.2 GB > 30 GB; raise launch.slurm.training_nodes" in bad.stderr
 
 
 def test_a_cpu_config_skips_the_plan_with_one_line(monkeypatch, caplog, capsys):
@@ -301,16 +301,29 @@ def _body(req: UpdateRequest) -> dict:
 
 def test_lora_counts_gradients_and_optimizer_state_of_the_adapters_alone():
     """Rank 16 on q and v of the 7B (28 layers): 16 x 28 x ((3584 + 3584) + (3584 + 512)) adapter parameters;
-    ZeRO-3 keeps the bf16 base's share and the adapters' grads (2 B) and master + Adam (12 B), over 8 ranks;
+    ZeRO-3 keeps the bf16 base's share and the adapters' float32 grads (4 B) and master + Adam (12 B), over 8 ranks;
     no LM-head gradient."""
     adapters = 16 * 28 * ((3584 + 3584) + (3584 + 512))
     plan = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "trainer.lora.rank=16",
                  "trainer.lora.target_modules=[q_proj,v_proj]")
     got = plan.roles["trainer"]
     assert got.items["params"] == pytest.approx(2 * P_7B / 8 / GB)
-    assert got.items["grads"] == pytest.approx(2 * adapters / 8 / GB)
+    assert got.items["grads"] == pytest.approx(4 * adapters / 8 / GB)
     assert got.items["optimizer"] == pytest.approx(12 * adapters / 8 / GB)
     assert got.items["logprob_head_grad"] == 0.0
     assert any(f"{adapters:,} trained parameters" in n for n in got.notes)
     full = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80").roles["trainer"]
-    assert got.per_gpu_gb < full.per_gpu_gb - 10  # 14 B x P / 8 of grads and optimizer state are gone
+    assert got.per_gpu_gb < full.per_gpu_gb - 10  # 16 B x P / 8 of grads and optimizer state are gone
+
+
+def test_fsdp2_lora_keeps_the_frozen_base_in_bf16_and_float32_adapters():
+    """FSDP2 with LoRA: the frozen base's shard in bf16 (no float32 master), the adapters' float32 master,
+    gradients and Adam m, v, all over 8 ranks."""
+    adapters = 16 * 28 * ((3584 + 3584) + (3584 + 512))
+    plan = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "trainer.backend=fsdp2", "trainer.lora.rank=16",
+                 "trainer.lora.target_modules=[q_proj,v_proj]")
+    got = plan.roles["trainer"]
+    assert got.items["params"] == pytest.approx((2 * P_7B + 4 * adapters) / 8 / GB)
+    assert got.items["grads"] == pytest.approx(4 * adapters / 8 / GB)
+    assert got.items["optimizer"] == pytest.approx(8 * adapters / 8 / GB)
+    assert got.items["optimizer_step"] == pytest.approx(8 * adapters / 8 / GB)

@@ -102,7 +102,7 @@ def score(rank, port, model_dir, samples_by_t, out_path):
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from pipelinerl.trainer.deepspeed_backend import DeepSpeedTrainer
-    from pipelinerl.trainer.dist import init_process_group, read_dist_env
+    from pipelinerl.trainer.dist import close_process_group, init_process_group, read_dist_env
 
     dist = read_dist_env()
     cfg = TrainerConfig(zero_stage=0, micro_batch_tokens=512)
@@ -118,6 +118,7 @@ def score(rank, port, model_dir, samples_by_t, out_path):
                 out[t, scored_t] = [(trainers[scored_t].forward(mb)[0], mb.fields_N["behaviour"])
                                     for mb in pack(samples, cfg.micro_batch_tokens)]
     torch.save(out, out_path)
+    close_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,7 @@ def worker(rank, world, port, model_dir, stage, out_dir):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from pipelinerl.trainer.deepspeed_backend import DeepSpeedTrainer
-    from pipelinerl.trainer.dist import init_process_group, read_dist_env
+    from pipelinerl.trainer.dist import close_process_group, init_process_group, read_dist_env
 
     dist = read_dist_env()
     cfg = TrainerConfig(zero_stage=stage, micro_batch_tokens=MICRO_BATCH_TOKENS, lr=LR, lr_schedule="constant",
@@ -119,6 +119,7 @@ def worker(rank, world, port, model_dir, stage, out_dir):
     critic.load_state(out_dir / "state")
     out["loaded"], out["loaded_head"] = critic.full_state_dict(), head_state(critic)
     torch.save(out, out_dir / f"rank{rank}.pt")
+    close_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -226,3 +226,16 @@ def test_dpo_step_loss_is_the_mean_over_the_pairs_of_every_rank(tmp_path):
         assert stats["dpo_loss"] == pytest.approx(sum(PAIR_LOSSES) / 2, rel=1e-12)
         assert stats["dpo_accuracy"] == 1.0 and stats["dpo_margin"] == pytest.approx(sum(MARGINS) / 2)
     assert sum(ranks[0]["losses"]) == pytest.approx(sum(PAIR_LOSSES) / 2, rel=1e-12) and ranks[1]["losses"] == []
+
+
+def test_tokens_of_a_discarded_lineage_lag_from_the_resume_point_never_negative():
+    """The trainer reached version 6, died, resumed from step 3 and now trains version 4: tokens sampled by
+    the dead lineage's versions 5 and 6 share its weights up to 3, so they lag 4 - 3; the others as usual."""
+    from pipelinerl.trainer.loop import token_lags
+
+    assert token_lags(4, [2, 3, 4, 5, 6], resumed=3) == [2, 1, 0, 1, 1]
+    assert token_lags(4, [1, 4], resumed=0) == [3, 0]
+    cfg = load_config(None, ["run_dir=x", "model.path=m", "actor.attempts=2", "trainer.samples_per_step=2"])
+    samples = rows_to_samples([_group("a", [1.0, 0.0], [[6, 6], [3]])], version=4, first_index=0, cfg=cfg,
+                              resumed=3)
+    assert [s.token_fields["lag"] for s in samples] == [[1, 1], [1]]

@@ -254,3 +254,60 @@ def test_a_member_that_joined_and_died_fails_the_others_in_the_rendezvous_bound(
     for rank in (0, 1):
         assert isinstance(errors.get(rank), WeightTransferError), errors
         assert "not every member connected within 2 s" in str(errors[rank])
+
+
+def test_a_stalled_communicator_setup_fails_within_the_bound_and_an_abandon_stops_it_sooner(monkeypatch):
+    """The communicator's construction and first connection (NCCL's blocking init, here an injected stall at
+    the same call site on gloo) run under the rendezvous bound: with every member's setup stalled, rank 0 and
+    a member fail within RENDEZVOUS_S (2 s) naming the group, not after the 600 s collective timeout; a
+    member whose trainer abandons the group meanwhile gives up at its next abandon poll; the stalled setup
+    threads never block the caller."""
+    from pipelinerl.weights import collective
+
+    release = threading.Event()
+    monkeypatch.setattr(collective, "RENDEZVOUS_S", 2.0)
+    monkeypatch.setattr(collective, "_communicator", lambda *a, **k: release.wait(120))
+    errors: dict[int, tuple[BaseException, float]] = {}
+
+    def join(req, rank: int) -> None:
+        t0 = time.monotonic()
+        try:
+            open_group(req, rank)
+        except BaseException as err:  # noqa: BLE001 -- collected for the assertions
+            errors[rank] = (err, time.monotonic() - t0)
+
+    try:
+        port = helpers.worker_port(18541)
+        req = InitRequest("127.0.0.1", port, 1, 2, "gloo", 600.0)
+        threads = [threading.Thread(target=join, args=(req, r)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads)
+        for rank in (0, 1):
+            err, took = errors[rank]
+            assert isinstance(err, WeightTransferError), errors
+            assert "weight-update group weights at 127.0.0.1" in str(err) and "within 2 s" in str(err)
+            assert 2.0 <= took < 20.0
+
+        errors.clear()
+        monkeypatch.setattr(collective, "RENDEZVOUS_S", 300.0)
+        store = torch.distributed.TCPStore("127.0.0.1", helpers.worker_port(18542), None, True,
+                                           timedelta(seconds=30), wait_for_workers=False)
+        req = InitRequest("127.0.0.1", store.port, 1, 2, "gloo", 600.0)
+        prefixed = torch.distributed.PrefixStore("weights/", store)
+        prefixed.set("go", "1")  # rank 0 saw every member; its own setup is the stalled one
+        member = threading.Thread(target=join, args=(req, 1))
+        member.start()
+        deadline = time.monotonic() + 30
+        while not prefixed.check(["joined/1"]):  # the member is in its setup once it said joined
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        collective.abandon_open(store, "weights", "a server failed")
+        member.join(timeout=60)
+        err, took = errors[1]
+        assert isinstance(err, WeightTransferError) and "abandoned weight-update group weights" in str(err)
+        assert "a server failed" in str(err) and took < 60.0
+    finally:
+        release.set()

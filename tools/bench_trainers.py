@@ -12,10 +12,14 @@ of one update three ways:
 - adapter: the LoRA tensors alone, what serving the adapter with vLLM's LoRA support would load instead
   (not the shipped path: servers get the merged weights).
 
+and how long rank 0 takes to gather (and merge) those weights and delta-encode them ("gather s": the
+trainer's share of a broadcast, before any byte is sent).
+
 Prints one row per trainer and the ratios FSDP2 / DeepSpeed and LoRA / full.
 
     python tools/bench_trainers.py                          # the tiny model, float32, 6 steps
-    python tools/bench_trainers.py --shape small --tokens 2048 --lora-rank 16
+    python tools/bench_trainers.py --shape small --tokens 2048 --seq-len 256
+    python tools/bench_trainers.py --shape base --tokens 2048 --seq-len 256   # ~88M params
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def run_child(args) -> dict:
     stepper = BackendStepper(cfg)
     trainer, encoder = stepper.trainer, DeltaEncoder()
     update_bytes(trainer, encoder)  # the base the first delta is computed from: the initial weights
-    times, updates = [], []
+    times, updates, gathers = [], [], []
     for step in range(args.steps):
         samples = random_samples(stepper.vocab, args.tokens, min(args.seq_len, args.tokens), seed=step)
         mbs = pack(samples, cfg.trainer.micro_batch_tokens)
@@ -85,12 +89,15 @@ def run_child(args) -> dict:
         trainer.accumulate(mbs, functools.partial(pg_loss, num_sequences=len(samples)))
         trainer.optimizer_step()
         times.append(time.perf_counter() - start)
+        start = time.perf_counter()
         updates.append(update_bytes(trainer, encoder))
+        gathers.append(time.perf_counter() - start)
     peak, _ = peak_bytes(stepper.device, rss0)
     lora = {n: p for n, p in trainer.lm.named_parameters() if "lora_" in n}
     size = torch.empty((), dtype=trainer.wire_dtype(next(iter(lora.values())))).element_size() if lora else 0
     params = [p for p in trainer.lm.parameters()]
     return {"steps": len(times), "step_s": statistics.median(times[1:] or times), "first_step_s": times[0],
+            "gather_s": statistics.median(gathers[1:] or gathers),
             "peak_bytes": peak, "dense_bytes": statistics.median(u["dense"] for u in updates),
             "delta_bytes": statistics.median(u["delta"] for u in updates),
             "adapter_bytes": sum(trainer.full_shape(p).numel() for p in lora.values()) * size,
@@ -142,11 +149,11 @@ def main(argv=None) -> int:
     print(f"\n{args.shape} model ({res['deepspeed']['params'] / 1e6:.2f}M params, {args.dtype}), 1 rank on "
           f"CPU, {args.tokens} tokens/step, median of steps 2..{args.steps}; LoRA rank {args.lora_rank}")
     print(f"{'trainer':<16} {'trainable':>10} {'step s':>8} {'tok/s':>8} {'peak MB':>8} {'dense MB':>9} "
-          f"{'delta MB':>9} {'adapter MB':>11}")
+          f"{'delta MB':>9} {'adapter MB':>11} {'gather s':>9}")
     for name, m in res.items():
         print(f"{name:<16} {m['trainable']:>10} {m['step_s']:>8.3f} {args.tokens / m['step_s']:>8.0f} "
               f"{m['peak_bytes'] / MB:>8.0f} {m['dense_bytes'] / MB:>9.3f} {m['delta_bytes'] / MB:>9.3f} "
-              f"{m['adapter_bytes'] / MB:>11.3f}")
+              f"{m['adapter_bytes'] / MB:>11.3f} {m['gather_s']:>9.3f}")
     for a, b in (("fsdp2", "deepspeed"), ("fsdp2+lora", "deepspeed+lora")):
         print(f"{a} / {b}: step time x{res[a]['step_s'] / res[b]['step_s']:.2f}, "
               f"peak x{res[a]['peak_bytes'] / max(res[b]['peak_bytes'], 1):.2f}")

@@ -42,6 +42,7 @@ GB = 1e9  # decimal, as the plan reports (the issue: 16384 x 152k x 4 B "= 10 GB
 SHAPES = {
     "tiny": (128, 2, 4, 2, 512, None),
     "small": (512, 8, 8, 4, 1536, None),  # ~25M params: step times above the per-call overheads on CPU
+    "base": (768, 14, 12, 4, 2048, None),  # ~88M params: the bench's larger CPU model
     "1.5b": (1536, 28, 12, 2, 8960, 151936),  # Qwen2.5-1.5B's shape (untied here, as every tiny build)
 }
 

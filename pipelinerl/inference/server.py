@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import signal
@@ -43,6 +44,8 @@ from pipelinerl import rundir
 from pipelinerl.config import Config
 from pipelinerl.inference.updates import UpdateError, WeightUpdater
 from pipelinerl.inference.vllm_glue.serving import vllm_argv
+
+log = logging.getLogger(__name__)
 
 
 def check_model(model_dir: str) -> dict[str, list[int]]:
@@ -123,8 +126,13 @@ def reference_router() -> APIRouter:
     return router
 
 
+ANNOUNCE_ATTEMPTS = 5  # writes of the discovery file before the server gives up (1, 2, 4, 8 s apart)
+
+
 async def announce_when_healthy(run_dir: str, bind_host: str, port: int, folder: str, published: list[Path]) -> None:
-    """Publish RUN_DIR/<folder>/<host>_<port> once our own /health answers 200."""
+    """Publish RUN_DIR/<folder>/<host>_<port> once our own /health answers 200. A write that fails (the run
+    directory unwritable, a network filesystem's error) is retried ANNOUNCE_ATTEMPTS times, then raises
+    AnnounceError: a healthy server nobody can find must not stay up unannounced (see `run`)."""
     import httpx
 
     local = "127.0.0.1" if bind_host in ("", "0.0.0.0", "::") else bind_host
@@ -137,7 +145,28 @@ async def announce_when_healthy(run_dir: str, bind_host: str, port: int, folder:
             except httpx.TransportError:
                 pass
             await asyncio.sleep(0.2)
-    published.append(rundir.publish_server(run_dir, rundir.advertised_host(bind_host), port, folder))
+    host = rundir.advertised_host(bind_host)
+    for attempt in range(ANNOUNCE_ATTEMPTS):
+        try:
+            published.append(rundir.publish_server(run_dir, host, port, folder))
+            return
+        except OSError as err:
+            if attempt == ANNOUNCE_ATTEMPTS - 1:
+                raise AnnounceError(f"could not announce this server (http://{host}:{port}) in "
+                                    f"{Path(run_dir) / folder} after {ANNOUNCE_ATTEMPTS} attempts: {err}") from err
+            log.warning("announcing http://%s:%d failed (%s); retrying", host, port, err)
+            await asyncio.sleep(2.0 ** attempt)
+
+
+class AnnounceError(RuntimeError):
+    """The server is healthy but its discovery file could not be written."""
+
+
+def stop_if_unannounced(task: asyncio.Task, stop) -> None:
+    """Done-callback of the announcement task: call `stop()` if it failed (not if cancelled or done)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("stopping: %s", task.exception())
+        stop()
 
 
 @dataclass
@@ -167,7 +196,10 @@ async def run(cfg: Config, args, updates: Updates | None) -> None:
             folder = rundir.SERVERS_DIR if updates is not None else rundir.REFERENCE_SERVERS_DIR
             announce = asyncio.create_task(announce_when_healthy(cfg.run_dir, args.host, args.port, folder,
                                                                  published))
+            announce.add_done_callback(lambda t: stop_if_unannounced(t, lambda: os.kill(os.getpid(), signal.SIGTERM)))
             await server.serve()
+            if announce.done() and not announce.cancelled() and announce.exception() is not None:
+                raise SystemExit(f"stopped: {announce.exception()}")
             announce.cancel()
             if updates is not None and updater.broken:
                 raise SystemExit("stopped: a weight update failed while loading (see above); restart the server")

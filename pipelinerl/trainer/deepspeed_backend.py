@@ -47,6 +47,12 @@ def deepspeed_config(cfg: TrainerConfig, dtype: str, world_size: int) -> dict:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if dtype == "bfloat16" and cfg.zero_stage >= 1:
+        # A step accumulates every micro-batch's gradient (~100 per rank with the 7B config): in float32, not
+        # bfloat16 (DeepSpeed's default is the model's dtype). ZeRO-2/3 keep the float32 accumulation partition
+        # (4 B per parameter / ranks: pipelinerl plan counts it), ZeRO-1 DeepSpeed's BF16_Optimizer; without
+        # ZeRO DeepSpeed refuses the mix, so stage 0 accumulates in bfloat16.
+        base["data_types"] = {"grad_accum_dtype": "fp32"}
     return _merge(base, cfg.deepspeed_config)
 
 

@@ -6,9 +6,12 @@ all-gathered around its forward and its backward and resharded after; the root's
 forward to its backward, so the chunked LM head (model.LogprobHead), called after the LM's forward, sees its
 full weight and its gradient is reduced with the root's.
 
-Precision. Master weights and the optimizer state are float32 shards (DTensors) on every device; the units
-compute in model.dtype (bfloat16 on GPUs) and reduce gradients in float32 (MixedPrecisionPolicy). With
-model.dtype float32 (CPU) everything is float32.
+Precision. Master weights of what the optimizer steps and its state are float32 shards (DTensors) on every
+device; the units compute in model.dtype (bfloat16 on GPUs) and reduce gradients in float32
+(MixedPrecisionPolicy). A frozen parameter (LoRA's base, trainer.lora) has no master copy: its shard stays in
+model.dtype, half the bytes in bfloat16 (FSDP2 all-gathers a unit of mixed dtypes once param_dtype casts
+them all to model.dtype). Buffers (rotary frequencies) are float32. With model.dtype float32 (CPU)
+everything is float32.
 
 Loading. Every rank reads the HF checkpoint into host memory in model.dtype (a 7B model: 15 GB), then casts
 and shards it one unit at a time: each rank keeps its float32 shard on its device and frees the rest.
@@ -67,10 +70,8 @@ class FSDP2Trainer(BackendBase):
         mesh = init_device_mesh(self.device.type, (self.dist.world_size,))
         policy = MixedPrecisionPolicy(param_dtype=torch_dtype(self.dtype), reduce_dtype=torch.float32)
         for module in [m for m in model.modules() if type(m).__name__ in units]:
-            fully_shard(module.float(), mesh=mesh, mp_policy=policy)
-        for p in model.parameters():  # the root's own (the units' are float32 DTensors now)
-            p.data = p.data.float()
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(_float32_masters(module), mesh=mesh, mp_policy=policy)
+        fully_shard(_float32_masters(model), mesh=mesh, mp_policy=policy)  # the root's own (units: no-op)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
@@ -132,3 +133,11 @@ class FSDP2Trainer(BackendBase):
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["schedule"])
+
+
+def _float32_masters(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with its trainable parameters and floating buffers in float32; frozen parameters as loaded."""
+    masters = [p for p in module.parameters() if p.requires_grad]
+    for t in masters + [b for b in module.buffers() if b.is_floating_point()]:
+        t.data = t.data.float()
+    return module

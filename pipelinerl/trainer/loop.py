@@ -47,6 +47,7 @@ class LoopState:
     samples_seen: int = 0  # over all ranks
     cursor: dict | None = None  # the stream position after the last trained step (rank 0's reader)
     last_saved: int = -1  # step of the newest checkpoint (resumed from or written)
+    resumed: int = 0  # the checkpoint's step this trainer resumed from: the last version of every lineage
 
 
 def check_supported(cfg: Config, dist: DistInfo) -> None:
@@ -57,11 +58,20 @@ def check_supported(cfg: Config, dist: DistInfo) -> None:
                          f"evenly over {dist.world_size} trainer ranks; make it a multiple of the rank count")
 
 
-def rows_to_samples(batches, version: int, first_index: int, cfg: Config) -> list[Sample]:
-    """One record batch per group -> Samples with per-token behaviour log-probs, lags and loss mask (and
-    reference log-probs when the objective needs them), and per-sequence advantage (or DPO role), group (and
-    reward when the objective needs it). An episode's environment tokens (loss mask 0) stay in the sample's
-    completion, as context for the model tokens after them; the loss and its statistics skip them."""
+def token_lags(version: int, versions: list[int], resumed: int) -> list[int]:
+    """Each token's lag: the optimizer steps between the policy that sampled it and the weights it trains.
+    A token ahead of `version` was sampled by a discarded lineage (versions the trainer reached before it died
+    and resumed from the checkpoint of step `resumed`): the lineages share the weights up to `resumed`, so its
+    lag counts from there, never negative."""
+    return [version - v if v <= version else version - resumed for v in versions]
+
+
+def rows_to_samples(batches, version: int, first_index: int, cfg: Config, resumed: int = 0) -> list[Sample]:
+    """One record batch per group -> Samples with per-token behaviour log-probs, lags (token_lags; `resumed`:
+    the checkpoint's step the trainer resumed from) and loss mask (and reference log-probs when the objective
+    needs them), and per-sequence advantage (or DPO role), group (and reward when the objective needs it). An
+    episode's environment tokens (loss mask 0) stay in the sample's completion, as context for the model
+    tokens after them; the loss and its statistics skip them."""
     from pipelinerl.rl import dpo_roles, group_advantages
 
     samples = []
@@ -75,8 +85,8 @@ def rows_to_samples(batches, version: int, first_index: int, cfg: Config) -> lis
             adv = group_advantages(rewards, group, cfg.rl.baseline, cfg.rl.divide_by_std)
         for i, completion in enumerate(rows["completion_token_ids"]):
             n = len(completion)
-            tokens = {"behaviour": rows["behaviour_logprobs"][i], "lag": [version - v for v in rows["versions"][i]],
-                      "loss_mask": rows["loss_mask"][i]}
+            lags = token_lags(version, rows["versions"][i], resumed)
+            tokens = {"behaviour": rows["behaviour_logprobs"][i], "lag": lags, "loss_mask": rows["loss_mask"][i]}
             if cfg.rl.needs_reference_logprobs:
                 tokens["reference"] = _reference_logprobs(rows, i, n)
             seq = {"advantage": float(adv[i]), "group": float(g)}
@@ -101,11 +111,11 @@ def _reference_logprobs(rows: dict, i: int, n: int) -> list[float]:
     return values
 
 
-def step_samples(batches, cfg: Config, dist: DistInfo, version: int) -> tuple[list[Sample], list[float]]:
+def step_samples(batches, cfg: Config, dist: DistInfo, version: int, resumed: int) -> tuple[list[Sample], list[float]]:
     """This rank's share of a step as Samples, and the rewards of those samples."""
     first = dist.rank * (cfg.trainer.samples_per_step // dist.world_size)
     rewards = [r for batch in batches for r in batch.column("reward").to_pylist()]
-    return rows_to_samples(batches, version, first, cfg), rewards
+    return rows_to_samples(batches, version, first, cfg, resumed), rewards
 
 
 def _loss_fn(cfg: Config, num_sequences: int, num_pairs: int, device: torch.device, token_log: list):
@@ -217,7 +227,7 @@ def resume(trainer: Trainer, root: Path, dist: DistInfo, backend: str) -> LoopSt
                          "rank 0 only); resume it with the pipelinerl version that wrote it, or start a new run_dir")
     log.info("resumed from %s (step %d, %d rank(s))", path, meta["step"], dist.world_size)
     return LoopState(step=meta["step"], samples_seen=meta["samples_seen"], cursor=meta["cursor"],
-                     last_saved=meta["step"])
+                     last_saved=meta["step"], resumed=meta["step"])
 
 
 def checkpoint(trainer: Trainer, cfg: Config, dist: DistInfo, state: LoopState) -> None:
@@ -345,7 +355,7 @@ def _run(trainer: Trainer, data: StepData, cfg: Config, dist: DistInfo, state: L
                      signals.requested(), state.step)
             return
         state.cursor = data.cursor()
-        samples, rewards = step_samples(batches, cfg, dist, state.step)
+        samples, rewards = step_samples(batches, cfg, dist, state.step, state.resumed)
         read_s = time.monotonic() - started
         token_log: list = []
         stats = train_step(trainer, samples, cfg, dist, state, token_log)

@@ -31,8 +31,8 @@ from pipelinerl.weights.wire import InitRequest, WeightTransferError
 # After every member said `joined`, the group's own rendezvous (each rank publishes its address in the store
 # and reads the others') takes well under a second; this bounds it, so that a member that died between the
 # two (its /init_process_group cut short) fails the others within this instead of after req.timeout_s, which
-# bounds collectives (a whole update) and is 600 s by default. Gloo connects at construction, NCCL lazily at
-# the first collective, which the group's opening therefore runs at once (a one-element broadcast).
+# bounds collectives (a whole update) and is 600 s by default. It covers the communicator's construction and
+# connection on both backends (_connect).
 RENDEZVOUS_S = 30.0
 ABORT_POLL_S = 0.5  # how often a waiting server asks the trainer's store whether the group was abandoned
 JOIN_POLL_S = 0.02  # how often the two-phase open checks its keys
@@ -63,6 +63,7 @@ class WeightGroup:
                                                wait_for_workers=False)
         self.store = torch.distributed.PrefixStore(f"{req.group}/", store)
         self.backend, self.name, self.master = req.backend, req.group, f"{req.master_addr}:{req.master_port}"
+        self.timeout = timeout
         self._next_poll = 0.0
         deadline = time.monotonic() + req.timeout_s
         if rank == 0:
@@ -71,26 +72,11 @@ class WeightGroup:
         else:
             self.store.set(f"joined/{rank}", "1")
             self._await(["go"], deadline, self.check_abandoned, "the trainer's go")
-        short = timedelta(seconds=min(req.timeout_s, RENDEZVOUS_S))
+        poll = stop if rank == 0 else self.check_abandoned
+        self.pg = _connect(self, rank, req.world_size, timedelta(seconds=min(req.timeout_s, RENDEZVOUS_S)), poll,
+                           cpus)
         if req.backend == "gloo":
-            # Made with the rendezvous bound as its timeout (gloo's connect waits that long for each peer),
-            # then given the collectives' (ProcessGroupGloo.set_timeout applies to the ops issued after it).
-            try:
-                self.pg = _gloo_group(self.store, rank, req.world_size, short, cpus)
-            except RuntimeError as err:  # torch's DistStoreError / gloo's connect errors
-                raise WeightTransferError(f"weight-update group {self.name} at {self.master}: not every member "
-                                          f"connected within {short.total_seconds():.0f} s of joining (one died?): "
-                                          f"{err}") from err
-            self.pg.set_timeout(timeout)
-        else:
-            options = torch.distributed.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.pg = torch.distributed.ProcessGroupNCCL(self.store, rank, req.world_size, options)
-            # NCCL connects lazily, at the first collective: one element broadcast now, within the same bound,
-            # so that a member that died after joining fails the group here and not in the first update.
-            probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
-            wait_work(broadcast_async(self, probe), time.monotonic() + short.total_seconds(),
-                      f"every member of weight-update group {self.name} at {self.master} to connect (NCCL)")
+            self.pg.set_timeout(timeout)  # ProcessGroupGloo.set_timeout applies to the ops issued after it
 
     def _await(self, keys: list[str], deadline: float, poll: Callable[[], None] | None, what: str) -> None:
         while not self.store.check(keys):
@@ -133,20 +119,67 @@ class WeightGroup:
             self.pg.abort()
 
 
-def _gloo_group(store, rank: int, world_size: int, timeout: timedelta, cpus: Iterable[int] | None):
-    """A ProcessGroupGloo whose threads may run on `cpus`. Gloo starts its threads (the TCP loop that copies
-    the bytes, its workers) in the constructor and they keep the creating thread's CPU affinity: a vLLM CPU
-    worker binds itself to its compute cores (one core on a 2-core machine), where the receive would then
-    share one core with everything else the worker does. So the group is made on a thread of its own, allowed
-    `cpus`."""
-    if cpus is None:
-        return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
+def _connect(group: WeightGroup, rank: int, world_size: int, bound: timedelta, poll: Callable[[], None] | None,
+             cpus: Iterable[int] | None):
+    """The group's communicator, connected to every member within `bound`, else WeightTransferError naming the
+    group. Made on a daemon thread (`_communicator`) while this one polls `poll` (rank 0's stop, a member's
+    abandon check) and the deadline: gloo's connect and NCCL's communicator init block their thread, and
+    NCCL's has no timeout of its own. A communicator that connects after its caller gave up is aborted."""
+    made = on_thread(lambda: _communicator(group, rank, world_size, bound, cpus), f"weights-{group.backend}")
+    deadline = time.monotonic() + bound.total_seconds()
+    why = f"not every member connected within {bound.total_seconds():.0f} s of joining (one died?)"
+    try:
+        while not made.done():
+            if poll is not None:
+                poll()
+            if time.monotonic() > deadline:
+                raise WeightTransferError(f"weight-update group {group.name} at {group.master}: {why}")
+            time.sleep(JOIN_POLL_S)
+    except BaseException:
+        if group.backend == "nccl":
+            made.add_done_callback(lambda f: f.exception() is None and f.result().abort())
+        raise
+    try:
+        return made.result()
+    except RuntimeError as err:  # torch's DistStoreError / gloo's connect errors / NCCL's
+        raise WeightTransferError(f"weight-update group {group.name} at {group.master}: {why}: {err}") from err
 
-    def make():
+
+# TORCH_NCCL_ASYNC_ERROR_HANDLING, read when a ProcessGroupNCCL is constructed: 0 leaves the process alone on
+# an asynchronous NCCL error (torchrun sets 1: tear the process down), as torch says for groups their owner
+# aborts itself. Every wait on this group has its own deadline and a failure aborts the group (close), so one
+# server dying mid-update must neither kill the trainer nor, through the trainer's abort, every other server.
+NCCL_ERROR_HANDLING = "0"
+
+
+def _communicator(group: WeightGroup, rank: int, world_size: int, bound: timedelta, cpus: Iterable[int] | None):
+    """Build and connect the group's communicator (blocking; see _connect). Gloo starts its threads (the TCP
+    loop that copies the bytes, its workers) in the constructor and they keep the creating thread's CPU
+    affinity: a vLLM CPU worker binds itself to its compute cores (one core on a 2-core machine), where the
+    receive would then share one core with everything else the worker does; so this thread may run on `cpus`.
+    Gloo connects in its constructor, made with `bound` as its timeout (its connect waits that long for each
+    peer); NCCL lazily, so its communicator is connected here (eager init, then a one-element broadcast)."""
+    if cpus is not None:
         os.sched_setaffinity(0, cpus)  # this thread only: 0 is the calling thread on Linux
-        return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
-
-    return on_thread(make, "weights-gloo").result()
+    if group.backend == "gloo":
+        return torch.distributed.ProcessGroupGloo(group.store, rank, world_size, bound)
+    options = torch.distributed.ProcessGroupNCCL.Options()
+    options._timeout = group.timeout
+    saved = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ERROR_HANDLING
+    try:
+        pg = torch.distributed.ProcessGroupNCCL(group.store, rank, world_size, options)
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        else:
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
+    device = torch.device("cuda", torch.cuda.current_device())
+    pg.eager_connect_single_device(device)
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([torch.zeros(1, device=device)], opts).wait()
+    return pg
 
 
 def on_thread(fn: Callable[[], object], name: str) -> Future:
