@@ -30,7 +30,9 @@ PLAN = [chaos.Planned("server", during_broadcast=True), chaos.Planned("actor"), 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory, tiny_model_dir):
-    overrides = [f"model.path={tiny_model_dir}", "model.build_tiny_if_missing=false", "trainer.max_steps=20",
+    # 30 steps: the kills take up to ~20 (the first waits for an update in flight, each next one for a step after
+    # the previous healed; CI saw the last at step 20 under load), so every kill has steps after it
+    overrides = [f"model.path={tiny_model_dir}", "model.build_tiny_if_missing=false", "trainer.max_steps=30",
                  "trainer.samples_per_step=32", "trainer.warmup_steps=0", "actor.max_lag=2",
                  "actor.eval_every_steps=0", "checkpoints.every_steps=2",
                  "checkpoints.keep_last=2", "inference.max_model_len=64",

@@ -176,9 +176,7 @@ def _communicator(group: WeightGroup, rank: int, world_size: int, bound: timedel
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
     device = torch.device("cuda", torch.cuda.current_device())
     pg.eager_connect_single_device(device)
-    opts = torch.distributed.BroadcastOptions()
-    opts.rootRank = 0
-    pg.broadcast([torch.zeros(1, device=device)], opts).wait()
+    _broadcast(pg, torch.zeros(1, device=device)).wait()
     return pg
 
 
@@ -241,6 +239,11 @@ def wait_work(work, deadline: float, what: str, poll: Callable[[], None] | None 
 
 
 def broadcast_async(group: WeightGroup, tensor: torch.Tensor):
+    return _broadcast(group.pg, tensor)
+
+
+def _broadcast(pg, tensor: torch.Tensor):
+    """Rank 0's `tensor` to every member of process group `pg` (its async Work)."""
     opts = torch.distributed.BroadcastOptions()
     opts.rootRank = 0
-    return group.pg.broadcast([tensor], opts)
+    return pg.broadcast([tensor], opts)
