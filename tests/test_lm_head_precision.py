@@ -206,3 +206,38 @@ def test_vllm_logits_processor_computes_float32_logits_from_the_servers_command_
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits.double(), torch.nn.functional.linear(
         hidden_NH.double(), head.weight.double(), head.bias.double()), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("fp32", [False, True])
+def test_every_head_gemm_takes_the_bf16_weight_itself(monkeypatch, fp32):
+    """No float32 copy of the head's weight in forward or backward: every GEMM that produces float32 gets the
+    bfloat16 weight (or its transpose) and a bfloat16 partner (on CUDA: one tensor-core GEMM with float32
+    output); with fp32, forward gets the exact float32 products and backward the gradient in two bf16 halves."""
+    from pipelinerl.trainer import model as model_mod
+
+    calls = []
+    real = model_mod._matmul32
+
+    def recording(a, b, acc=None):
+        calls.append((a.dtype, b.dtype, acc is None))
+        return real(a, b, acc)
+
+    monkeypatch.setattr(model_mod, "_matmul32", recording)
+    head, hidden_NH, targets_N = _bf16_head(fp32)
+    _scored(head, hidden_NH, targets_N, 0.7, 8)  # 37 rows: 5 chunks
+    assert calls and all(a == BF16 and b == BF16 for a, b, _ in calls), calls
+    halves = 2 if fp32 else 1
+    forward, backward = 5 * fp32, 5 * halves * 2  # 5 chunks, recomputed logits in backward go the same way
+    assert len(calls) == forward + 5 * fp32 + backward, len(calls)
+
+
+def test_split16_carries_twice_the_bits_of_one_bf16_rounding():
+    from pipelinerl.trainer.model import _split16
+
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(3)) * 1e-3
+    hi, lo = _split16(x.clone(), BF16)
+    assert hi.dtype == lo.dtype == BF16
+    one = (hi.double() - x.double()).abs() / x.double().abs()
+    two = ((hi.double() + lo.double()) - x.double()).abs() / x.double().abs()
+    assert 2**-10 < one.max() <= 2**-8  # bf16: 8 significant bits
+    assert two.max() <= 2**-16

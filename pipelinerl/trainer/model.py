@@ -71,61 +71,92 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """token_logprobs(linear(hidden_NH, weight, bias), ...) over chunk_tokens rows at a time. Forward keeps
     only [N] log-sum-exps; backward recomputes each chunk's logits for its gradient. One autograd node, so the
     head's weight receives one gradient per backward (ZeRO-1/2 reduce a parameter's gradient once; reentrant
-    checkpointing per chunk would accumulate it once per chunk). Numerics as the unchunked path: logits in
-    the weight's dtype (float32 with fp32: hidden states, weight and bias cast first), softmax in float32,
-    their gradient cast back to that dtype before the matmuls; the weight's gradient is summed over chunks in
-    float32. fp32 holds one float32 copy of the weight during forward and again during backward (vocab x
-    hidden x 4 B: 2.2 GB for a 152k x 3584 head); the logits stay O(chunk_tokens x V)."""
+    checkpointing per chunk would accumulate it once per chunk).
+
+    Numerics as the unchunked path: logits in the weight's dtype (float32 with fp32), softmax in float32, its
+    gradient g cast back to the weight's dtype before the matmuls; the weight's gradient is summed over chunks
+    in float32. Every GEMM takes the weight in its own dtype, never a float32 copy of it (V x H x 4 B: 2.2 GB
+    for a 152k x 3584 head), and 16-bit operands produce float32 directly where that adds precision
+    (_matmul32: the weight's gradient; with fp32 the logits, exact products of the bf16 operands). With fp32
+    the float32 g goes into the backward GEMMs as two 16-bit halves (_split16), ~16 significant bits instead
+    of 8, still at 16-bit GEMM speed. The logits stay O(chunk_tokens x V)."""
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, bias_V, targets_N, temperature, chunk_tokens, fp32):
-        dtype = torch.float32 if fp32 else weight_VH.dtype
-        w_VH, b_V = _cast(weight_VH, dtype), _cast(bias_V, dtype)
         logprobs, lse = [], []
         for rows in _chunks(len(hidden_NH), chunk_tokens):
-            logits_CV = _tempered_logits(hidden_NH[rows].to(dtype), w_VH, b_V, temperature)
+            logits_CV = _tempered_logits(hidden_NH[rows], weight_VH, bias_V, temperature, fp32)
             lse.append(logits_CV.logsumexp(-1))
             logprobs.append(logits_CV.gather(-1, targets_N[rows, None])[:, 0] - lse[-1])
             del logits_CV  # before the next chunk's
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N, torch.cat(lse))
-        ctx.temperature, ctx.chunk_tokens, ctx.dtype = temperature, chunk_tokens, dtype
+        ctx.temperature, ctx.chunk_tokens, ctx.fp32 = temperature, chunk_tokens, fp32
         return torch.cat(logprobs)
 
     @staticmethod
     def backward(ctx, grad_N):
         hidden_NH, weight_VH, bias_V, targets_N, lse_N = ctx.saved_tensors
-        w_VH, b_V = _cast(weight_VH, ctx.dtype), _cast(bias_V, ctx.dtype)
+        split = ctx.fp32 and weight_VH.dtype != torch.float32
         grad_hidden_NH = torch.empty_like(hidden_NH)
         grad_weight_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
         grad_bias_V = None if bias_V is None else torch.zeros(bias_V.shape, dtype=torch.float32,
                                                               device=bias_V.device)
         for rows in _chunks(len(hidden_NH), ctx.chunk_tokens):
             # d logprob_i / d logits_ij = (onehot_ij - softmax_ij) / T, in place over the recomputed logits
-            g_CV = _tempered_logits(hidden_NH[rows].to(ctx.dtype), w_VH, b_V, ctx.temperature)
+            g_CV = _tempered_logits(hidden_NH[rows], weight_VH, bias_V, ctx.temperature, ctx.fp32)
             g_CV.sub_(lse_N[rows, None]).exp_().mul_(-grad_N[rows, None].float())
             g_CV.scatter_add_(-1, targets_N[rows, None], grad_N[rows, None].float())
             if ctx.temperature != 1.0:
                 g_CV.div_(ctx.temperature)
             if grad_bias_V is not None:
                 grad_bias_V += g_CV.sum(0)
-            g_CV = g_CV.to(ctx.dtype)
-            grad_hidden_NH[rows] = g_CV @ w_VH  # cast to the hidden states' dtype by the assignment
-            grad_weight_VH.addmm_(g_CV.T.float(), hidden_NH[rows].float())  # .float(): no copy in float32
+            halves = _split16(g_CV, weight_VH.dtype) if split else (g_CV.to(weight_VH.dtype),)
             del g_CV
+            hidden_CH = hidden_NH[rows].to(weight_VH.dtype)
+            grad_CH = None
+            for g in halves:
+                grad_CH = _matmul32(g, weight_VH, grad_CH)
+                _matmul32(g.T, hidden_CH, grad_weight_VH)
+            grad_hidden_NH[rows] = grad_CH  # cast to the hidden states' dtype by the assignment
+            del halves
         grad_bias_V = None if grad_bias_V is None else grad_bias_V.to(bias_V.dtype)
         return grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype), grad_bias_V, None, None, None, None
 
 
-def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if tensor is None else tensor.to(dtype)  # no copy when already dtype
+def _matmul32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 a @ b, added into the float32 `acc` in place when given: exact products, float32 sums. On CUDA
+    16-bit operands go to one tensor-core GEMM with float32 output (torch's out_dtype), no float32 copy of
+    either (a float32 GEMM runs on CUDA cores, an order of magnitude below bf16 tensor-core throughput);
+    elsewhere they are upcast first, the same arithmetic (CPU torch has no kernel for out_dtype)."""
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+        if acc is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    a, b = a.float(), b.float()  # no copy when already float32
+    return a @ b if acc is None else acc.addmm_(a, b)
+
+
+def _split16(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 x as hi + lo, both `dtype` (16-bit): hi is x rounded, lo the rounding error rounded, so
+    hi + lo carries ~2 x 8 significant bits of x (bfloat16) and a product with a 16-bit operand stays exact.
+    Overwrites x (no float32 temporary beyond hi's upcast)."""
+    hi = x.to(dtype)
+    return hi, x.sub_(hi.float()).to(dtype)
 
 
 def _chunks(n: int, chunk_tokens: int) -> list[slice]:
     return [slice(start, start + chunk_tokens) for start in range(0, n, chunk_tokens)]
 
 
-def _tempered_logits(hidden_CH, weight_VH, bias_V, temperature) -> torch.Tensor:
-    logits_CV = torch.nn.functional.linear(hidden_CH, weight_VH, bias_V).float()  # a fresh tensor either way
+def _tempered_logits(hidden_CH, weight_VH, bias_V, temperature, fp32: bool) -> torch.Tensor:
+    """float32 logits / temperature, a fresh tensor: computed in the weight's dtype, or from its exact products
+    in float32 with fp32."""
+    if fp32:
+        logits_CV = _matmul32(hidden_CH.to(weight_VH.dtype), weight_VH.T)
+        if bias_V is not None:
+            logits_CV += bias_V.float()
+    else:
+        logits_CV = torch.nn.functional.linear(hidden_CH, weight_VH, bias_V).float()
     return logits_CV.div_(temperature) if temperature != 1.0 else logits_CV
 
 
@@ -146,7 +177,8 @@ class LogprobHead(torch.nn.Linear):
         if targets_N is None:
             if not self.fp32:
                 return super().forward(hidden)
-            return torch.nn.functional.linear(hidden.float(), self.weight.float(), _cast(self.bias, torch.float32))
+            logits = _tempered_logits(hidden.reshape(-1, hidden.shape[-1]), self.weight, self.bias, 1.0, True)
+            return logits.view(*hidden.shape[:-1], self.out_features)
         return _ChunkedLogprobs.apply(hidden, self.weight, self.bias, targets_N, temperature, chunk_tokens,
                                       self.fp32)
 
