@@ -20,6 +20,7 @@ from pipelinerl.inference.server import control_router
 from pipelinerl.inference.updates import WeightUpdater
 from pipelinerl.launch.procs import free_port
 from pipelinerl.weights import DeltaBase, TensorMeta, UpdateRejected, UpdateRequest, open_group, receive_staged
+from pipelinerl.weights.receiver import StagingBuffers
 
 TOKEN = "t" * 32
 TIMEOUT_S = 4.0  # the group's collectives: a broken broadcast fails on the servers within this
@@ -34,6 +35,7 @@ class MemoryEngine:
         self.weights = {n: t.clone() for n, t in weights.items()}
         self.group = self.req = self.staged = None
         self.base = DeltaBase()
+        self.buffers = StagingBuffers()
 
     async def set_version(self, version: int) -> None:
         pass
@@ -49,13 +51,16 @@ class MemoryEngine:
         try:
             self.staged = await asyncio.to_thread(receive_staged, self.group, req, torch.device("cpu"),
                                                   time.monotonic() + self.req.timeout_s, "the trainer", "host",
-                                                  self.base)
+                                                  self.base, self.buffers)
         except UpdateRejected:
             raise
         except BaseException:
             self.base.drop()
+            self.buffers.forget()
             self.group = None
             raise
+        if req.keep_base:
+            self.buffers.release(list(self.base.tensors.values()))
 
     async def load(self, version: int) -> None:
         self.weights.update((n, t.clone()) for n, t in self.staged)

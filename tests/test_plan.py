@@ -198,7 +198,8 @@ def test_the_tir_7b_config_plans_as_the_7b_run():
 def test_json_schema_and_exit_codes(capsys):
     assert cli.main(["plan", str(REPO / "configs/qwen32b_orz.yaml"), "--gpu-memory-gb", "141", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"gpu_memory_gb", "fits", "roles", "host_memory_gb", "host_nodes"} and out["gpu_memory_gb"] == 141.0 and out["fits"] is True
+    assert set(out) == {"gpu_memory_gb", "fits", "roles", "host_memory_gb", "host_nodes"}
+    assert out["gpu_memory_gb"] == 141.0 and out["fits"] is True
     assert set(out["roles"]) == {"trainer", "server"}
     for role in out["roles"].values():
         assert set(role) == {"per_gpu_gb", "items"} and isinstance(role["per_gpu_gb"], float)

@@ -53,6 +53,10 @@ def test_twenty_delta_updates_are_bit_exact_on_two_servers(two_servers):
             for s in servers:
                 assert_serving(s, wire)
                 assert s.updater.version == version and s.updater.delta_base == version
+            # the staging buffers kept for the next update hold nothing the base still views (the dense bias)
+            engine = servers[0].engine
+            live = {buf.untyped_storage().data_ptr() for buf in engine.buffers._bufs if buf.numel()}
+            assert not live & {t.untyped_storage().data_ptr() for t in engine.base.tensors.values()}
             dense = sum(m.nbytes for m in metas)
             if version == 1:  # nothing to diff against yet
                 assert out["bytes"] == dense and out["delta_tensors"] == 0
@@ -252,3 +256,21 @@ def test_a_member_failing_to_join_does_not_hold_up_the_next_group():
         b.close()
         good.stop()
         bad.stop()
+
+
+def test_staging_buffers_release_only_what_the_base_views():
+    """release(kept): the buffers that kept tensors lie in are let go (the next update allocates anew there);
+    the others are handed out again, same memory, on the next take."""
+    from pipelinerl.weights.receiver import StagingBuffers
+
+    bufs = StagingBuffers()
+    cpu = torch.device("cpu")
+    first = [bufs.take(k, 1000, cpu) for k in range(3)]
+    first[1].zero_()
+    kept = [first[1][100:300].view(torch.int16)]  # a base tensor viewing buffer 1
+    bufs.release(kept)
+    again = [bufs.take(k, 1000, cpu) for k in range(3)]
+    ptr = [b.untyped_storage().data_ptr() for b in first], [b.untyped_storage().data_ptr() for b in again]
+    assert ptr[0][0] == ptr[1][0] and ptr[0][2] == ptr[1][2] and ptr[0][1] != ptr[1][1]
+    again[1].fill_(7)
+    assert not (kept[0] == 0x0707).any()  # the kept view is untouched by the buffer that replaced it

@@ -76,16 +76,18 @@ class DeltaEncoder:
     successful round and clears it after a failed one (the base then holds weights no server may have).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pin: bool = False) -> None:
+        """`pin`: the base in page-locked memory (a GPU sender packs its dense tensors into device buckets)."""
         self.base: dict[str, torch.Tensor] = {}
         self.version: int | None = None
+        self.pin = pin
 
     def encode(self, meta: TensorMeta, t: torch.Tensor, delta: bool) -> tuple[torch.Tensor | Delta, int]:
         """What to send for `t`: the base's updated copy (dense) or a Delta, and the number of changed
         elements (-1 when not compared). The base takes the new weights either way."""
         base = self.base.get(meta.name)
         if base is None or base.shape != t.shape or base.dtype != t.dtype:
-            base = self.base[meta.name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            base = self.base[meta.name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin or t.is_cuda)
             delta = False
         changed = -1
         if delta:
@@ -128,11 +130,24 @@ class DeltaBase:
             self.drop()
             raise
         if req.keep_base:
-            self.tensors.update((name, t if t.device.type == "cpu" else t.cpu()) for name, t in full)
+            self.tensors.update((name, self._host_copy(name, t)) for name, t in full)
+            if any(t.is_cuda for _, t in full):
+                torch.cuda.synchronize()  # the device->host copies have landed before the base is used
             self.version = req.version
         else:
             self.drop()
         return full
+
+    def _host_copy(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` as the base keeps it: a host tensor as it is (a view into host staging, which the caller then
+        lets go: StagingBuffers.release); a device tensor (device staging) copied into the base's own pinned
+        tensor of that name, allocated once and reused by later updates (asynchronously: resolve synchronizes)."""
+        if t.device.type == "cpu":
+            return t
+        kept = self.tensors.get(name)
+        if kept is None or kept.shape != t.shape or kept.dtype != t.dtype or not kept.is_pinned():
+            kept = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return kept.copy_(t, non_blocking=True)
 
     def _apply(self, name: str, x: torch.Tensor | Delta) -> torch.Tensor:
         if not isinstance(x, Delta):

@@ -81,7 +81,7 @@ class WeightBroadcaster:
         self._releasing: list[threading.Thread] = []  # abandoned groups being destroyed
         self._status: dict[str, ServerStatus] = {}
         self._bases: dict[str, int | None] = {}  # each server's delta base version (None: none)
-        self._encoder = DeltaEncoder() if delta else None
+        self._encoder = DeltaEncoder(pin=backend == "nccl") if delta else None
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         self._buffers: list[torch.Tensor | None] = [None, None]  # the two bucket buffers (_send_buckets)
 

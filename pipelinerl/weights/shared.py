@@ -61,15 +61,15 @@ def describe(staged: list[tuple[str, torch.Tensor]]) -> list[StagedRef]:
 class SharedBuffers(StagingBuffers):
     """StagingBuffers whose host buffers are files under `directory` (a tmpfs), which the other workers map.
 
-    Not page-locked: pinning a shared mapping needs cudaHostRegister in each process, not done here, so a GPU
-    server's device->host and host->device copies of an update are pageable ones."""
-
-    can_pin = False
+    A pinned buffer (a GPU server's) is this process's mapping registered with CUDA (cudaHostRegister), so the
+    receiving worker's device->host copies run asynchronously at full speed; it is unregistered when the
+    buffer leaves the set. The other workers' mappings stay pageable (their loads copy from them once)."""
 
     def __init__(self, directory: str = SHM_DIR) -> None:
         super().__init__()
         self.directory = directory
         self.named: list[str] = []  # files whose names still exist: made since the others last mapped
+        self._registered: set[int] = set()  # data pointers of the buffers registered with CUDA
         remove_stale(directory)
 
     def _host(self, nbytes: int, pinned: bool) -> torch.Tensor:
@@ -85,7 +85,22 @@ class SharedBuffers(StagingBuffers):
                                      f"({err.strerror}): it must hold one copy of the model per server") from None
         finally:
             os.close(fd)
-        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        if pinned:
+            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of the staging file {path} ({nbytes / 1e9:.2f} GB) failed "
+                                   f"with CUDA error {int(err)}")
+            self._registered.add(buf.data_ptr())
+        return buf
+
+    def _pinned(self, buf: torch.Tensor) -> bool:
+        return buf.numel() > 0 and buf.data_ptr() in self._registered
+
+    def _drop(self, buf: torch.Tensor) -> None:
+        if self._pinned(buf):
+            self._registered.discard(buf.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
     def handed_over(self, mapped: set[str]) -> None:
         """The other workers now map the files `mapped` (the latest update's): remove every name, and drop the
@@ -101,8 +116,10 @@ class SharedBuffers(StagingBuffers):
 
     def _keep(self, keep) -> None:
         """Drop the buffers whose file `keep(path)` rejects (the next update allocates new ones there)."""
-        self._bufs = [buf if keep(buf.untyped_storage().filename) else torch.empty(0, dtype=torch.uint8)
-                      for buf in self._bufs]
+        for k, buf in enumerate(self._bufs):
+            if not keep(buf.untyped_storage().filename):
+                self._drop(buf)
+                self._bufs[k] = torch.empty(0, dtype=torch.uint8)
 
     def _unlink_named(self) -> None:
         for path in self.named:

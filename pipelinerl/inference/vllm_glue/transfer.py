@@ -200,7 +200,7 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
         # staging_bytes: the host memory this worker stages in (shared with the other tensor-parallel workers)
         self.timings = {"receive_s": time.monotonic() - started, "staging_bytes": self.buffers.host_bytes}
         if req.keep_base:
-            self.buffers.forget()  # the base holds views into them
+            self.buffers.release(list(self.base.tensors.values()))  # the base holds views into those
 
     def _discard_new_staging(self) -> None:
         if self.shared:
