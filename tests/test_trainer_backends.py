@@ -30,3 +30,26 @@ def test_an_unknown_backend_is_a_clear_error():
     object.__setattr__(cfg.trainer, "backend", "fsdp9")
     with pytest.raises(ValueError, match="fsdp9.*deepspeed"):
         build_trainer(cfg, MAIN, None)
+
+
+def test_auto_attention_is_sdpa_off_cuda_and_flash_attention_where_it_can_run(monkeypatch, caplog):
+    """trainer.attn_implementation=auto: flash_attention_2 needs CUDA, a 16-bit model and flash-attn; each
+    resolution is logged; an explicit choice is kept as it is."""
+    import importlib.util
+    import logging
+
+    import torch
+
+    from pipelinerl.trainer import model as model_mod
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    caplog.set_level(logging.INFO, logger="pipelinerl.trainer.model")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else None)
+    assert model_mod.attention_implementation("auto", cuda, "bfloat16") == "flash_attention_2"
+    assert model_mod.attention_implementation("auto", cuda, "float32") == "sdpa"
+    assert model_mod.attention_implementation("auto", cpu, "bfloat16") == "sdpa"
+    assert model_mod.attention_implementation("sdpa", cuda, "bfloat16") == "sdpa"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert model_mod.attention_implementation("auto", cuda, "bfloat16") == "sdpa"
+    assert "attention: flash_attention_2 (auto: flash-attn found)" in caplog.text
+    assert "attention: sdpa (auto: no CUDA, a float32 model or no flash-attn)" in caplog.text

@@ -115,7 +115,7 @@ def score(cfg, model_dir: Path, rows, fp32: bool) -> list[tuple[torch.Tensor, to
     from pipelinerl.trainer.packing import Sample, pack
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(cfg.model.dtype),
-                                                 attn_implementation=cfg.trainer.attn_implementation)
+                                                 attn_implementation="sdpa")
     enable_chunked_logprobs(model, fp32=fp32)
     samples = [Sample(p, c, index=i, token_fields={"behaviour": lp}) for i, (p, c, lp) in enumerate(rows)]
     with torch.no_grad():

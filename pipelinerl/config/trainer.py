@@ -65,8 +65,11 @@ class TrainerConfig:
         unit="tokens",
         null="no chunking: the micro-batch's whole [tokens, vocab] logits at once (10 GB in float32 at 16k x 152k, "
              "plus its gradient)")
-    attn_implementation: str = doc("sdpa", "sdpa (any device; packed sequences get a block-diagonal mask) | "
-                                           "flash_attention_2 (GPU with flash-attn installed; varlen kernels)")
+    attn_implementation: str = doc(
+        "auto", "auto: flash_attention_2 on CUDA in bfloat16/float16 when flash-attn imports, else sdpa (the trainer "
+                "logs which ran) | sdpa (any device; packed sequences get a T x T block-diagonal mask and attention "
+                "over the whole micro-batch) | flash_attention_2 (GPU with flash-attn installed; varlen kernels over "
+                "each packed sequence)")
     deepspeed_config: dict = doc({}, "merged over the generated DeepSpeed config, e.g. {zero_optimization: "
                                      "{reduce_bucket_size: 5e8}}; {} = none")
     dist_timeout_s: float = doc(1800.0, "a trainer collective (all-reduce, gather) waiting longer fails", unit="s")
@@ -124,7 +127,7 @@ class TrainerConfig:
         check_positive(self.delivery_fail_after_versions, "trainer.delivery_fail_after_versions")
         check(self.delivery_fail_after_s >= 0, "trainer.delivery_fail_after_s", "must be >= 0")
         check_positive(self.wait_log_s, "trainer.wait_log_s")
-        check_choice(self.attn_implementation, ("sdpa", "flash_attention_2"), "trainer.attn_implementation")
+        check_choice(self.attn_implementation, ("auto", "sdpa", "flash_attention_2"), "trainer.attn_implementation")
         check_positive(self.dist_timeout_s, "trainer.dist_timeout_s")
         check(self.data_timeout_s < self.dist_timeout_s, "trainer.data_timeout_s",
               f"got {self.data_timeout_s}; must be < trainer.dist_timeout_s ({self.dist_timeout_s}), or a starved "

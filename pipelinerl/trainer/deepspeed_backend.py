@@ -18,7 +18,7 @@ import torch
 from pipelinerl.config import TrainerConfig
 from pipelinerl.dtypes import torch_dtype
 from pipelinerl.trainer.base import BackendBase
-from pipelinerl.trainer.model import lr_factor
+from pipelinerl.trainer.model import attention_implementation, lr_factor
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -85,7 +85,8 @@ class DeepSpeedTrainer(BackendBase):
             # shard (deepspeed.zero.Init) instead of materialising the whole model on every rank.
             self._hf_ds_config = HfDeepSpeedConfig(ds_config)
         model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch_dtype(self.dtype), attn_implementation=self.cfg.attn_implementation)
+            model_path, dtype=torch_dtype(self.dtype),
+            attn_implementation=attention_implementation(self.cfg.attn_implementation, self.device, self.dtype))
         # A value head is created outside zero.Init: under ZeRO-3 deepspeed.initialize partitions it like the LM.
         model = self.prepare(model)
         cfg = self.cfg

@@ -34,7 +34,7 @@ import torch
 
 from pipelinerl.dtypes import torch_dtype
 from pipelinerl.trainer.base import BackendBase
-from pipelinerl.trainer.model import lr_factor
+from pipelinerl.trainer.model import attention_implementation, lr_factor
 
 STATE = "state"  # DCP's folder inside the backend's state folder
 
@@ -61,7 +61,8 @@ class FSDP2Trainer(BackendBase):
 
         self.model_path = Path(model_path)
         lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(self.dtype),
-                                                  attn_implementation=self.cfg.attn_implementation)
+                                                  attn_implementation=attention_implementation(
+                                                      self.cfg.attn_implementation, self.device, self.dtype))
         units = tuple(getattr(lm, "_no_split_modules", None) or ())
         if not units:
             raise ValueError(f"{type(lm).__name__} names no decoder-layer class (_no_split_modules): FSDP2 "

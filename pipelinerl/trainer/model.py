@@ -10,6 +10,8 @@ alone, under their HF names.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import math
 from typing import NamedTuple
 
@@ -17,6 +19,8 @@ import torch
 
 from pipelinerl.config import TrainerConfig
 from pipelinerl.trainer.packing import MicroBatch
+
+log = logging.getLogger(__name__)
 
 
 def lr_factor(step: int, cfg: TrainerConfig) -> float:
@@ -29,6 +33,18 @@ def lr_factor(step: int, cfg: TrainerConfig) -> float:
     if cfg.lr_schedule == "linear":
         return 1.0 - progress
     return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def attention_implementation(choice: str, device: torch.device, dtype: str) -> str:
+    """trainer.attn_implementation resolved, and logged: "auto" is flash_attention_2 on CUDA in a 16-bit dtype
+    when flash-attn imports (varlen kernels over each packed sequence, no T x T mask), else sdpa (a block-diagonal
+    T x T mask over the packed micro-batch: the attention of the whole micro-batch is computed and masked)."""
+    flash = device.type == "cuda" and dtype in ("bfloat16", "float16") and importlib.util.find_spec("flash_attn")
+    resolved = choice if choice != "auto" else "flash_attention_2" if flash else "sdpa"
+    why = "" if choice != "auto" else " (auto: " + ("flash-attn found" if flash else
+                                                   "no CUDA, a float32 model or no flash-attn") + ")"
+    log.info("attention: %s%s", resolved, why)
+    return resolved
 
 
 class LogitsAndValues(NamedTuple):  # a tuple, so ZeRO-3's hooks on module outputs reach its tensors
