@@ -80,3 +80,12 @@ def test_pack_buckets_lays_tensors_out_as_the_wire_format_says():
         for i, off in zip(bucket.indexes, bucket.offsets):
             t = tensors[i]
             assert torch.equal(buf[off:off + t.nbytes].view(t.dtype).view(t.shape), t)
+
+
+def test_cpu_table_times_the_head_gemms_and_says_nccl_needs_two_gpus(cpu_run):
+    _, rows = cpu_run
+    head = next(r for step, r in rows.items() if step.startswith("head GEMMs"))
+    assert head["result"] == "ok"
+    for name in ("bf16", "bf16+fp32head", "fp32 operands"):
+        assert head["values"][name]["s"] > 0 and head["values"][name]["rel_err"] < 2**-6  # bf16 gradient rounding
+    assert rows["NCCL 2-rank weight update"]["result"].startswith("skipped: needs 2 GPUs")

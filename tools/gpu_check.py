@@ -13,6 +13,11 @@ Each step runs what the device and the installed libraries allow, and says "skip
    on the device: what WeightBroadcaster does before each broadcast, without the collective.
 4. server (vLLM): `pipelinerl serve` on the tiny model, one weight update over gloo, per-token versions of a
    sampled completion, and the lag-0 agreement of the server's log-probs with the trainer's.
+5. head GEMMs: the chunked LM head's forward + backward in bf16 (model.LogprobHead, plain and lm_head_fp32) timed
+   against the same maths on float32 copies of the operands, with the largest relative error of the weight's
+   gradient against a float64 reference (CUDA: a 151936 x 1536 head, 8192 tokens).
+6. NCCL: a 2-rank NCCL weight update needs 2 GPUs (NCCL refuses two ranks on one device); on one GPU the row says
+   so, and the update path runs over gloo in the server step.
 
 Each trainer measurement runs in a child process (`--child`), so peaks are per model.
 
@@ -389,6 +394,63 @@ def print_table(rows: list[Row]) -> None:
         print(f"{r.step:<{w_step}}  {r.result:<{w_res}}  {r.numbers}")
 
 
+def head_gemm_row(args) -> Row:
+    """Step 5 (module docstring): seconds per forward + backward, bf16 vs float32 operands, and the error."""
+    import torch
+
+    from pipelinerl.trainer.model import LogprobHead, chunked_logprobs
+
+    cuda = args.device == "cuda"
+    device = torch.device("cuda" if cuda else "cpu")
+    V, H, N, chunk = (151936, 1536, 8192, 1024) if cuda else (4096, 256, 512, 128)
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(V, H, generator=g) * 0.05).to(device)
+    hidden = torch.randn(N, H, generator=g).to(device)
+    targets = torch.randint(V, (N,), generator=g).to(device)
+
+    def run(dtype, fp32: bool):
+        head = LogprobHead(H, V, bias=False, dtype=dtype, device=device)
+        with torch.no_grad():
+            head.weight.copy_(weight)
+        head.fp32 = fp32
+        h = hidden.to(dtype).requires_grad_(True)
+        chunked_logprobs(head, h, targets, 1.0, chunk).sum().backward()
+        return head.weight.grad
+
+    def timed(dtype, fp32: bool) -> tuple[float, torch.Tensor]:
+        run(dtype, fp32)  # warm-up
+        synchronize(device)
+        start = time.monotonic()
+        grad = run(dtype, fp32)
+        synchronize(device)
+        return time.monotonic() - start, grad
+
+    w64 = weight.to(torch.bfloat16).double().requires_grad_(True)
+    logits = hidden.to(torch.bfloat16).double() @ w64.T
+    logits.log_softmax(-1).gather(-1, targets[:, None]).sum().backward()
+    ref = w64.grad
+    numbers, values = [], {}
+    for name, dtype, fp32 in (("bf16", torch.bfloat16, False), ("bf16+fp32head", torch.bfloat16, True),
+                              ("fp32 operands", torch.float32, False)):
+        s, grad = timed(dtype, fp32)
+        err = ((grad.double() - ref).abs().max() / ref.abs().max()).item()
+        values[name] = {"s": s, "rel_err": err}
+        numbers.append(f"{name} {s * 1e3:.1f} ms (err {err:.1e})")
+    ratio = values["fp32 operands"]["s"] / values["bf16"]["s"]
+    numbers.append(f"fp32/bf16 x{ratio:.1f}")
+    return Row(f"head GEMMs [{V}x{H}, {N} tokens]", "ok", "; ".join(numbers), values)
+
+
+def nccl_row(args) -> Row:
+    import torch
+
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    step = "NCCL 2-rank weight update"
+    if gpus < 2:
+        return Row(step, f"skipped: needs 2 GPUs ({gpus} here): NCCL refuses two ranks on one device")
+    return Row(step, "skipped: not part of the one-device check (tests/test_weights.py runs the path on gloo)")
+
+
 def run_checks(args) -> list[Row]:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_check_"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -399,6 +461,11 @@ def run_checks(args) -> list[Row]:
         start = time.monotonic()
         rows += trainer_rows(shape, workdir, args)
         print(f"gpu_check: {shape} model measured in {time.monotonic() - start:.0f} s", flush=True)
+    for check in (head_gemm_row, nccl_row):
+        try:
+            rows.append(check(args))
+        except Exception as err:  # noqa: BLE001 - one failed step is a row, the table still prints
+            rows.append(Row(check.__name__, f"FAILED: {type(err).__name__}: {str(err)[-500:]}"))
     step = "server: update + versions + lag-0 log-probs"
     if not args.with_server:
         rows.append(Row(step, "skipped: not asked (--with-server)"))
