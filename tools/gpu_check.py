@@ -13,10 +13,14 @@ Each step runs what the device and the installed libraries allow, and says "skip
    on the device: what WeightBroadcaster does before each broadcast, without the collective.
 4. server (vLLM): `pipelinerl serve` on the tiny model, one weight update over gloo, per-token versions of a
    sampled completion, and the lag-0 agreement of the server's log-probs with the trainer's.
-5. head GEMMs: the chunked LM head's forward + backward in bf16 (model.LogprobHead, plain and lm_head_fp32) timed
+5. bf16 vs float32: the tiny model's steps in bfloat16 (gradients accumulated in float32) and in float32 from the
+   same weights and samples: per-step loss and gradient norm within bf16 rounding.
+6. head GEMMs: the chunked LM head's forward + backward in bf16 (model.LogprobHead, plain and lm_head_fp32) timed
    against the same maths on float32 copies of the operands, with the largest relative error of the weight's
    gradient against a float64 reference (CUDA: a 151936 x 1536 head, 8192 tokens).
-6. NCCL: a 2-rank NCCL weight update needs 2 GPUs (NCCL refuses two ranks on one device); on one GPU the row says
+7. receive: a 512 MiB update received with host staging into CUDA buckets from a sender thread over gloo, with
+   each bucket's copy to the host overlapping the next receive, and with every copy waited for (the old way).
+8. NCCL: a 2-rank NCCL weight update needs 2 GPUs (NCCL refuses two ranks on one device); on one GPU the row says
    so, and the update path runs over gloo in the server step.
 
 Each trainer measurement runs in a child process (`--child`), so peaks are per model.
@@ -157,11 +161,12 @@ class BackendStepper:
         self.device = self.trainer.device
         self.vocab = self.trainer.lm.config.vocab_size
 
-    def step(self, mbs, num_sequences: int) -> None:
+    def step(self, mbs, num_sequences: int) -> tuple[float, float]:
+        """One optimizer step; (the step's loss, the gradient norm)."""
         import functools
 
-        self.trainer.accumulate(mbs, functools.partial(pg_loss, num_sequences=num_sequences))
-        self.trainer.optimizer_step()
+        stats = self.trainer.accumulate(mbs, functools.partial(pg_loss, num_sequences=num_sequences))
+        return sum(s["loss"] for s in stats), self.trainer.optimizer_step()["grad_norm"]
 
     def weights(self):
         from pipelinerl.weights import TensorMeta
@@ -181,12 +186,12 @@ class TorchStepper:
         from transformers import AutoModelForCausalLM
 
         from pipelinerl.dtypes import torch_dtype
-        from pipelinerl.trainer.model import enable_chunked_logprobs
+        from pipelinerl.trainer.model import attention_implementation, enable_chunked_logprobs
 
         self.cfg, self.device = cfg, torch.device(device)
+        attn = attention_implementation(cfg.trainer.attn_implementation, self.device, cfg.model.dtype)
         self.lm = AutoModelForCausalLM.from_pretrained(
-            cfg.model.path, dtype=torch_dtype(cfg.model.dtype), attn_implementation=cfg.trainer.attn_implementation,
-        ).to(self.device)
+            cfg.model.path, dtype=torch_dtype(cfg.model.dtype), attn_implementation=attn).to(self.device)
         self.lm.config.use_cache = False
         enable_chunked_logprobs(self.lm)
         self.params = [p for p in self.lm.parameters()]
@@ -197,26 +202,33 @@ class TorchStepper:
                                      weight_decay=t.weight_decay)
         self.vocab = self.lm.config.vocab_size
 
-    def step(self, mbs, num_sequences: int) -> None:
+    def step(self, mbs, num_sequences: int) -> tuple[float, float]:
+        """One optimizer step; (the step's loss, the gradient norm). Gradients are float32 from the first
+        micro-batch's backward on (the masters' .grad), as ZeRO's float32 accumulation keeps them."""
         import torch
 
         from pipelinerl.trainer.model import completion_forward
 
+        loss_sum = 0.0
         for mb in mbs:
             new_N, _ = completion_forward(self.lm, mb, self.device, self.cfg.actor.sampling.temperature,
                                           self.cfg.trainer.logprob_chunk_tokens)
-            pg_loss(mb, new_N, None, num_sequences)[0].backward()
-        if self.masters is not self.params:
-            for m, p in zip(self.masters, self.params):
-                m.grad, p.grad = p.grad.float(), None
-        if self.cfg.trainer.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.trainer.grad_clip)
+            loss = pg_loss(mb, new_N, None, num_sequences)[0]
+            loss.backward()
+            loss_sum += loss.item()
+            if self.masters is not self.params:
+                for m, p in zip(self.masters, self.params):
+                    m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                    p.grad = None
+        clip = self.cfg.trainer.grad_clip or float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(self.masters, clip))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.masters is not self.params:
             with torch.no_grad():
                 for m, p in zip(self.masters, self.params):
                     p.copy_(m)
+        return loss_sum, norm
 
     def weights(self):
         from pipelinerl.weights import TensorMeta, dtype_name
@@ -282,15 +294,17 @@ def run_child(args) -> dict:
         import deepspeed  # noqa: F401 - both backends' process group starts through deepspeed.init_distributed
     rss0 = current_rss()
     stepper = TorchStepper(cfg, args.device) if args.trainer == "torch" else BackendStepper(cfg)
-    times = []
+    times, losses, norms = [], [], []
     for step in range(args.steps):
         samples = random_samples(stepper.vocab, args.tokens, min(args.seq_len, args.tokens), seed=step)
         mbs = pack(samples, cfg.trainer.micro_batch_tokens)
         synchronize(stepper.device)
         start = time.perf_counter()
-        stepper.step(mbs, len(samples))
+        loss, norm = stepper.step(mbs, len(samples))
         synchronize(stepper.device)
         times.append(time.perf_counter() - start)
+        losses.append(loss)
+        norms.append(norm)
     peak, how = peak_bytes(stepper.device, rss0)
     metas, tensors = stepper.weights()
     start = time.perf_counter()
@@ -300,8 +314,18 @@ def run_child(args) -> dict:
     gather_s = time.perf_counter() - start
     return {"backend": stepper.name, "dtype": cfg.model.dtype, "steps": len(times), "first_step_s": times[0],
             "step_s": statistics.median(times[1:] or times), "tokens_per_step": args.tokens,
+            "losses": losses, "grad_norms": norms, "grad_accum": grad_accum_dtype(stepper),
             "peak_bytes": peak, "peak_how": how, "gather_s": gather_s, "buckets": buckets,
             "gather_bytes": sum(m.nbytes for m in metas), "params": sum(_numel(m.shape) for m in metas)}
+
+
+def grad_accum_dtype(stepper) -> str:
+    """The dtype gradients accumulate in: the DeepSpeed engine's, else what this check's stepper does (float32
+    masters' .grad for the torch stepper, FSDP2's float32 shards)."""
+    engine = getattr(getattr(stepper, "trainer", None), "engine", None)
+    if engine is not None:
+        return str(engine.get_data_types()[1]).removeprefix("torch.")
+    return "float32"
 
 
 def _numel(shape) -> int:
@@ -394,6 +418,35 @@ def print_table(rows: list[Row]) -> None:
         print(f"{r.step:<{w_step}}  {r.result:<{w_res}}  {r.numbers}")
 
 
+def precision_row(workdir: Path, args) -> Row:
+    """bf16 trainer steps (gradients accumulated in float32) against the same steps in float32 on the same
+    model and samples: the largest relative difference of the per-step loss and gradient norm."""
+    step = "bf16 vs float32 steps [tiny]"
+    model_dir = workdir / "model_tiny"
+    if not (model_dir / "config.json").is_file():
+        build_model(model_dir, "tiny", args.device)
+    runs = {}
+    try:
+        for dtype in ("bfloat16", "float32"):
+            cfg_path = write_config(workdir / f"precision_{dtype}.yaml", model_dir,
+                                    workdir / f"run_precision_{dtype}", args, (f"model.dtype={dtype}",))
+            runs[dtype] = measure_trainer(cfg_path, args, workdir)
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        return Row(step, f"FAILED: {err}")
+    bf16, fp32 = runs["bfloat16"], runs["float32"]
+
+    def rel(a, b):
+        return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+    values = {"loss_rel": rel(bf16["losses"], fp32["losses"]), "grad_accum": bf16["grad_accum"],
+              "grad_norm_rel": rel(bf16["grad_norms"], fp32["grad_norms"]), "steps": bf16["steps"]}
+    ok = values["grad_accum"] == "float32" and max(values["loss_rel"], values["grad_norm_rel"]) < 0.05
+    return Row(step, "ok" if ok else "FAILED: gradients not accumulated in float32, or bf16 far from float32",
+               f"{bf16['backend']}, {bf16['steps']} steps, gradients accumulated in {values['grad_accum']}: loss "
+               f"within {values['loss_rel']:.1e}, grad norm within {values['grad_norm_rel']:.1e} of float32's "
+               f"(relative; bf16 rounding is 3.9e-3)", values)
+
+
 def head_gemm_row(args) -> Row:
     """Step 5 (module docstring): seconds per forward + backward, bf16 vs float32 operands, and the error."""
     import torch
@@ -441,6 +494,76 @@ def head_gemm_row(args) -> Row:
     return Row(f"head GEMMs [{V}x{H}, {N} tokens]", "ok", "; ".join(numbers), values)
 
 
+def receive_row(args) -> Row:
+    """Step 7: receive_staged with host staging into CUDA buckets, from a sender thread over gloo (one GPU:
+    NCCL needs two), twice: as shipped (each bucket's device->host copy on its own stream, overlapping the next
+    receive) and with every copy waited for at once (the serialized receive it replaced). Bytes checked."""
+    step = "receive, host staging [512 MiB in 64 MiB buckets]"
+    if args.device != "cuda":
+        return Row(step, "skipped: needs CUDA (on CPU the received buckets are the staging: no copy to overlap)")
+    import threading
+
+    import torch
+
+    from pipelinerl.launch.procs import free_port
+    from pipelinerl.weights import (
+        InitRequest,
+        StagingBuffers,
+        TensorMeta,
+        UpdateRequest,
+        broadcast_async,
+        open_group,
+        plan_buckets,
+        receive_staged,
+        receiver,
+        wait_work,
+    )
+
+    metas = [TensorMeta(f"t{i}", "bfloat16", [4096, 4096]) for i in range(16)]
+    tensors = [torch.randn(4096, 4096, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(16)]
+    req = UpdateRequest(1, 64 << 20, metas, False)
+
+    def send(port: int) -> None:
+        group = open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 120.0), 0)
+        for bucket in plan_buckets(metas, req.bucket_bytes):
+            buf = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+            for i, off in zip(bucket.indexes, bucket.offsets):
+                buf[off:off + tensors[i].nbytes] = tensors[i].reshape(-1).view(torch.uint8)
+            wait_work(broadcast_async(group, buf), time.monotonic() + 120, "the receiver")
+
+    def receive(device: str = "cuda") -> float:
+        port = free_port()
+        sender = threading.Thread(target=send, args=(port,))
+        sender.start()
+        group = open_group(InitRequest("127.0.0.1", port, 1, 2, "gloo", 120.0), 1)
+        start = time.monotonic()
+        staged = receive_staged(group, req, torch.device(device), time.monotonic() + 120, "sender", "host",
+                                buffers=StagingBuffers())
+        took = time.monotonic() - start
+        sender.join()
+        assert all(torch.equal(t, want) for (_, t), want in zip(staged, tensors)), "received bytes differ"
+        return took
+
+    receive()  # warm-up: CUDA context, pinned allocations
+    overlapped = receive()
+    copy = receiver._HostCopies.copy
+
+    def serialized(self, slot, dst, src):
+        out = copy(self, slot, dst, src)
+        self.finish()
+        return out
+
+    receiver._HostCopies.copy = serialized
+    try:
+        waited = receive()
+    finally:
+        receiver._HostCopies.copy = copy
+    gb = sum(m.nbytes for m in metas) / GB
+    return Row(step, "ok", f"overlapped {overlapped:.3f} s ({gb / overlapped:.2f} GB/s), each copy waited for "
+                           f"{waited:.3f} s: x{waited / overlapped:.2f} (gloo into CUDA buffers; bytes equal)",
+               {"overlapped_s": overlapped, "serialized_s": waited, "gb": gb})
+
+
 def nccl_row(args) -> Row:
     import torch
 
@@ -461,7 +584,7 @@ def run_checks(args) -> list[Row]:
         start = time.monotonic()
         rows += trainer_rows(shape, workdir, args)
         print(f"gpu_check: {shape} model measured in {time.monotonic() - start:.0f} s", flush=True)
-    for check in (head_gemm_row, nccl_row):
+    for check in (lambda a: precision_row(workdir, a), head_gemm_row, receive_row, nccl_row):
         try:
             rows.append(check(args))
         except Exception as err:  # noqa: BLE001 - one failed step is a row, the table still prints
