@@ -223,6 +223,7 @@ def test_every_head_gemm_takes_the_bf16_weight_itself(monkeypatch, fp32):
         return real(a, b, acc)
 
     monkeypatch.setattr(model_mod, "_matmul32", recording)
+    monkeypatch.setattr(model_mod, "_gemm_operand", lambda weight: weight)  # as on CUDA: the weight itself
     head, hidden_NH, targets_N = _bf16_head(fp32)
     _scored(head, hidden_NH, targets_N, 0.7, 8)  # 37 rows: 5 chunks
     assert calls and all(a == BF16 and b == BF16 for a, b, _ in calls), calls

@@ -100,8 +100,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, bias_V, targets_N, temperature, chunk_tokens, fp32):
         logprobs, lse = [], []
+        w_VH = _gemm_operand(weight_VH) if fp32 else weight_VH
         for rows in _chunks(len(hidden_NH), chunk_tokens):
-            logits_CV = _tempered_logits(hidden_NH[rows], weight_VH, bias_V, temperature, fp32)
+            logits_CV = _tempered_logits(hidden_NH[rows], w_VH, bias_V, temperature, fp32)
             lse.append(logits_CV.logsumexp(-1))
             logprobs.append(logits_CV.gather(-1, targets_N[rows, None])[:, 0] - lse[-1])
             del logits_CV  # before the next chunk's
@@ -113,13 +114,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_N):
         hidden_NH, weight_VH, bias_V, targets_N, lse_N = ctx.saved_tensors
         split = ctx.fp32 and weight_VH.dtype != torch.float32
+        w_gemm = _gemm_operand(weight_VH)
         grad_hidden_NH = torch.empty_like(hidden_NH)
         grad_weight_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
         grad_bias_V = None if bias_V is None else torch.zeros(bias_V.shape, dtype=torch.float32,
                                                               device=bias_V.device)
         for rows in _chunks(len(hidden_NH), ctx.chunk_tokens):
             # d logprob_i / d logits_ij = (onehot_ij - softmax_ij) / T, in place over the recomputed logits
-            g_CV = _tempered_logits(hidden_NH[rows], weight_VH, bias_V, ctx.temperature, ctx.fp32)
+            g_CV = _tempered_logits(hidden_NH[rows], w_gemm if ctx.fp32 else weight_VH, bias_V, ctx.temperature,
+                                    ctx.fp32)
             g_CV.sub_(lse_N[rows, None]).exp_().mul_(-grad_N[rows, None].float())
             g_CV.scatter_add_(-1, targets_N[rows, None], grad_N[rows, None].float())
             if ctx.temperature != 1.0:
@@ -131,7 +134,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             hidden_CH = hidden_NH[rows].to(weight_VH.dtype)
             grad_CH = None
             for g in halves:
-                grad_CH = _matmul32(g, weight_VH, grad_CH)
+                grad_CH = _matmul32(g, w_gemm, grad_CH)
                 _matmul32(g.T, hidden_CH, grad_weight_VH)
             grad_hidden_NH[rows] = grad_CH  # cast to the hidden states' dtype by the assignment
             del halves
@@ -150,6 +153,12 @@ def _matmul32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None)
         return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     a, b = a.float(), b.float()  # no copy when already float32
     return a @ b if acc is None else acc.addmm_(a, b)
+
+
+def _gemm_operand(weight_VH: torch.Tensor) -> torch.Tensor:
+    """The weight as _matmul32 takes it: itself on CUDA; elsewhere its float32 copy (the upcast _matmul32 would
+    make), once per forward or backward instead of once per chunk."""
+    return weight_VH if weight_VH.is_cuda else weight_VH.float()
 
 
 def _split16(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
