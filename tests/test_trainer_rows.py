@@ -25,13 +25,14 @@ from pipelinerl.trainer.loop import (
 from pipelinerl.trainer.packing import pack, padding_micro_batch
 
 
-def _group(gid, rewards, versions, reference=None):
+def _group(gid, rewards, versions, reference=None, truncated=None):
+    truncated = truncated or [False] * len(rewards)
     return group_batch([
         {"run_id": "r", "group_id": gid, "sample_id": f"{gid}-{i}", "prompt_token_ids": [1, 5],
          "completion_token_ids": [4 + i] * len(v), "behaviour_logprobs": [-0.5 * (i + 1)] * len(v), "versions": v,
-         "reward": r, "finished": True, "truncated": False, "task": "t", "actor_id": "a",
+         "reward": r, "finished": not cut, "truncated": cut, "task": "t", "actor_id": "a",
          **({"reference_logprobs": reference[i]} if reference else {})}
-        for i, (r, v) in enumerate(zip(rewards, versions))])
+        for i, (r, v, cut) in enumerate(zip(rewards, versions, truncated))])
 
 
 def test_rows_become_samples_with_group_advantages_and_lags():

@@ -218,12 +218,12 @@ class TaskConfig:
                                         "correct final answer in one as if it had finished (the original "
                                         "PipelineRL's option); false = a truncated completion scores 0")
     overlong_buffer_tokens: int = doc(
-        0, "overlong penalty: a completion whose length reaches into the last N tokens before "
+        0, "overlong penalty (rl.overlong=soft): a completion whose length reaches into the last N tokens before "
            "actor.sampling.max_new_tokens loses overlong_penalty x (how far into that zone it reaches) / N, "
            "so the full penalty at the limit and none before the zone (DAPO's soft overlong punishment, "
            "rescaled to 0/1 rewards). 0 = off", unit="tokens")
-    overlong_penalty: float = doc(0.5, "the penalty at the length limit when overlong_buffer_tokens > 0; below 1 so "
-                                       "that a correct answer always outscores a wrong one")
+    overlong_penalty: float = doc(0.5, "the penalty at the length limit (rl.overlong=soft); below 1 so that a "
+                                       "correct answer always outscores a wrong one")
     sandbox: SandboxConfig = section(SandboxConfig)
 
     def __post_init__(self) -> None:

@@ -51,6 +51,13 @@ class Config:
         check(self.task.overlong_buffer_tokens <= self.actor.sampling.max_new_tokens, "task.overlong_buffer_tokens",
               f"got {self.task.overlong_buffer_tokens}: the penalty zone must fit in actor.sampling.max_new_tokens "
               f"({self.actor.sampling.max_new_tokens})")
+        check((self.rl.overlong == "soft") == (self.task.overlong_buffer_tokens > 0), "rl.overlong",
+              f"got {self.rl.overlong!r} with task.overlong_buffer_tokens={self.task.overlong_buffer_tokens}: the soft "
+              "overlong penalty is rl.overlong=soft over a zone of task.overlong_buffer_tokens > 0 tokens; set both, "
+              "or neither")
+        check(self.rl.overlong != "soft" or self.task.name == "math", "rl.overlong",
+              f"soft: the math task's reward applies the penalty (its success is reward > 0, so a penalised correct "
+              f"answer still counts); {self.task.name} rewards 1.0 for a success: use none or filter")
         check(self.task.name != "math_tir" or self.actor.episode.step_timeout_s > self.task.sandbox.timeout_s,
               "actor.episode.step_timeout_s", f"got {self.actor.episode.step_timeout_s}; a step runs the turn's "
               f"scripts, each up to task.sandbox.timeout_s ({self.task.sandbox.timeout_s}): set it above that")

@@ -162,6 +162,11 @@ class RLConfig:
                                             "writes it to the `filtered` stream topic instead of the rollouts and "
                                             "generates on, so every step trains samples_per_step informative "
                                             "samples (with rl.kl_coef > 0 such groups lose only their KL term)")
+    overlong: str = doc(
+        "none", "completions cut at the length limit (truncated rows): none (trained like any other; seed 000) | "
+                "filter (DAPO's overlong filtering: their loss is masked; they stay in their group's baseline and "
+                "count as trained samples) | soft (DAPO's soft overlong punishment of the math task's reward, "
+                "zone and size from task.overlong_buffer_tokens and task.overlong_penalty)")
     dpo_beta: float = doc(0.1, "online DPO temperature (algorithm=dpo only); the DPO loss is the mean over the "
                                "step's pairs of -log sigmoid(beta * margin) (seed 004)")
     dpo_reference: str = doc("reference", "DPO's reference log-probs (algorithm=dpo only): reference (the frozen "
@@ -188,6 +193,7 @@ class RLConfig:
         check(self.value_coef >= 0, "rl.value_coef", "must be >= 0")
         check_positive(self.dpo_beta, "rl.dpo_beta")
         check_choice(self.dpo_reference, ("behaviour", "reference"), "rl.dpo_reference")
+        check_choice(self.overlong, ("none", "filter", "soft"), "rl.overlong")
 
     @property
     def needs_reference_logprobs(self) -> bool:

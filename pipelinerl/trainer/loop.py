@@ -71,7 +71,8 @@ def rows_to_samples(batches, version: int, first_index: int, cfg: Config, resume
     the checkpoint's step the trainer resumed from) and loss mask (and reference log-probs when the objective
     needs them), and per-sequence advantage (or DPO role), group (and reward when the objective needs it). An
     episode's environment tokens (loss mask 0) stay in the sample's completion, as context for the model
-    tokens after them; the loss and its statistics skip them."""
+    tokens after them; the loss and its statistics skip them. rl.overlong=filter masks every token of a
+    truncated row (DAPO's overlong filtering) after the group's advantages are computed with it."""
     from pipelinerl.rl import dpo_roles, group_advantages
 
     samples = []
@@ -86,7 +87,10 @@ def rows_to_samples(batches, version: int, first_index: int, cfg: Config, resume
         for i, completion in enumerate(rows["completion_token_ids"]):
             n = len(completion)
             lags = token_lags(version, rows["versions"][i], resumed)
-            tokens = {"behaviour": rows["behaviour_logprobs"][i], "lag": lags, "loss_mask": rows["loss_mask"][i]}
+            mask = rows["loss_mask"][i]
+            if cfg.rl.overlong == "filter" and rows["truncated"][i]:
+                mask = [0] * len(mask)
+            tokens = {"behaviour": rows["behaviour_logprobs"][i], "lag": lags, "loss_mask": mask}
             if cfg.rl.needs_reference_logprobs:
                 tokens["reference"] = _reference_logprobs(rows, i, n)
             seq = {"advantage": float(adv[i]), "group": float(g)}
@@ -111,11 +115,13 @@ def _reference_logprobs(rows: dict, i: int, n: int) -> list[float]:
     return values
 
 
-def step_samples(batches, cfg: Config, dist: DistInfo, version: int, resumed: int) -> tuple[list[Sample], list[float]]:
-    """This rank's share of a step as Samples, and the rewards of those samples."""
+def step_samples(batches, cfg: Config, dist: DistInfo, version: int,
+                 resumed: int) -> tuple[list[Sample], list[float], int]:
+    """This rank's share of a step as Samples, the rewards of those samples and how many were truncated."""
     first = dist.rank * (cfg.trainer.samples_per_step // dist.world_size)
     rewards = [r for batch in batches for r in batch.column("reward").to_pylist()]
-    return rows_to_samples(batches, version, first, cfg, resumed), rewards
+    truncated = sum(sum(batch.column("truncated").to_pylist()) for batch in batches)
+    return rows_to_samples(batches, version, first, cfg, resumed), rewards, truncated
 
 
 def _loss_fn(cfg: Config, num_sequences: int, num_pairs: int, device: torch.device, token_log: list):
@@ -355,7 +361,7 @@ def _run(trainer: Trainer, data: StepData, cfg: Config, dist: DistInfo, state: L
                      signals.requested(), state.step)
             return
         state.cursor = data.cursor()
-        samples, rewards = step_samples(batches, cfg, dist, state.step, state.resumed)
+        samples, rewards, truncated = step_samples(batches, cfg, dist, state.step, state.resumed)
         read_s = time.monotonic() - started
         token_log: list = []
         stats = train_step(trainer, samples, cfg, dist, state, token_log)
@@ -363,11 +369,12 @@ def _run(trainer: Trainer, data: StepData, cfg: Config, dist: DistInfo, state: L
         published = (trainer.publish_weights(state.step) if _sync_due(cfg, state.step)
                      else {"publish_s": 0.0, "bytes": 0.0})
         step_s = time.monotonic() - started
-        reward_sum, reward_count = all_reduce_sum([sum(rewards), len(rewards)])
+        reward_sum, reward_count, truncated = all_reduce_sum([sum(rewards), len(rewards), truncated])
         stats.update(read_s=read_s, train_s=train_s, publish_s=published["publish_s"],
                      publish_bytes=published["bytes"], samples_seen=state.samples_seen,
                      samples_per_s=cfg.trainer.samples_per_step / step_s, data_wait_fraction=read_s / step_s,
-                     reward_mean=reward_sum / max(reward_count, 1))
+                     reward_mean=reward_sum / max(reward_count, 1),
+                     truncated_fraction=truncated / max(reward_count, 1))
         if delivery is not None:
             stats.update(delivery_stats(delivery.reports()))
         logger.log(state.step, stats, token_log)
