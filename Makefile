@@ -22,7 +22,7 @@ test: setup
 # Every benchmark and one markdown table of their key rows (runs/bench_all/table.md): tools/bench_all.py.
 # `make bench ARGS=--quick` is a smoke test at small sizes; ARGS="--only streams,grading" picks benches.
 bench: setup
-	$(VENV)/bin/python tools/bench_all.py $(ARGS)
+	$(VENV)/bin/python tools/bench_all.py --readme README.md $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check pipelinerl tools tests

@@ -9,6 +9,9 @@ past its timeout is a FAILED row with the end of its stderr, and the others stil
 machine, and each bench's 1-min load average at its start and end) is printed and written to
 runs/bench_all/table.md, everything to summary.json. Exit status 1 when a bench failed; goals not met are
 reported, not errors. `--quick` runs each bench at small sizes: a smoke test, not numbers to quote.
+`--readme README.md` (what `make bench` passes) also replaces the table between the README's bench markers
+(README_START / README_END), with the machine and each bench's load: only after a full run (no --quick,
+--only or --skip), so the README always shows one whole run.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 GRACE_S = 30  # after SIGINT, for a timed-out bench's finally blocks to stop its servers
 STDERR_LINES = 15  # of a failed bench, in the table's notes
+README_START = "<!-- bench table: `make bench` replaces everything down to the end marker -->"
+README_END = "<!-- end of bench table -->"
 
 
 @dataclass(frozen=True)
@@ -176,6 +181,17 @@ def render(host: dict, results: list[dict], quick: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def update_readme(path: Path, table: str) -> None:
+    """Replace what lies between README_START and README_END in `path` with `table`; ValueError when the
+    markers are missing or out of order (nothing is written then)."""
+    text = path.read_text()
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"{path} has no bench table markers ({README_START!r} ... {README_END!r})")
+    head = text[:start + len(README_START)]
+    path.write_text(f"{head}\n{table}{text[end:]}")
+
+
 def select(only: str | None, skip: str | None) -> dict[str, Bench]:
     """BENCHES restricted to `only` and without `skip` (comma-separated names), in BENCHES' order."""
     names = [n for part in (only, skip) if part for n in part.split(",")]
@@ -196,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=REPO / "runs" / "bench_all",
                         help="the summaries, the benches' output, table.md and summary.json")
     parser.add_argument("--bench-dir", type=Path, default=REPO / "tools", help="folder of the bench_<name>.py")
+    parser.add_argument("--readme", type=Path, help="after a full run, write the table into this README "
+                                                    "between its bench markers (make bench: README.md)")
     args = parser.parse_args(argv)
     try:
         benches = select(args.only, args.skip)
@@ -208,6 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     (args.out_dir / "table.md").write_text(table)
     (args.out_dir / "summary.json").write_text(json.dumps({"machine": host, "quick": args.quick,
                                                            "benches": results}, indent=1))
+    if args.readme is not None:
+        if args.quick or args.only or args.skip:
+            print(f"bench_all: {args.readme} not updated: only a full run (no --quick, --only, --skip) "
+                  "writes its table")
+        else:
+            update_readme(args.readme, table)
+            print(f"bench_all: the table is in {args.readme}")
     return 1 if any(r["failed"] for r in results) else 0
 
 
