@@ -242,3 +242,45 @@ def test_split16_carries_twice_the_bits_of_one_bf16_rounding():
     two = ((hi.double() + lo.double()) - x.double()).abs() / x.double().abs()
     assert 2**-10 < one.max() <= 2**-8  # bf16: 8 significant bits
     assert two.max() <= 2**-16
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_the_cuda_gemm_path_runs_forward_and_backward_on_the_meta_device(monkeypatch, chunk):
+    """The branch CUDA takes (torch.mm / torch.addmm with out_dtype, which have meta kernels but no CPU ones),
+    run on meta tensors: forward and backward of the fp32 head, chunked and plain, give the shapes and dtypes
+    the real path needs. The plain call needs its own autograd function: out_dtype GEMMs have no derivative."""
+    from pipelinerl.trainer import model as model_mod
+
+    monkeypatch.setattr(model_mod, "_out_dtype_gemm", lambda t: t.device.type == "meta")
+    head = model_mod.LogprobHead(64, 300, dtype=BF16, device="meta")
+    head.fp32 = True
+    hidden = torch.empty(37, 64, dtype=BF16, device="meta", requires_grad=True)
+    if chunk is None:
+        logits = head(hidden)
+        assert logits.dtype == torch.float32 and logits.shape == (37, 300)
+        out = logits.sum()
+    else:
+        out = model_mod.chunked_logprobs(head, hidden, torch.zeros(37, dtype=torch.long, device="meta"), 0.7, chunk)
+        out = out.sum()
+    out.backward()
+    assert hidden.grad.dtype == BF16 and hidden.grad.shape == hidden.shape
+    assert head.weight.grad.dtype == BF16 and head.weight.grad.shape == head.weight.shape
+    assert head.bias.grad.dtype == BF16
+
+
+def test_plain_fp32_head_gemms_take_the_bf16_weight_and_match_float64(monkeypatch):
+    """head(hidden) with fp32 (trainer.logprob_chunk_tokens=null): one GEMM forward, two bf16 halves x two
+    GEMMs backward; gradients as float64's within one bf16 rounding."""
+    from pipelinerl.trainer import model as model_mod
+
+    calls = []
+    real = model_mod._matmul32
+    monkeypatch.setattr(model_mod, "_matmul32", lambda a, b, acc=None: calls.append((a.dtype, b.dtype)) or
+                        real(a, b, acc))
+    monkeypatch.setattr(model_mod, "_gemm_operand", lambda weight: weight)
+    head, hidden_NH, targets_N = _bf16_head(True)
+    _, grads = _scored(head, hidden_NH, targets_N, 0.7, None)
+    assert len(calls) == 5 and all(a == b == BF16 for a, b in calls), calls
+    want = _reference64_grads(head, hidden_NH, targets_N, 0.7)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got.double(), ref, rtol=2**-8, atol=1e-5)

@@ -142,12 +142,36 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype), grad_bias_V, None, None, None, None
 
 
+class _Float32Logits(torch.autograd.Function):
+    """float32 linear(hidden_NH, weight_VH, bias_V) of a 16-bit head (LogprobHead's plain call with fp32), its
+    forward and backward GEMMs run as _ChunkedLogprobs runs them: torch's out_dtype GEMM has no autograd
+    formula of its own."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, bias_V):
+        ctx.save_for_backward(hidden_NH, weight_VH, bias_V)
+        return _tempered_logits(hidden_NH, _gemm_operand(weight_VH), bias_V, 1.0, True)
+
+    @staticmethod
+    def backward(ctx, grad_NV):
+        hidden_NH, weight_VH, bias_V = ctx.saved_tensors
+        g_NV = grad_NV.float().clone()  # _split16 overwrites its input
+        halves = _split16(g_NV, weight_VH.dtype) if weight_VH.dtype != torch.float32 else (g_NV,)
+        w_VH, h_NH = _gemm_operand(weight_VH), hidden_NH.to(weight_VH.dtype)
+        grad_hidden = grad_weight = None
+        for g in halves:
+            grad_hidden = _matmul32(g, w_VH, grad_hidden)
+            grad_weight = _matmul32(g.T, h_NH, grad_weight)
+        grad_bias = None if bias_V is None else grad_NV.float().sum(0).to(bias_V.dtype)
+        return grad_hidden.to(hidden_NH.dtype), grad_weight.to(weight_VH.dtype), grad_bias
+
+
 def _matmul32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
     """float32 a @ b, added into the float32 `acc` in place when given: exact products, float32 sums. On CUDA
     16-bit operands go to one tensor-core GEMM with float32 output (torch's out_dtype), no float32 copy of
     either (a float32 GEMM runs on CUDA cores, an order of magnitude below bf16 tensor-core throughput);
     elsewhere they are upcast first, the same arithmetic (CPU torch has no kernel for out_dtype)."""
-    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+    if _out_dtype_gemm(a) and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
         if acc is None:
             return torch.mm(a, b, out_dtype=torch.float32)
         return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
@@ -155,10 +179,15 @@ def _matmul32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None)
     return a @ b if acc is None else acc.addmm_(a, b)
 
 
+def _out_dtype_gemm(t: torch.Tensor) -> bool:
+    """Whether torch has a GEMM with float32 output from 16-bit operands on `t`'s device (CUDA only)."""
+    return t.is_cuda
+
+
 def _gemm_operand(weight_VH: torch.Tensor) -> torch.Tensor:
-    """The weight as _matmul32 takes it: itself on CUDA; elsewhere its float32 copy (the upcast _matmul32 would
-    make), once per forward or backward instead of once per chunk."""
-    return weight_VH if weight_VH.is_cuda else weight_VH.float()
+    """The weight as _matmul32 takes it: itself where _out_dtype_gemm; elsewhere its float32 copy (the upcast
+    _matmul32 would make), once per forward or backward instead of once per chunk."""
+    return weight_VH if _out_dtype_gemm(weight_VH) else weight_VH.float()
 
 
 def _split16(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +231,7 @@ class LogprobHead(torch.nn.Linear):
         if targets_N is None:
             if not self.fp32:
                 return super().forward(hidden)
-            logits = _tempered_logits(hidden.reshape(-1, hidden.shape[-1]), self.weight, self.bias, 1.0, True)
+            logits = _Float32Logits.apply(hidden.reshape(-1, hidden.shape[-1]), self.weight, self.bias)
             return logits.view(*hidden.shape[:-1], self.out_features)
         return _ChunkedLogprobs.apply(hidden, self.weight, self.bias, targets_N, temperature, chunk_tokens,
                                       self.fp32)
