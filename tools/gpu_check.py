@@ -17,7 +17,7 @@ Each step runs what the device and the installed libraries allow, and says "skip
    same weights and samples: per-step loss and gradient norm within bf16 rounding.
 6. head GEMMs: the chunked LM head's forward + backward in bf16 (model.LogprobHead, plain and lm_head_fp32) timed
    against the same maths on float32 copies of the operands, with the largest relative error of the weight's
-   gradient against a float64 reference (CUDA: a 151936 x 1536 head, 8192 tokens).
+   gradient against a float64 reference (CUDA: a 151936 x 1536 head, 4096 tokens; the reference holds ~20 GB).
 7. receive: a 512 MiB update received with host staging into CUDA buckets from a sender thread over gloo, with
    each bucket's copy to the host overlapping the next receive, and with every copy waited for (the old way).
 8. NCCL: a 2-rank NCCL weight update needs 2 GPUs (NCCL refuses two ranks on one device); on one GPU the row says
@@ -455,7 +455,7 @@ def head_gemm_row(args) -> Row:
 
     cuda = args.device == "cuda"
     device = torch.device("cuda" if cuda else "cpu")
-    V, H, N, chunk = (151936, 1536, 8192, 1024) if cuda else (4096, 256, 512, 128)
+    V, H, N, chunk = (151936, 1536, 4096, 1024) if cuda else (4096, 256, 512, 128)
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(V, H, generator=g) * 0.05).to(device)
     hidden = torch.randn(N, H, generator=g).to(device)
