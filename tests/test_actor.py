@@ -391,7 +391,7 @@ def test_the_actor_evaluates_every_set_and_logs_pass_at_k(tmp_path, tiny_model_d
     def complete(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         item = by_prompt[tuple(body["prompt"])]
-        requests.append((item.id, body["n"], body["temperature"]))
+        requests.append((item.id, body["n"], body["temperature"], body["priority"]))
         return httpx.Response(200, json={"choices": [_choice(k, item.answer if ok else "0", length, finished)
                                                      for k, (ok, length, finished) in enumerate(script[item.id])]})
 
@@ -403,8 +403,9 @@ def test_the_actor_evaluates_every_set_and_logs_pass_at_k(tmp_path, tiny_model_d
         returned = asyncio.run(evaluate())
     finally:
         actor.close()
-    assert sorted(requests) == sorted([(default.items[0].id, 1, 0.0), (default.items[1].id, 1, 0.0)]
-                                      + [(f"sums.jsonl:{k}", 4, 0.7) for k in range(3)])
+    # every evaluation request at actor.eval_priority (1 by default: behind queued training requests)
+    assert sorted(requests) == sorted([(default.items[0].id, 1, 0.0, 1), (default.items[1].id, 1, 0.0, 1)]
+                                      + [(f"sums.jsonl:{k}", 4, 0.7, 1) for k in range(3)])
     lengths = [x for cs in script.values() for (_, x, _) in cs]
     expected = {"eval/default/pass@1": 0.5, "eval/success": 0.5, "eval/default/mean_length": 15 / 2,
                 "eval/default/truncation_rate": 0.5,
@@ -665,7 +666,7 @@ def test_a_multi_turn_task_is_evaluated_in_episodes(tmp_path, tiny_model_dir):
     def complete(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         prefix = tuple(body["prompt"])
-        requests.append((len(prefix), body["max_tokens"], body["temperature"]))
+        requests.append((len(prefix), body["max_tokens"], body["temperature"], body["priority"]))
         if prefix in prompts:
             text = call if prompts[prefix] is first else "1"
         else:  # item 0's second turn: the prefix ends with the calculator's answer
@@ -684,7 +685,7 @@ def test_a_multi_turn_task_is_evaluated_in_episodes(tmp_path, tiny_model_dir):
         returned = asyncio.run(evaluate())
     finally:
         actor.close()
-    assert len(requests) == 3 and all(t == 0.0 for _, _, t in requests)
+    assert len(requests) == 3 and all(t == 0.0 and p == 1 for _, _, t, p in requests)  # every turn at eval priority
     model_tokens = [len(call) + 1 + len(first.answer) + 1, 1 + 1]
     expected = {"eval/default/pass@1": 0.5, "eval/success": 0.5, "eval/default/mean_length": sum(model_tokens) / 2,
                 "eval/default/truncation_rate": 0.0}

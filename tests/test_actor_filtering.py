@@ -28,11 +28,14 @@ class _ScriptedServer:
 
     def __init__(self, answers: dict[tuple[int, ...], str], solves: bool = True):
         self.answers, self.solves = answers, solves
+        self.priorities: set[int] = set()  # of the completion requests
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/status":
             return httpx.Response(200, json=_status(0))
-        answer = self.answers[tuple(json.loads(request.content)["prompt"])]
+        body = json.loads(request.content)
+        self.priorities.add(body["priority"])
+        answer = self.answers[tuple(body["prompt"])]
         right = self.solves and int(answer[-1]) % 2 == 0
         texts = [answer if right and k == 0 else "x" for k in range(G)]
         return httpx.Response(200, json={"choices": [_choice(k, t, 2, True) for k, t in enumerate(texts)]})
@@ -79,7 +82,9 @@ def test_filtered_groups_leave_the_rollouts_and_the_throttle_count_and_are_not_l
     actor = Actor(cfg, "a0")
     items = actor.task.iter_train(0)
     answers = {tuple(actor.prompt_ids(item)): item.answer for item in (next(items) for _ in range(400))}
-    _run_until_held(actor, _ScriptedServer(answers), monkeypatch)
+    server = _ScriptedServer(answers)
+    _run_until_held(actor, server, monkeypatch)
+    assert server.priorities == {0}  # training requests: vLLM's highest priority, before queued evaluation
 
     kept, filtered = _groups(run_dir, ROLLOUT_TOPIC, cfg), _groups(run_dir, FILTERED_TOPIC, cfg)
     # max_lag 0 at version 0: step 0's S samples, all informative, then the bound holds the actor

@@ -33,12 +33,14 @@ def episode_limits(cfg: Config) -> EpisodeLimits:
 
 async def sample_episodes(client: CompletionsClient, http: httpx.AsyncClient, task: Task, tokenizer,
                           item: PromptItem, cfg: Config, n: int, greedy: bool, temperature: float | None = None,
-                          min_version: int | None = None, name: str = "episode") -> list[EpisodeResult]:
+                          min_version: int | None = None, name: str = "episode",
+                          priority: int = 0) -> list[EpisodeResult]:
     """n episodes of `item`, side by side (envs/runner.py), every turn one request (`temperature`: None is
-    actor.sampling's). Each turn's request carries `min_version`: the lag bound taken at the episode's start."""
+    actor.sampling's) at vLLM request `priority`. Each turn's request carries `min_version`: the lag bound
+    taken at the episode's start."""
     async def generate(prefix: list[int], max_tokens: int) -> Completion:
         (done,) = await client.complete(http, prefix, greedy=greedy, n=1, temperature=temperature,
-                                        min_version=min_version, max_tokens=max_tokens)
+                                        min_version=min_version, max_tokens=max_tokens, priority=priority)
         return done
 
     limits, timeout_s = episode_limits(cfg), cfg.actor.episode.step_timeout_s

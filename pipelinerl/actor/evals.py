@@ -92,15 +92,18 @@ async def sample_suite(client: CompletionsClient, http: httpx.AsyncClient, task:
                        suite: EvalSuite, cfg: Config, gate: asyncio.Semaphore | None = None) -> list[SampledItem]:
     """Every item of the suite, in order: its `samples` completions in one request (at most `gate`'s count of
     items at once; None: no bound), graded off the event loop (the math task's grading may block). A
-    multi-turn task's item is `samples` episodes with its environment (actor.episode's limits), graded by it."""
+    multi-turn task's item is `samples` episodes with its environment (actor.episode's limits), graded by it.
+    Every request runs at actor.eval_priority (behind queued training requests)."""
     async def one(item: PromptItem) -> SampledItem:
         ids = item.token_ids(tokenizer)
         async with gate or contextlib.nullcontext():
             if task.multi_turn:
                 episodes = await sample_episodes(client, http, task, tokenizer, item, cfg, suite.samples,
-                                                 suite.greedy, suite.temperature, name=f"eval {suite.name}/{item.id}")
+                                                 suite.greedy, suite.temperature, name=f"eval {suite.name}/{item.id}",
+                                                 priority=cfg.actor.eval_priority)
                 return SampledItem(item, ids, [], episode_outcome(task, item, episodes), episodes)
-            completions = await client.complete(http, ids, suite.greedy, suite.samples, suite.temperature)
+            completions = await client.complete(http, ids, suite.greedy, suite.samples, suite.temperature,
+                                                priority=cfg.actor.eval_priority)
         outcome = await asyncio.to_thread(grade, task, item, completions, cfg.actor.sampling.max_new_tokens)
         return SampledItem(item, ids, completions, outcome)
 

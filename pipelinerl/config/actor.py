@@ -91,6 +91,12 @@ class ActorConfig:
                                  "completion each (pass@1); 0 = no `default` set (task.eval_sets still run)")
     eval_greedy: bool = doc(True, "the `default` set's completions are greedy (temperature 0); false = sampled "
                                   "like training")
+    eval_priority: int = doc(1, "vLLM request priority of evaluation requests (the servers run vLLM's priority "
+                                "scheduling; training requests have 0, lower is scheduled first): when a "
+                                "server's batch is full, queued training requests start before queued evaluation "
+                                "ones. vLLM does not preempt a running request for priority while KV cache is "
+                                "left, so running evaluation requests keep their batch share; 0 = first come, "
+                                "first served")
     sampling: SamplingConfig = section(SamplingConfig)
     episode: EpisodeConfig = section(EpisodeConfig)
 
@@ -104,6 +110,7 @@ class ActorConfig:
         check_positive(self.wait_log_s, "actor.wait_log_s")
         check(self.eval_every_steps >= 0, "actor.eval_every_steps", "must be >= 0 (0 disables evaluation)")
         check(self.eval_samples >= 0, "actor.eval_samples", "must be >= 0")
+        check(self.eval_priority >= 0, "actor.eval_priority", "must be >= 0 (0: as training requests)")
 
 
 @dataclass

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 # override them. Reference servers skip logprobs_mode: vLLM never processes prompt log-probs, the only
 # ones they return.
 OWN_ENGINE_ARGS = {"generation_config": "vllm", "logprobs_mode": "processed_logprobs"}
+# Requests carry a priority (evaluation: actor.eval_priority, training 0), which vLLM refuses (HTTP 400) unless the
+# engine schedules by priority; with every priority equal it is first come, first served.
+SCHEDULING_POLICY = "priority"
 
 
 def vllm_argv(cfg: Config, host: str, port: int, reference: bool = False) -> list[str]:
@@ -47,6 +50,12 @@ def vllm_argv(cfg: Config, host: str, port: int, reference: bool = False) -> lis
                               "log-probs must be those of the distribution sampled); remove it")
         if not (reference and key == "logprobs_mode"):
             argv += ["--" + key.replace("_", "-"), value]
+    policy = inf.engine_args.get("scheduling_policy", SCHEDULING_POLICY)
+    if policy != SCHEDULING_POLICY:
+        raise ConfigError(f"config `inference.engine_args.scheduling_policy`: got {policy!r}; the servers schedule by "
+                          "request priority (evaluation requests at actor.eval_priority yield to training ones; "
+                          "actor.eval_priority=0 makes it first come, first served): remove it")
+    argv += ["--scheduling-policy", SCHEDULING_POLICY]
     if reference:
         if inf.max_model_len is None:
             raise ConfigError("config `inference.max_model_len`: a reference server needs it set (it runs with "
