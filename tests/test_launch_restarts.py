@@ -139,7 +139,9 @@ def test_without_a_policy_or_for_a_role_that_may_not_restart_any_death_stops_the
 def test_a_restart_runs_the_command_computed_then(tmp_path):
     out = tmp_path / "restarted"
     role = Role("server0", [sys.executable, "-c", "raise SystemExit(1)"], tmp_path / "s.log",
-                restart_argv=lambda: [sys.executable, "-c", f"open({str(out)!r}, 'w').write('v7')"])
+                restart_argv=lambda: [sys.executable, "-c",  # written aside, renamed: whole when it exists
+                                      f"import os; open({str(out)!r} + '.tmp', 'w').write('v7'); "
+                                      f"os.replace({str(out)!r} + '.tmp', {str(out)!r})"])
     sup = Supervisor(_restarts(tmp_path))
     try:
         sup.start(role)
