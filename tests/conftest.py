@@ -2,13 +2,10 @@
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from helpers import WORKER, worker_port
-
-from pipelinerl.trainer.dist import jit_extensions_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -21,13 +18,6 @@ os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 REPO = Path(__file__).resolve().parent.parent
 # Assigned, not defaulted: xdist workers inherit the controller's environment, where WORKER is 0.
 os.environ["PIPELINERL_MASTER_PORT_BASE"] = str(29400 + 500 * WORKER)  # trainer ranks' ports (helpers.py)
-
-# torch's JIT extension loader (DeepSpeed's CPU shm comm op, loaded by every trainer rank) holds a lock file
-# while it checks the build; a process killed meanwhile leaves it behind and every later load waits forever.
-# A build takes about a minute: a lock older than 10 minutes is such a leftover.
-_JIT_LOCK = jit_extensions_dir() / "deepspeed_shm_comm" / "lock"
-if _JIT_LOCK.exists() and time.time() - _JIT_LOCK.stat().st_mtime > 600:
-    _JIT_LOCK.unlink(missing_ok=True)
 
 # Parallel workers (`make test`: pytest-xdist, --dist loadscope): each module runs whole on one worker, and
 # modules sharing a session fixture run together on one (their runs and servers are made once). The slowest

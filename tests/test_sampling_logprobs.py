@@ -106,7 +106,7 @@ def score(rank, port, model_dir, samples_by_t, out_path):
 
     dist = read_dist_env()
     cfg = TrainerConfig(zero_stage=0, micro_batch_tokens=512)
-    init_process_group(dist, cfg.dist_timeout_s)
+    init_process_group(dist, cfg.dist_timeout_s, cfg.jit_lock_stale_s)
     trainers = {}
     out = {}
     for t, samples in samples_by_t.items():

@@ -86,7 +86,7 @@ def worker(rank, world, port, model_dir, stage, out_dir):
     cfg = TrainerConfig(zero_stage=stage, micro_batch_tokens=MICRO_BATCH_TOKENS, lr=LR, lr_schedule="constant",
                         warmup_steps=0, weight_decay=0.0, grad_clip=None, dist_timeout_s=120, data_timeout_s=60,
                         deepspeed_config={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
-    init_process_group(dist, cfg.dist_timeout_s)
+    init_process_group(dist, cfg.dist_timeout_s, cfg.jit_lock_stale_s)
     out = {}
     plain = DeepSpeedTrainer(cfg, dist)
     plain.init(model_dir)

@@ -93,7 +93,7 @@ def worker(rank, world, port, model_dir, spec, out_path):
     dist = read_dist_env()
     cfg = trainer_config(spec["stage"], spec["micro_batch_tokens"], spec.get("backend", "deepspeed"),
                          spec.get("lora", 0))
-    init_process_group(dist, cfg.dist_timeout_s)
+    init_process_group(dist, cfg.dist_timeout_s, cfg.jit_lock_stale_s)
     trainer = backend_class(cfg.backend)(cfg, dist, dtype=spec.get("dtype", "float32"))
     trainer.init(model_dir)
     stored = {n: p.dtype for n, p in trainer.model.named_parameters()}  # as each rank holds them

@@ -62,10 +62,10 @@ def worker(rank: int, world: int, port: int, model_dir: str, run_dir: str, steps
     from pipelinerl.weights import Publication
 
     dist = read_dist_env()
-    init_process_group(dist, 300)
     cfg = load_config(None, [f"run_dir={run_dir}", f"model.path={model_dir}", "inference.weight_update_backend=gloo",
                              f"trainer.broadcast_port={free_port(19700)}", "trainer.zero_stage=3",
                              "trainer.deepspeed_config.zero_optimization.stage3_param_persistence_threshold=0"])
+    init_process_group(dist, 300, cfg.trainer.jit_lock_stale_s)
     publication = Publication() if dist.is_main else None
     trainer = build_trainer(cfg, dist, publication)
     trainer.init(model_dir)

@@ -148,7 +148,7 @@ class BackendStepper:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
         dist = read_dist_env()
-        init_process_group(dist, cfg.trainer.dist_timeout_s)
+        init_process_group(dist, cfg.trainer.dist_timeout_s, cfg.trainer.jit_lock_stale_s)
         self.trainer = build_trainer(cfg, dist, publisher=None)
         self.trainer.init(cfg.model.path)
         self.device = self.trainer.device

@@ -73,6 +73,12 @@ class TrainerConfig:
     deepspeed_config: dict = doc({}, "merged over the generated DeepSpeed config, e.g. {zero_optimization: "
                                      "{reduce_bucket_size: 5e8}}; {} = none")
     dist_timeout_s: float = doc(1800.0, "a trainer collective (all-reduce, gather) waiting longer fails", unit="s")
+    jit_lock_stale_s: float = doc(
+        600.0, "at start-up each trainer rank removes a torch JIT-extension build lock "
+               "(TORCH_EXTENSIONS_DIR/<op>/lock, e.g. DeepSpeed's deepspeed_shm_comm) that no process on its host "
+               "holds open and that is older than this: one left by a killed process, on which every later JIT "
+               "load would wait forever (logged as a warning); a younger one is kept, since a rank of another node "
+               "sharing the folder may be building (a build takes 1-2 minutes)", unit="s")
     broadcast_host: str | None = doc(None, "address the servers reach trainer rank 0 at for weight updates",
                                      null="this host's address on the route to the first server")
     broadcast_port: int = doc(29511, "TCP port of the weight-update group's store on trainer rank 0")
@@ -129,6 +135,7 @@ class TrainerConfig:
         check_positive(self.wait_log_s, "trainer.wait_log_s")
         check_choice(self.attn_implementation, ("auto", "sdpa", "flash_attention_2"), "trainer.attn_implementation")
         check_positive(self.dist_timeout_s, "trainer.dist_timeout_s")
+        check_positive(self.jit_lock_stale_s, "trainer.jit_lock_stale_s")
         check(self.data_timeout_s < self.dist_timeout_s, "trainer.data_timeout_s",
               f"got {self.data_timeout_s}; must be < trainer.dist_timeout_s ({self.dist_timeout_s}), or a starved "
               "trainer dies of a collective timeout instead of saying what it waited for")

@@ -297,7 +297,7 @@ def train(cfg: Config) -> None:
 
     dist = read_dist_env()
     check_supported(cfg, dist)
-    init_process_group(dist, cfg.trainer.dist_timeout_s)
+    init_process_group(dist, cfg.trainer.dist_timeout_s, cfg.trainer.jit_lock_stale_s)
     torch.manual_seed(cfg.seed)
     publication = Publication() if dist.is_main else None
     trainer = build_trainer(cfg, dist, publication)
