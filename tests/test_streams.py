@@ -220,7 +220,7 @@ def test_a_bad_loss_mask_or_episode_field_is_refused_naming_its_sample(tmp_path,
 
 
 def _segment_groups(tmp_path, writer="w0") -> list[list[int]]:
-    return [[b.num_rows for b in load_segment(s)] for s in list_segments(tmp_path / "streams" / TOPIC / writer)]
+    return [[b.num_rows for b in load_segment(s)[0]] for s in list_segments(tmp_path / "streams" / TOPIC / writer)]
 
 
 def test_segments_roll_by_rows_and_never_split_a_group(tmp_path):

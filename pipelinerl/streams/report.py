@@ -72,7 +72,7 @@ def _writer_stats(wdir: Path, ids: Counter) -> dict[str, Any]:
     stats["unpublished_temp_files"] = len(temp_files(wdir))
     for segment in list_segments(wdir):
         try:
-            batches = load_segment(segment)
+            batches, _ = load_segment(segment)
         except (CorruptSegment, FileNotFoundError):  # read-only: readers quarantine, inspect only counts
             stats["unreadable_segments"] += 1
             continue

@@ -11,6 +11,8 @@ the file). Each record batch of a segment is exactly one group.
 Each segment's schema metadata also holds its writer's totals through it (`WriterTotals`: groups and rows
 published by that writer id in all its lives). The newest published segment of a writer is never released,
 so its totals survive retention: they are where a restarted writer, and a restarted actor, count from.
+Totals minus the segment's own groups are the groups published before it, which lets a reader tell a
+published segment that a listing does not show yet from a number that was never published.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 
 _SEGMENT_RE = re.compile(r"^(\d{8,})\.([0-9a-f]{8})\.arrow$")
 _ANY_SEQ_RE = re.compile(r"^\.?(\d{8,})\.")  # published, quarantined and temporary names alike
+_CORRUPT_RE = re.compile(r"^(\d{8,})\.[0-9a-f]{8}\.arrow\.corrupt$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 CORRUPT_SUFFIX = ".corrupt"
 TOTALS_KEY = b"pipelinerl.writer_totals"  # schema metadata: WriterTotals as JSON
@@ -99,6 +102,15 @@ def list_segments(wdir: Path) -> list[Segment]:
     return sorted(segments, key=lambda s: s.seq)
 
 
+def quarantined_seqs(wdir: Path) -> list[int]:
+    """Sequence numbers of this writer's quarantined (`*.corrupt`) segments, sorted."""
+    try:
+        names = os.listdir(wdir)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for m in map(_CORRUPT_RE.match, names) if m)
+
+
 def highest_seq(wdir: Path) -> int:
     """The highest sequence number any file of this writer ever used (-1 if none): a restarted writer
     continues after it, so a cursor that is past a number never skips new data."""
@@ -156,15 +168,23 @@ def _verified_totals(segment: Segment) -> WriterTotals | None:
             metadata = pa.ipc.open_file(mapped).schema.metadata or {}
     except pa.ArrowInvalid:
         return None
-    if TOTALS_KEY not in metadata:
+    totals = totals_of(metadata)
+    if totals is None:
         raise ValueError(f"segment {segment.path} has no writer totals: it was written by an older pipelinerl, "
                          "whose streams a restarted writer cannot continue; start a new run_dir")
-    return WriterTotals(**json.loads(metadata[TOTALS_KEY]))
+    return totals
 
 
-def load_segment(segment: Segment) -> list[pa.RecordBatch]:
-    """The groups of a segment. CorruptSegment if damaged; ValueError if written with another rollout schema
-    version (older or newer); FileNotFoundError if it vanished (quarantined by another reader, or released)."""
+def totals_of(metadata: dict[bytes, bytes] | None) -> WriterTotals | None:
+    """The writer totals in a segment's schema metadata; None in a segment of an older pipelinerl."""
+    raw = (metadata or {}).get(TOTALS_KEY)
+    return None if raw is None else WriterTotals(**json.loads(raw))
+
+
+def load_segment(segment: Segment) -> tuple[list[pa.RecordBatch], WriterTotals | None]:
+    """The groups of a segment and its writer's totals through it (None if it has none). CorruptSegment if
+    damaged; ValueError if written with another rollout schema version (older or newer); FileNotFoundError
+    if it vanished (quarantined by another reader, or released)."""
     with pa.OSFile(str(segment.path), "r") as f:  # into Arrow's memory pool: fewer page faults than bytes
         data = f.read()
     if zlib.crc32(data) != segment.crc:
@@ -185,7 +205,7 @@ def load_segment(segment: Segment) -> list[pa.RecordBatch]:
                          "same pipelinerl version on both sides (a stream of another version: start a new run_dir)")
     if not schema.remove_metadata().equals(ROLLOUT_SCHEMA.remove_metadata()):
         raise CorruptSegment(f"schema differs from the rollout schema: {schema}")
-    return batches
+    return batches, totals_of(schema.metadata)
 
 
 def quarantine(segment: Segment, reason: str) -> None:
