@@ -15,6 +15,7 @@ inotify or append visibility, so writers publish whole files and readers poll.
 
 from __future__ import annotations
 
+import os
 import secrets
 import socket
 import stat
@@ -51,9 +52,22 @@ def _create_token(path: Path) -> None:
     create_file(path, secrets.token_urlsafe(32), mode=0o600)
 
 
+WILDCARDS = ("", "0.0.0.0", "::")
+ADVERTISE_ENV = "PIPELINERL_ADVERTISE_HOST"  # set by the Slurm launcher: the node's address in Slurm (NodeAddr)
+
+
+def bind_host(configured: str | None) -> str:
+    """The address a server binds to: inference.host, or loopback (the Slurm launcher sets the wildcard)."""
+    return configured or "127.0.0.1"
+
+
 def advertised_host(bind_host: str) -> str:
-    """The host name others reach a server bound to `bind_host` at (this host's name for a wildcard)."""
-    return socket.gethostname() if bind_host in ("", "0.0.0.0", "::") else bind_host
+    """The host others reach a server bound to `bind_host` at, which also names its discovery file: the bound
+    address itself; for a wildcard, $PIPELINERL_ADVERTISE_HOST (on Slurm: the address Slurm reaches the node at,
+    the same whether the node calls itself by a short or a fully qualified name), else this host's name."""
+    if bind_host not in WILDCARDS:
+        return bind_host
+    return os.environ.get(ADVERTISE_ENV) or socket.gethostname()
 
 
 def server_file(run_dir: str | Path, host: str, port: int, folder: str = SERVERS_DIR) -> Path:

@@ -1,9 +1,12 @@
-"""Slurm launch: the sbatch scripts' rendered srun lines and GPU placement (fast), then real jobs
-on a throw-away Slurm cluster on this machine (tests/slurm/start_cluster.sh, slow): the flagship shape
-(2 servers, 2 trainer ranks on 2 nodes, the actor) as a heterogeneous job in pipeline mode with a requeue
-mid-run that must neither lose nor repeat a sample, the same in conventional mode, and a submitit sweep.
+"""Slurm launch: the sbatch scripts' rendered srun lines and GPU placement (fast), then real jobs on a
+throw-away multi-host virtual cluster on this machine (tests/slurm/start_vcluster.sh, slow): every node has
+its own network namespace, address, fully qualified hostname (not Slurm's node name, and resolving to
+127.0.1.1 on the node itself, as on Debian images) and /dev/shm, and mounts the run directories over the
+network (sshfs with caching, as NFS). On it: the flagship shape (2 servers, 2 trainer ranks on 2 nodes, the
+actor) as a heterogeneous job in pipeline mode with a killed servers step and a requeue mid-run that must
+neither lose nor repeat a sample, the same in conventional mode, and a submitit sweep.
 
-The cluster runs as root with state under /tmp; its daemons are stopped when the session ends.
+The cluster runs as root with state under /tmp; its daemons, mounts and namespaces go when the session ends.
 """
 
 import dataclasses
@@ -17,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import numpy as np
 import pytest
@@ -35,7 +39,9 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = {"run_7b.sh": "configs/qwen7b_orz.yaml", "run_32b.sh": "configs/qwen32b_orz.yaml",
            "run_tiny.sh": "configs/tiny_cpu.yaml", "run_tiny_flagship.sh": "configs/tiny_cpu.yaml",
            "run_7b_one_node.sh": "configs/qwen7b_orz.yaml"}
-CLUSTER_STATE = "/tmp/pipelinerl-slurm-tests"
+CLUSTER_STATE = "/tmp/pipelinerl-vcluster-tests"
+SHARED = Path(CLUSTER_STATE) / "shared"  # every node's network mount of it; here, the file server's own folder
+SUBNET = "10.214.0"  # the cluster's bridge: node vnI is SUBNET.(10+I)
 SAMPLES_PER_STEP = 32
 
 
@@ -182,13 +188,12 @@ def test_colocated_nodes_each_split_the_same_way():
 def test_colocated_job_serves_on_every_node(monkeypatch):
     """allocation_from_env of a plain (not het) job with inference_nodes = 0: every host serves and trains."""
     monkeypatch.setattr(slurm, "hostnames", lambda nodelist: ["gpu7", "gpu8"])
-    fields = {"NodeAddr": lambda node: f"10.0.0.{node[-1]}", "NodeHostName": lambda node: f"{node}.cluster"}
-    monkeypatch.setattr(slurm, "node_field", lambda node, name: fields[name](node))
+    monkeypatch.setattr(slurm, "node_field", lambda node, name: {"NodeAddr": f"10.0.0.{node[-1]}"}[name])
     cfg = _script_config("run_7b_one_node.sh", "launch.slurm.training_nodes=2", "trainer.num_gpus=8")
     alloc = slurm.allocation_from_env(cfg, {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu[7-8]"})
     assert (alloc.inference, alloc.training, alloc.master_addr, alloc.het) == (["gpu7", "gpu8"], ["gpu7", "gpu8"],
                                                                                "10.0.0.7", False)
-    assert alloc.hostnames == {"gpu7": "gpu7.cluster", "gpu8": "gpu8.cluster"}
+    assert alloc.addresses == {"gpu7": "10.0.0.7", "gpu8": "10.0.0.8"}
     with pytest.raises(ValueError, match="the job has 2 training node.s. but launch.slurm.training_nodes=1"):
         slurm.allocation_from_env(_script_config("run_7b_one_node.sh"),
                                   {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "x"})
@@ -237,14 +242,16 @@ def test_reference_servers_take_the_first_slots_of_the_first_inference_node(monk
 def test_each_server_node_is_a_step_run_again_from_the_latest_checkpoint(tmp_path):
     """servers@NODE: restartable, its restart command computed then (the latest complete checkpoint at its
     version, nothing else changed), and the discovery files of that node's servers (as the node names
-    itself: its NodeHostName under a wildcard bind address) to remove at the restart."""
+    its servers advertise: its NodeAddr under a wildcard bind address, whatever the node calls itself) to remove at
+    the restart; the agent's environment names that address."""
     run_dir = tmp_path / "run"
     cfg = load_config(REPO / "configs/qwen32b_orz.yaml", [f"run_dir={run_dir}", "rl.kl_coef=0.05"])
     assert cfg.inference.host == "0.0.0.0"
-    alloc = dataclasses.replace(dry_run_allocation(cfg), hostnames={"inference0": "gpu0", "inference1": "gpu1"})
+    alloc = dataclasses.replace(dry_run_allocation(cfg), addresses={"inference0": "gpu0", "inference1": "gpu1"})
     roles = plan_roles(cfg, alloc, Path("c.yaml"))
     first, second = roles["servers@inference0"], roles["servers@inference1"]
     assert first.restartable and second.restartable and first.log_path == run_dir / "logs" / "servers@inference0.log"
+    assert (first.env["PIPELINERL_ADVERTISE_HOST"], second.env["PIPELINERL_ADVERTISE_HOST"]) == ("gpu0", "gpu1")
     checkpoint = run_dir / "checkpoints" / "step_00000007"
     (checkpoint / "hf").mkdir(parents=True)
     (checkpoint / "meta.json").write_text(json.dumps({"step": 7, "version": 7}))
@@ -266,6 +273,41 @@ def test_each_server_node_is_a_step_run_again_from_the_latest_checkpoint(tmp_pat
     bound = load_config(REPO / "configs/qwen32b_orz.yaml", [f"run_dir={run_dir}", "inference.host=10.0.0.5"])
     assert plan_roles(bound, alloc, Path("c.yaml"))["servers@inference1"].discovery.paths[0] == (
         run_dir / "servers" / f"10.0.0.5_{base}")  # a server bound to an address advertises that address
+
+
+def test_servers_bind_every_interface_on_slurm_and_loopback_is_refused_across_hosts(tmp_path):
+    """inference.host null: 0.0.0.0 in the job's config (the actor and trainer reach the servers from other
+    nodes); a loopback address is refused when a server node has another address than the first training node,
+    and kept when every node is one host (as on a one-host test cluster)."""
+    cfg = _script_config("run_tiny_flagship.sh", f"run_dir={tmp_path}")
+    assert cfg.inference.host is None
+    alloc = dataclasses.replace(dry_run_allocation(cfg), master_addr="10.0.0.2", addresses={"inference0": "10.0.0.1"})
+    assert slurm.bound_for_slurm(cfg, alloc).inference.host == "0.0.0.0"
+    for host in ("127.0.0.1", "localhost", "::1"):
+        looped = dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, host=host))
+        with pytest.raises(ValueError, match=rf"inference.host={host} is a loopback address, but the servers on "
+                                             r"inference0 are reached from training0: set inference.host=0.0.0.0"):
+            slurm.bound_for_slurm(looped, alloc)
+        one_host = dataclasses.replace(alloc, addresses={"inference0": "10.0.0.2"})
+        assert slurm.bound_for_slurm(looped, one_host).inference.host == host
+    bound = dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, host="10.0.0.1"))
+    assert slurm.bound_for_slurm(bound, alloc) is bound
+
+
+def test_network_interface_reaches_every_role_unless_the_environment_names_one(tmp_path, monkeypatch):
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = _script_config("run_tiny_flagship.sh", f"run_dir={tmp_path}", "launch.network_interface=ib0")
+    roles = plan_roles(cfg, dry_run_allocation(cfg), Path("c.yaml"))
+    for role in roles.values():
+        assert (role.env["GLOO_SOCKET_IFNAME"], role.env["NCCL_SOCKET_IFNAME"]) == ("ib0", "ib0"), role.name
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "=mlx5_0")
+    roles = plan_roles(cfg, dry_run_allocation(cfg), Path("c.yaml"))
+    assert all("NCCL_SOCKET_IFNAME" not in role.env and role.env["GLOO_SOCKET_IFNAME"] == "ib0"
+               for role in roles.values())
+    unset = _script_config("run_tiny_flagship.sh", f"run_dir={tmp_path}")
+    assert not any("GLOO_SOCKET_IFNAME" in role.env for role in plan_roles(unset, dry_run_allocation(unset),
+                                                                          Path("c.yaml")).values())
 
 
 def test_reference_servers_must_fit_the_first_node_and_leave_a_policy_server():
@@ -297,21 +339,39 @@ def test_a_query_that_died_of_sigpipe_is_asked_again_and_an_action_runs_once(tmp
 
 @pytest.fixture(scope="session")
 def slurm_env():
-    """A throw-away cluster for this session (installs slurm-wlm, munge, MariaDB when missing)."""
-    env = dict(os.environ, PIPELINERL_SLURM_STATE=CLUSTER_STATE, PIPELINERL_SLURM_PORT="16900")
+    """A throw-away virtual cluster for this session (installs slurm-wlm, munge, MariaDB, sshfs, openssh-server
+    when missing). Slurm's commands reach it through the wrappers in its bin/, which run them on its login node;
+    its namespaces and addresses are its own (prefix plvct, SUBNET), apart from any other cluster's."""
+    env = dict(os.environ, PIPELINERL_SLURM_STATE=CLUSTER_STATE, PIPELINERL_VCLUSTER_PREFIX="plvct",
+               PIPELINERL_VCLUSTER_SUBNET=SUBNET)
     stop = [str(REPO / "tests/slurm/stop_cluster.sh")]
     subprocess.run(stop, env=env, check=True, timeout=300)  # what an interrupted session may have left
     started = time.monotonic()
-    out = subprocess.run([str(REPO / "tests/slurm/start_cluster.sh")], check=False, env=env, capture_output=True,
+    out = subprocess.run([str(REPO / "tests/slurm/start_vcluster.sh")], check=False, env=env, capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
     print(f"slurm cluster up in {time.monotonic() - started:.0f} s")
     bin_dir = str(Path(sys.executable).parent)  # the job's `python3` and torchrun: this environment's
     try:
         yield dict(env, SLURM_CONF=f"{CLUSTER_STATE}/slurm.conf", HF_HUB_OFFLINE="1",
-                   PATH=f"{bin_dir}:{env['PATH']}", PIPELINERL_PYTHON=sys.executable)
+                   PATH=f"{CLUSTER_STATE}/bin:{bin_dir}:{env['PATH']}", PIPELINERL_PYTHON=sys.executable)
     finally:
         subprocess.run(stop, env=env, check=True, timeout=300)
+
+
+def _shared_dir(tmp_path: Path) -> Path:
+    """A folder of this test on the cluster's network filesystem (run directories go there)."""
+    path = SHARED / tmp_path.name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _on_login(env: dict, code: str) -> str:
+    """Python `code` run on the cluster's login node (its mounts: files as the network filesystem shows them)."""
+    out = subprocess.run([f"{CLUSTER_STATE}/bin/on-login", sys.executable, "-c", code], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
 
 
 def _slurm(env: dict, *argv: str) -> str:
@@ -467,6 +527,19 @@ def _samples_in_stream(run_dir: Path) -> int:
             return samples
 
 
+def _address(node: str) -> str:
+    """The bridge address of virtual node vnI (its NodeAddr in Slurm)."""
+    return f"{SUBNET}.{10 + int(node.removeprefix('vn'))}"
+
+
+def _scalar_tags(env: dict, folder: Path) -> list[str]:
+    """The scalar tags of a TensorBoard folder, read by TensorBoard's reader on the login node."""
+    code = ("from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n"
+            f"acc = EventAccumulator({str(folder)!r}, size_guidance={{'scalars': 0}})\n"
+            "acc.Reload()\nprint('\\n'.join(acc.Tags()['scalars']))")
+    return _on_login(env, code).split()
+
+
 def _servers_step(env: dict, job: str) -> tuple[str, str]:
     """(step id, node) of the servers step of het component 0 (its only step besides the batch step)."""
     rows = [line.split() for line in _slurm(env, "squeue", "-h", "-s", "-j", job, "-o", "%i %N").splitlines()]
@@ -500,6 +573,8 @@ def _kill_servers_step_at_a_checkpoint(env: dict, job: str, run_dir: Path, slurm
         # The launcher removed the dead servers' discovery files before it ran the step again: these are new.
         _wait_until("the restarted servers' announcements", lambda: len(list_servers(run_dir)) == SERVERS,
                     timeout_s=JOB_TIMEOUT_S, log=slurm_log)
+        # ... each under the address Slurm has for the node (the node calls itself vnI.vcluster.test).
+        assert {urlparse(url).hostname for url in list_servers(run_dir)} == {_address(node)}, list_servers(run_dir)
     except BaseException:
         os.kill(actor, signal.SIGCONT)
         raise
@@ -513,7 +588,7 @@ def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, sub
     --signal=KILL): the launcher runs it again from the latest checkpoint and the servers take updates
     again. Then USR1 (Slurm's warning before the time limit): the job checkpoints, requeues itself and
     resumes. The two ranks together train the stream's samples once."""
-    run_dir, max_steps, max_lag = tmp_path / "run", 12, 2
+    run_dir, max_steps, max_lag = _shared_dir(tmp_path) / "run", 12, 2
     overrides = _tiny_overrides(run_dir, tiny_model_dir, max_steps=max_steps, port=18430) + [
         f"actor.max_lag={max_lag}", "checkpoints.every_steps=1"]
     started = time.monotonic()
@@ -595,6 +670,22 @@ def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, sub
     assert [re.search(r"the policy from (\S+) at version (\d+)", start).groups() for start in starts] == [
         (str(tiny_model_dir), "0"), (f"{run_dir}/serving/servers@{node}", str(killed_at)),
         (f"{run_dir}/checkpoints/step_{stopped:08d}/hf", str(stopped))]
+    # Hosts of their own: the servers' node is not a training node; each trainer rank's gloo crossed the bridge
+    # on the node's cluster interface (not the loopback its hostname resolves to); the launcher recorded the
+    # servers step's downtime (it saw the restarted servers' discovery files under the names it expected), and
+    # the login node reads it, and the trainer's scalars, through the network filesystem.
+    servers_nodes = [r["NodeList"] for r in rows if r["JobID"] == f"{job}+0"]
+    training_nodes = [r["NodeList"] for r in rows if r["JobID"] == f"{job}+1"]
+    for servers_node, nodelist in zip(servers_nodes, training_nodes, strict=True):  # each start of the job
+        training = _slurm(slurm_env, "scontrol", "show", "hostnames", nodelist).split()
+        assert len(training) == RANKS and servers_node not in training, (servers_node, training)
+    for rank in range(RANKS):
+        log = (run_dir / "logs" / f"trainer_rank{rank}.log").read_text()
+        chosen = re.findall(r"gloo and NCCL sockets on interface (\S+) \((\S+): the route to", log)
+        assert len(chosen) == 2 and all(i == "cl0" and a.startswith(f"{SUBNET}.") for i, a in chosen), chosen
+    assert {f"launch/restarts/servers@{node}", f"launch/downtime_s/servers@{node}"} <= set(
+        _scalar_tags(slurm_env, run_dir / "tb" / "launch"))
+    assert "grpo_loss" in _scalar_tags(slurm_env, run_dir / "tb" / "trainer")
     print(f"servers step killed at checkpoint {killed_at}; stopped at step {stopped}; lag max per rank {lag_max}; "
           f"updates per server start {updates}; {_straddling(run_dir, max_steps)} completions straddled an update")
 
@@ -605,7 +696,7 @@ def test_flagship_shape_in_conventional_mode(slurm_env, submitted, tiny_model_di
     """configs/tiny_cpu_conventional.yaml (G = 4 steps per generated batch, one sync per batch) on the same
     shape, trained by the FSDP2 backend (its ranks on two nodes; the other flagship runs train on DeepSpeed):
     each component on its own nodes, every sample trained once, lag <= G - 1 on every rank."""
-    run_dir, max_steps, G = tmp_path / "run", 8, 4
+    run_dir, max_steps, G = _shared_dir(tmp_path) / "run", 8, 4
     overrides = _tiny_overrides(run_dir, tiny_model_dir, max_steps=max_steps, port=18440) + [
         f"conventional.steps_per_batch={G}", f"actor.max_groups_in_flight={G * SAMPLES_PER_STEP // 8}",
         "trainer.backend=fsdp2"]
@@ -642,9 +733,10 @@ def test_flagship_shape_in_conventional_mode(slurm_env, submitted, tiny_model_di
 
 @pytest.mark.slow
 def test_submitit_sweep_of_two_points_prints_its_table(slurm_env, tiny_model_dir, tmp_path):
-    overrides = _tiny_overrides(tmp_path / "sweep", tiny_model_dir, max_steps=3, port=18460)
+    shared = _shared_dir(tmp_path)
+    overrides = _tiny_overrides(shared / "sweep", tiny_model_dir, max_steps=3, port=18460)
     out = subprocess.run([sys.executable, "tools/sweep.py", "configs/tiny_cpu.yaml", "--grid", "trainer.lr=1e-4,2e-4",
-                          "--folder", str(tmp_path / "submitit"), "--timeout-s", "540", *overrides],
+                          "--folder", str(shared / "submitit"), "--timeout-s", "540", *overrides],
                          check=False, env=slurm_env, cwd=REPO, capture_output=True, text=True, timeout=660)
     assert out.returncode == 0, out.stdout + out.stderr[-5000:]
     table = out.stdout.splitlines()[-3:]
@@ -652,4 +744,4 @@ def test_submitit_sweep_of_two_points_prints_its_table(slurm_env, tiny_model_dir
     for line, lr in zip(table[1:], ("1e-4", "2e-4")):
         fields = line.split()
         assert fields[0] == f"trainer.lr={lr}" and fields[2:5] == ["COMPLETED", "3", str(3 * SAMPLES_PER_STEP)], line
-        assert (tmp_path / "sweep" / f"trainer.lr={lr}" / "checkpoints" / "step_00000003").is_dir()
+        assert (shared / "sweep" / f"trainer.lr={lr}" / "checkpoints" / "step_00000003").is_dir()

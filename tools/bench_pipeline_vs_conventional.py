@@ -159,12 +159,14 @@ def mode_overrides(config: Path, mode: str, G: int) -> list[str]:
 def run_mode(config: Path, mode: str, out_dir: Path, overrides: list[str], target: float) -> dict:
     """One `pipelinerl run` with the gauge sampled throughout; returns its measurements."""
     from pipelinerl.config import load_config
+    from pipelinerl.rundir import bind_host
 
     run_dir = out_dir / mode
     shutil.rmtree(run_dir, ignore_errors=True)  # a run directory left by an earlier bench would be resumed
     args = [f"run_dir={run_dir}", *overrides]
     cfg = load_config(config, args)
-    urls = [f"http://{cfg.inference.host}:{cfg.inference.base_port + i}" for i in range(cfg.inference.num_servers)]
+    host = bind_host(cfg.inference.host)
+    urls = [f"http://{host}:{cfg.inference.base_port + i}" for i in range(cfg.inference.num_servers)]
     sampler = GaugeSampler(urls)
     sampler.start()
     started = time.time()

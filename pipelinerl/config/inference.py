@@ -15,7 +15,11 @@ class InferenceConfig:
 
     num_servers: int = doc(1, "vLLM servers per inference node (locally: on this machine), each on "
                               "tensor_parallel_size GPUs")
-    host: str = doc("127.0.0.1", "address servers bind to; `0.0.0.0` on clusters")
+    host: str | None = doc(None, "address servers bind to; a server bound to every interface (0.0.0.0) advertises "
+                                 "its node's address (on Slurm the one Slurm reaches the node at), else the address "
+                                 "it is bound to; a loopback address on Slurm is refused when servers and trainer "
+                                 "are on different hosts",
+                           null="127.0.0.1 for `pipelinerl run` on one machine, 0.0.0.0 on Slurm")
     base_port: int = doc(8080, "server i listens on base_port + i (per node)")
     tensor_parallel_size: int = doc(1, "GPUs per server (vLLM tensor parallelism); 1 on CPU")
     max_model_len: int | None = doc(None, "prompt + completion limit", unit="tokens", null="the model's own")

@@ -89,6 +89,11 @@ class LaunchConfig:
               "its process group and restarts it as after any death (max_restarts). A server still starting is "
               "left to inference.startup_timeout_s", unit="s",
         null="no health check: only a server's exit is its death")
+    network_interface: str | None = doc(
+        None, "the network interface (e.g. ib0, eth0) gloo and NCCL use between nodes on Slurm: the launcher sets "
+              "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to it for every role, where they are not set already",
+        null="each process takes the interface of its route to its group's master (trainer ranks: the first "
+             "training node; servers: trainer rank 0), never a loopback name its hostname may resolve to")
     slurm: SlurmConfig = section(SlurmConfig)
 
     def __post_init__(self) -> None:

@@ -135,7 +135,7 @@ async def announce_when_healthy(run_dir: str, bind_host: str, port: int, folder:
     AnnounceError: a healthy server nobody can find must not stay up unannounced (see `run`)."""
     import httpx
 
-    local = "127.0.0.1" if bind_host in ("", "0.0.0.0", "::") else bind_host
+    local = "127.0.0.1" if bind_host in rundir.WILDCARDS else bind_host
     # Polls until the engine is up (minutes on CPU); 300 s per request is aiohttp's default, used before.
     async with httpx.AsyncClient(timeout=300.0) as client:
         while True:
@@ -211,7 +211,8 @@ async def run(cfg: Config, args, updates: Updates | None) -> None:
 def serve(cfg: Config, port: int, version: int, reference: bool = False) -> None:
     """Entry point of `pipelinerl serve` (blocks until SIGINT/SIGTERM); `reference`: a frozen reference
     server of `cfg.model.path` (no updates, so neither the token nor the untied-model check applies)."""
-    argv = vllm_argv(cfg, cfg.inference.host, port, reference)  # config errors before the heavy imports
+    # config errors before the heavy imports
+    argv = vllm_argv(cfg, rundir.bind_host(cfg.inference.host), port, reference)
     updates = None
     if not reference:
         updates = Updates(check_model(cfg.model.path), rundir.run_token(cfg.run_dir, cfg.inference.auth_token),

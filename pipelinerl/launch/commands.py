@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from pipelinerl.config import Config
-from pipelinerl.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, advertised_host, server_file
+from pipelinerl.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, advertised_host, bind_host, server_file
 
 
 def cli(python: str = sys.executable) -> list[str]:
@@ -70,4 +70,5 @@ def server_port(cfg: Config, i: int, reference: bool = False) -> int:
 def discovery_file(cfg: Config, i: int, reference: bool = False) -> Path:
     """Where policy server i (or reference server i) on this host announces itself once healthy."""
     folder = REFERENCE_SERVERS_DIR if reference else SERVERS_DIR
-    return server_file(cfg.run_dir, advertised_host(cfg.inference.host), server_port(cfg, i, reference), folder)
+    host = advertised_host(bind_host(cfg.inference.host))
+    return server_file(cfg.run_dir, host, server_port(cfg, i, reference), folder)

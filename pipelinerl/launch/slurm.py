@@ -37,6 +37,8 @@ version, trainer from its state and stream cursors, actor from the end of its st
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import logging
 import os
 import re
@@ -55,8 +57,9 @@ from pipelinerl.launch.procs import DiscoveryFiles, Role, RoleFailed, Supervisor
 from pipelinerl.launch.restarts import Restarts
 from pipelinerl.launch.slurm_node import colocated, node_placement
 from pipelinerl.launch.summary import summarize, summary_line
+from pipelinerl.netif import interface_env
 from pipelinerl.plan import check_before_start
-from pipelinerl.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, advertised_host, server_file
+from pipelinerl.rundir import ADVERTISE_ENV, REFERENCE_SERVERS_DIR, SERVERS_DIR, WILDCARDS, bind_host, server_file
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +78,10 @@ class Allocation:
     job_id: str  # what scancel and `scontrol requeue` take: the het leader's id, or ARRAYID_TASK for an
     #              array task (its bare SLURM_JOB_ID may be the array's own id, which names every task)
     unique_id: int  # SLURM_JOB_ID: distinct for every job and array task (derives default ports)
-    hostnames: dict[str, str] = field(default_factory=dict)  # server node -> its NodeHostName, the name its
-    #              servers advertise when bound to a wildcard address (missing: the node name itself)
+    addresses: dict[str, str] = field(default_factory=dict)  # server node -> its NodeAddr: what its servers
+    #              advertise, and name their discovery files by, when bound to every interface (missing: the
+    #              node name itself). Not its hostname: a node may call itself by a fully qualified name that
+    #              Slurm's NodeHostName and the launcher do not use.
 
 
 QUERY_ATTEMPTS = 4  # tries of a read-only Slurm query that failed to reach the controller (1, 2, 4 s apart)
@@ -145,8 +150,9 @@ def allocation_from_env(cfg: Config, env=os.environ) -> Allocation:
     job_id = env["SLURM_JOB_ID"]
     if "SLURM_ARRAY_TASK_ID" in env:
         job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    names = {node: node_field(node, "NodeHostName") for node in inference}
-    return Allocation(inference, training, node_address(training[0]), het, job_id, int(env["SLURM_JOB_ID"]), names)
+    addresses = {node: node_address(node) for node in inference}
+    return Allocation(inference, training, node_address(training[0]), het, job_id, int(env["SLURM_JOB_ID"]),
+                      addresses)
 
 
 def check_config(cfg: Config) -> None:
@@ -166,6 +172,27 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"inference.reference_servers={references} would take all {slots} server slots "
                          "(launch.slurm.inference_nodes x inference.num_servers) and leave no policy server; "
                          "raise inference.num_servers or add an inference node")
+
+
+def bound_for_slurm(cfg: Config, alloc: Allocation) -> Config:
+    """The config the job's roles run: servers bind to every interface unless inference.host says otherwise
+    (the actor and trainer reach them from other nodes). A loopback inference.host is refused when a server
+    node is not the first training node's host (its NodeAddr differs)."""
+    host = cfg.inference.host
+    if host is None:
+        return dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, host="0.0.0.0"))
+    remote = sorted(node for node in alloc.inference if alloc.addresses.get(node, node) != alloc.master_addr)
+    if ipaddress_is_loopback(host) and remote:
+        raise ValueError(f"inference.host={host} is a loopback address, but the servers on {', '.join(remote)} are "
+                         f"reached from {alloc.training[0]}: set inference.host=0.0.0.0 (or null)")
+    return cfg
+
+
+def ipaddress_is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def trainer_ranks(cfg: Config) -> int:
@@ -232,6 +259,7 @@ def plan_roles(cfg: Config, alloc: Allocation, config_path: Path, python: str = 
     trainer = _srun(alloc, 1, alloc.training, cfg, gpus=True, tasks_per_node=placement.trainer_ranks) + [
         f"--output={logs / TRAINER_RANK_LOG}", "--open-mode=append", "--overlap", "bash", "-c",
         rank_command(cfg, placement.trainer_gpus, [*pipelinerl, "train", str(config_path)])]
+    threads = {**threads, **interface_env(cfg.launch.network_interface)}
     trainer_env = {**threads, "MASTER_ADDR": alloc.master_addr, "MASTER_PORT": str(master_port(cfg, alloc))}
     actor = _srun(alloc, 1, alloc.training[:1], cfg, gpus=False) + ["--overlap"] + pipelinerl + [
         "actor", str(config_path)]
@@ -254,15 +282,17 @@ def servers_role(cfg: Config, alloc: Allocation, node: str, config_path: Path, p
             "slurm", "servers", str(config_path), "--model", model, "--version", str(version)]
         return command + (["--reference-node", alloc.inference[0]] if reference_server_count(cfg) else [])
 
-    return Role(name, argv(), Path(cfg.run_dir) / "logs" / f"{name}.log", threads_env(cfg),
+    env = {**threads_env(cfg), **interface_env(cfg.launch.network_interface),
+           ADVERTISE_ENV: alloc.addresses.get(node, node)}
+    return Role(name, argv(), Path(cfg.run_dir) / "logs" / f"{name}.log", env,
                 restart_argv=lambda: argv(pin=name), discovery=node_discovery_files(cfg, alloc, node))
 
 
 def node_discovery_files(cfg: Config, alloc: Allocation, node: str) -> DiscoveryFiles:
     """Where the servers of `node` announce themselves (commands.discovery_file, as seen from that node):
     reference servers in the first slots of the first server node, policy servers in the others."""
-    bind = cfg.inference.host
-    host = alloc.hostnames.get(node, node) if advertised_host(bind) != bind else bind  # wildcard: the node's name
+    bind = bind_host(cfg.inference.host)
+    host = alloc.addresses.get(node, node) if bind in WILDCARDS else bind
     references = reference_server_count(cfg) if node == alloc.inference[0] else 0
     files = []
     for i in range(cfg.inference.num_servers):
@@ -288,6 +318,7 @@ def rank_command(cfg: Config, trainer_gpus: list[str] | None, train: list[str]) 
 def render(cfg: Config, alloc: Allocation) -> str:
     """The srun lines `launch` would run, one per role, as shell (what --dry-run prints), after where each
     node's servers and trainer ranks run."""
+    cfg = bound_for_slurm(cfg, alloc)
     roles = plan_roles(cfg, alloc, Path(cfg.run_dir) / "config.yaml")
     lines = [f"# inference nodes: {' '.join(alloc.inference)}; training nodes: {' '.join(alloc.training)}",
              "# on each node of its role (GPU positions in the step's CUDA_VISIBLE_DEVICES):",
@@ -357,6 +388,7 @@ def launch(cfg: Config, alloc: Allocation) -> None:
     restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
     log.info("job %s (restart %s): inference on %s, training on %s", alloc.job_id, restarts,
              ",".join(alloc.inference), ",".join(alloc.training))
+    cfg = bound_for_slurm(cfg, alloc)
     config_path = prepare_run_dir(cfg)
     ensure_model(cfg)
     check_before_start(cfg, trainer_ranks(cfg))  # every role's GPU memory, before any srun

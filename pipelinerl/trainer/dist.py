@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from pipelinerl.netif import LOOPBACK, use_interface
+from pipelinerl.trainer.jit_locks import sweep_jit_locks
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -47,14 +50,21 @@ def jit_extensions_dir() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(sys.prefix) / "torch_extensions")
 
 
-def init_process_group(info: DistInfo, timeout_s: float) -> None:
-    """Join the trainer's default group. A collective that waits longer than timeout_s fails (no hang)."""
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(jit_extensions_dir())
+def init_process_group(info: DistInfo, timeout_s: float, jit_lock_stale_s: float) -> None:
+    """Join the trainer's default group. A collective that waits longer than timeout_s fails (no hang).
+    DeepSpeed JIT-loads its ops from here on (the CPU shm comm op in init_distributed, others when the engine
+    is built), all under TORCH_EXTENSIONS_DIR; a lock left there by a killed build (unheld on this host and
+    older than jit_lock_stale_s seconds) is removed first, or every load would wait on it forever."""
+    folder = jit_extensions_dir()
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    sweep_jit_locks(folder, jit_lock_stale_s)
     import deepspeed
     import torch
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_ADDR", LOOPBACK)
     os.environ.setdefault("MASTER_PORT", "29500")
+    if info.world_size > 1:
+        use_interface(os.environ["MASTER_ADDR"])  # gloo's and NCCL's sockets: not a loopback name (netif.py)
     if info.backend == "nccl":
         torch.cuda.set_device(info.local_rank)
     deepspeed.init_distributed(dist_backend=info.backend, timeout=timedelta(seconds=timeout_s),

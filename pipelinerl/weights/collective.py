@@ -26,6 +26,7 @@ from threading import Thread
 
 import torch
 
+from pipelinerl.netif import use_interface
 from pipelinerl.weights.wire import InitRequest, WeightTransferError
 
 # After every member said `joined`, the group's own rendezvous (each rank publishes its address in the store
@@ -63,6 +64,7 @@ class WeightGroup:
                                                wait_for_workers=False)
         self.store = torch.distributed.PrefixStore(f"{req.group}/", store)
         self.backend, self.name, self.master = req.backend, req.group, f"{req.master_addr}:{req.master_port}"
+        self.master_addr = req.master_addr
         self.timeout = timeout
         self._next_poll = 0.0
         deadline = time.monotonic() + req.timeout_s
@@ -161,6 +163,7 @@ def _communicator(group: WeightGroup, rank: int, world_size: int, bound: timedel
     peer); NCCL lazily, so its communicator is connected here (eager init, then a one-element broadcast)."""
     if cpus is not None:
         os.sched_setaffinity(0, cpus)  # this thread only: 0 is the calling thread on Linux
+    use_interface(group.master_addr)  # gloo's and NCCL's sockets: not a loopback name (netif.py)
     if group.backend == "gloo":
         return torch.distributed.ProcessGroupGloo(group.store, rank, world_size, bound)
     options = torch.distributed.ProcessGroupNCCL.Options()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -16,6 +15,7 @@ import torch
 
 from pipelinerl.control import ControlClient, ControlError, ServerStatus
 from pipelinerl.dtypes import dtype_name
+from pipelinerl.netif import route_source
 from pipelinerl.weights.collective import (
     WeightGroup,
     abandon_open,
@@ -402,13 +402,11 @@ class Replies:
 
 def broadcast_address(configured: str | None, server_url: str) -> str:
     """`configured` (trainer.broadcast_host), or the local address on the route to the server: loopback on one
-    machine; on a cluster, the interface that reaches the servers. No packet is sent (a UDP connect)."""
+    machine; on a cluster, the interface that reaches the servers."""
     if configured:
         return configured
     url = urlparse(server_url)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((url.hostname, url.port or 80))
-        return s.getsockname()[0]
+    return route_source(url.hostname, url.port or 80)
 
 
 def _raise_if(event: threading.Event) -> None:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Stop the throw-away cluster of tests/slurm/start_cluster.sh: cancel its jobs, then stop the daemons
-# it recorded in $PIPELINERL_SLURM_STATE/pids (newest first), and nothing else. The state folder stays
-# for its logs; the next start wipes it.
+# Stop the throw-away cluster of tests/slurm/start_cluster.sh or start_vcluster.sh: cancel its jobs, then stop
+# the daemons it recorded in $PIPELINERL_SLURM_STATE/pids (newest first), and nothing else; for the virtual
+# cluster also its network mounts, the processes that hold each host's namespaces, and the network
+# namespaces it recorded in $PIPELINERL_SLURM_STATE/netns. The state folder stays for its logs; the next
+# start wipes it.
 #
 # Environment (optional): PIPELINERL_SLURM_STATE (default /tmp/pipelinerl-slurm),
 #                         PIPELINERL_SLURM_TIMEOUT seconds to wait for jobs and each daemon (default 60)
@@ -10,6 +12,8 @@ set -euo pipefail
 STATE="${PIPELINERL_SLURM_STATE:-/tmp/pipelinerl-slurm}"
 TIMEOUT="${PIPELINERL_SLURM_TIMEOUT:-60}"
 export SLURM_CONF="$STATE/slurm.conf"
+# The virtual cluster's Slurm commands run on its login node (its controller is not reachable from here).
+[ -d "$STATE/bin" ] && export PATH="$STATE/bin:$PATH"
 
 # Alive = exists and is not a zombie (this sandbox's PID 1 does not reap, so the dead can linger as Z).
 alive() {
@@ -57,15 +61,33 @@ stop_daemon() {
     rm -f "$pidfile"
 }
 
+# A virtual host's network mount, unmounted inside its mount namespace (lazily: a process of a dead job may
+# still have a file open); sshfs exits with it.
+unmount_shared() {
+    local pid
+    pid="$(cat "$1")"
+    if ours "$pid" holder && nsenter --target "$pid" --mount -- mountpoint -q "$STATE/shared"; then
+        nsenter --target "$pid" --mount -- fusermount3 -u -z "$STATE/shared" || true
+    fi
+}
+
 main() {
     [ -d "$STATE/pids" ] || { echo "stop_cluster: no cluster recorded in $STATE"; return 0; }
     cancel_jobs
-    local order=(slurmd-n* slurmctld slurmdbd mariadbd munged) pattern pidfile
+    local order=(slurmd-* slurmctld slurmdbd mariadbd munged sshd holder-*) pattern pidfile ns
     for pattern in "${order[@]}"; do
         for pidfile in "$STATE/pids/"$pattern.pid; do
-            [ -e "$pidfile" ] && stop_daemon "$pidfile"
+            [ -e "$pidfile" ] || continue
+            case "$pattern" in holder-*) unmount_shared "$pidfile" ;; esac
+            stop_daemon "$pidfile"
         done
     done
+    if [ -f "$STATE/netns" ]; then
+        while read -r ns; do
+            ip netns del "$ns" 2>/dev/null || true
+        done <"$STATE/netns"
+        rm -f "$STATE/netns"
+    fi
     echo "stop_cluster: stopped the cluster of $STATE"
 }
 
