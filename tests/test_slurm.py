@@ -1,5 +1,5 @@
 """Slurm launch: the sbatch scripts' rendered srun lines and GPU placement (fast), then real jobs on a
-throw-away multi-host virtual cluster on this machine (tests/slurm/start_vcluster.sh, slow): every node has
+throw-away multi-host virtual cluster on this machine (tests/slurm/start_cluster.sh, slow): every node has
 its own network namespace, address, fully qualified hostname (not Slurm's node name, and resolving to
 127.0.1.1 on the node itself, as on Debian images) and /dev/shm, and mounts the run directories over the
 network (sshfs with caching, as NFS). On it: the flagship shape (2 servers, 2 trainer ranks on 2 nodes, the
@@ -347,7 +347,7 @@ def slurm_env():
     stop = [str(REPO / "tests/slurm/stop_cluster.sh")]
     subprocess.run(stop, env=env, check=True, timeout=300)  # what an interrupted session may have left
     started = time.monotonic()
-    out = subprocess.run([str(REPO / "tests/slurm/start_vcluster.sh")], check=False, env=env, capture_output=True,
+    out = subprocess.run([str(REPO / "tests/slurm/start_cluster.sh")], check=False, env=env, capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
     print(f"slurm cluster up in {time.monotonic() - started:.0f} s")

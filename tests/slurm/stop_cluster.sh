@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
-# Stop the throw-away cluster of tests/slurm/start_cluster.sh or start_vcluster.sh: cancel its jobs, then stop
-# the daemons it recorded in $PIPELINERL_SLURM_STATE/pids (newest first), and nothing else; for the virtual
-# cluster also its network mounts, the processes that hold each host's namespaces, and the network
-# namespaces it recorded in $PIPELINERL_SLURM_STATE/netns. The state folder stays for its logs; the next
-# start wipes it.
+# Stop the throw-away cluster of tests/slurm/start_cluster.sh: cancel its jobs, then stop the daemons it
+# recorded in $PIPELINERL_SLURM_STATE/pids (newest first), its hosts' network mounts and the processes that
+# hold each host's namespaces, and delete the network namespaces it recorded in $PIPELINERL_SLURM_STATE/netns;
+# nothing else. The state folder stays for its logs; the next start wipes it.
 #
-# Environment (optional): PIPELINERL_SLURM_STATE (default /tmp/pipelinerl-slurm),
+# Environment (optional): PIPELINERL_SLURM_STATE (default /tmp/pipelinerl-vcluster),
 #                         PIPELINERL_SLURM_TIMEOUT seconds to wait for jobs and each daemon (default 60)
 set -euo pipefail
 
-STATE="${PIPELINERL_SLURM_STATE:-/tmp/pipelinerl-slurm}"
+STATE="${PIPELINERL_SLURM_STATE:-/tmp/pipelinerl-vcluster}"
 TIMEOUT="${PIPELINERL_SLURM_TIMEOUT:-60}"
 export SLURM_CONF="$STATE/slurm.conf"
-# The virtual cluster's Slurm commands run on its login node (its controller is not reachable from here).
+# Slurm's commands run on the cluster's login node (its controller is not reachable from here).
 [ -d "$STATE/bin" ] && export PATH="$STATE/bin:$PATH"
 
 # Alive = exists and is not a zombie (this sandbox's PID 1 does not reap, so the dead can linger as Z).
@@ -61,7 +60,7 @@ stop_daemon() {
     rm -f "$pidfile"
 }
 
-# A virtual host's network mount, unmounted inside its mount namespace (lazily: a process of a dead job may
+# A host's network mount, unmounted inside its mount namespace (lazily: a process of a dead job may
 # still have a file open); sshfs exits with it.
 unmount_shared() {
     local pid
