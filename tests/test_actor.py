@@ -314,6 +314,41 @@ def test_a_restarted_actor_continues_after_its_last_started_prompt_with_retentio
     third.close()
 
 
+def test_a_restarted_actor_resumes_its_curriculum_exactly(tmp_path, tiny_model_dir, monkeypatch):
+    """task.curriculum=pass_rate, every other training prompt solved (the reward patched). The actor starts
+    prompts 0..11 (max_steps 3 x 16 samples / G), 9 finish and 3 are in flight when it dies. The restarted actor's
+    counts are the first one's (its 9 published groups, each once; the 3 lost ones in neither), from the stream
+    alone, and its next prompt is the draw those counts give; once it has filled the 3 steps (prompts 12..14),
+    its counts are again those of every published group."""
+    cfg = _config(tmp_path / "run", tiny_model_dir, tmp_path / "actor.yaml", "actor.max_lag=null",
+                  "trainer.max_steps=3", f"streams.segment_max_rows={G}", "task.curriculum=pass_rate",
+                  "task.curriculum_min_groups=1")
+    _announce(tmp_path / "run", 1)
+    first = Actor(cfg, "a0")
+    solved = {item.id for item in first.task.train_items[::2]}
+    monkeypatch.setattr(type(first.task), "reward", lambda self, item, text, finished, **kw: float(item.id in solved))
+    _run_actor_until(first, _FakeServer(answered=9), monkeypatch,
+                     lambda a: a.next_prompt == 12 and len(a.in_flight) == 3)
+    counts = first.curriculum.counts
+    assert sum(c.groups for c in counts.values()) == 9 and sum(c.attempts for c in counts.values()) == 9 * G
+    assert {p: c.successes for p, c in counts.items()} == {p: G * (p in solved) for p in counts}
+
+    second = Actor(cfg, "a0")
+    assert second.next_prompt == 12 and second.curriculum.counts == counts
+    drawn = second.curriculum.item(12)
+    assert 0.0 < second.curriculum.saturated_fraction() < 1.0 and second.curriculum.weight_of(next(iter(counts))) == 0.1
+    _run_actor_until(second, _FakeServer(answered=10**6), monkeypatch,
+                     lambda a: a.next_prompt == 15 and not a.in_flight)
+    rows = StreamReader(cfg.run_dir, "rollouts", cfg.streams).read_groups(max_groups=64, timeout_s=1.0)
+    published = collections.Counter(json.loads(g.column("metadata")[0].as_py())["prompt_id"] for g in rows)
+    assert {p: c.groups for p, c in second.curriculum.counts.items()} == dict(published)
+    assert sum(published.values()) == 12
+    first_resumed = next(g for g in rows if json.loads(g.column("metadata")[0].as_py())["prompt_index"] == 12)
+    assert json.loads(first_resumed.column("metadata")[0].as_py())["prompt_id"] == drawn.id
+    second.log_window()
+    assert 0.0 < _scalars(tmp_path / "run" / "tb" / "a0")["actor/curriculum/saturated_frac"] < 1.0
+
+
 def test_the_scheduler_throttles_by_lag_and_writes_groups_in_start_order(tmp_path, tiny_model_dir, caplog):
     cfg = _config(tmp_path / "run", tiny_model_dir, tmp_path / "actor.yaml", "actor.max_lag=0")
     actor = Actor(cfg, "probe")

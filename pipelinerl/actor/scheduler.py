@@ -15,7 +15,8 @@ a server that reported at least that one takes it or a retry of it. In conventio
 the newest version take groups (a batch needs one exact version).
 
 A restarted actor continues after its last started prompt and counts the groups it lost in flight
-(resume.py defines both).
+(resume.py defines both). Which training prompt is number k: the task's seeded order, or with
+task.curriculum a draw weighted by the prompts' pass rates so far (curriculum.py).
 
 Conventional mode (the seeds' baseline) swaps the rule: sample i, of batch b = floor(i / B), starts
 only once the servers serve version b*G. The trainer syncs only after the G-th step of a batch, i.e.
@@ -32,8 +33,10 @@ import uuid
 from collections.abc import Iterator
 
 import httpx
+import numpy as np
 
 from pipelinerl.actor.client import Completion, CompletionsClient
+from pipelinerl.actor.curriculum import Curriculum
 from pipelinerl.actor.episodes import EpisodeStats, episode_rollout, sample_episodes
 from pipelinerl.actor.evals import actor_suites, sample_suite
 from pipelinerl.actor.resume import record_started, resume_position
@@ -75,6 +78,7 @@ class Actor:
         self.eval_suites = actor_suites(cfg, self.task) if cfg.actor.eval_every_steps else []
         self.version = 0  # the version every eligible server serves (the oldest they report; -1: none answered)
         self.started_samples, self.next_prompt, self.lost = self._resume()
+        self.curriculum = self._curriculum()
         self.recorded = -1  # the prompt count the state file holds
         self._record_started()  # at once, so that the next death counts only its own losses
         self.in_flight: dict[asyncio.Task, int] = {}  # group task -> its prompt number
@@ -98,6 +102,16 @@ class Actor:
             self.tb.log(r.stream_samples // self.cfg.trainer.samples_per_step, {"actor/lost_groups": r.lost_now})
             self.tb.writer.flush()  # rare; an actor that dies again keeps it
         return r.stream_samples, r.next_prompt, r.lost
+
+    def _curriculum(self) -> Curriculum | None:
+        """task.curriculum's pass rates, counted from what this actor published in its earlier lives."""
+        t = self.cfg.task
+        if t.curriculum == "none":
+            return None
+        curriculum = Curriculum(self.task.train_items, t.seed, t.curriculum_min_groups, t.curriculum_weight,
+                                self.task.is_success)
+        curriculum.recount(self.cfg.run_dir, self.actor_id)
+        return curriculum
 
     def _record_started(self) -> None:
         record_started(self.cfg.run_dir, self.actor_id, self.next_prompt, self.lost, self.cfg.streams.fsync)
@@ -164,6 +178,8 @@ class Actor:
             group = self.finished.pop(i)
             filtered = self.filtered_writer is not None and not informative(group)
             (self.filtered_writer if filtered else self.writer).write_group(group)
+            if self.curriculum is not None:
+                self.curriculum.record(group[0].metadata["prompt_id"], [r.reward for r in group])
             if self.filtered_writer is not None:
                 self._log_filtered(filtered, group[0].reward)
             self.window["groups"] += 1
@@ -271,6 +287,10 @@ class Actor:
                                        **self.episodes.scalars()})
         if self.filtered_writer is not None and w["groups"]:
             self.tb.log(self.version, {"actor/filtered_frac": w["filtered"] / w["groups"]})
+        if self.curriculum is not None and w["groups"]:
+            self.tb.histogram(self.version, "actor/curriculum/pass_rate", np.array(self.curriculum.pass_rates()))
+            self.tb.log(self.version, {"actor/curriculum/saturated_frac": self.curriculum.saturated_fraction(),
+                                       "actor/curriculum/prompts_seen": len(self.curriculum.counts)})
         self.episodes = EpisodeStats()
         self.window = self._new_window()
 
@@ -282,7 +302,7 @@ class Actor:
     async def run(self) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(limits=limits) as http:
-            prompts = self.task.iter_train(self.next_prompt)
+            prompts = (self.curriculum or self.task).iter_train(self.next_prompt)
             evaluated, last_log = -1, time.monotonic()
             self.version = await self.client.serving_version(http)
             poll = None

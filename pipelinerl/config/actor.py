@@ -231,6 +231,13 @@ class TaskConfig:
            "rescaled to 0/1 rewards). 0 = off", unit="tokens")
     overlong_penalty: float = doc(0.5, "the penalty at the length limit (rl.overlong=soft); below 1 so that a "
                                        "correct answer always outscores a wrong one")
+    curriculum: str = doc("none", "none | pass_rate: a prompt the actor's own published groups always or never "
+                                  "solved (every attempt, in at least curriculum_min_groups groups) is sampled "
+                                  "with weight curriculum_weight, every other prompt with weight 1 "
+                                  "(pipelinerl/actor/curriculum.py); counted from the stream, so a restarted "
+                                  "actor resumes it exactly; needs streams.retention=keep")
+    curriculum_min_groups: int = doc(2, "groups of a prompt before its pass rate may lower its weight")
+    curriculum_weight: float = doc(0.1, "sampling weight of a saturated prompt (always or never solved), in (0, 1]")
     sandbox: SandboxConfig = section(SandboxConfig)
 
     def __post_init__(self) -> None:
@@ -251,6 +258,9 @@ class TaskConfig:
         check(self.overlong_buffer_tokens >= 0, "task.overlong_buffer_tokens", "must be >= 0 (0 = no penalty)")
         check(0.0 <= self.overlong_penalty < 1.0, "task.overlong_penalty",
               "must be in [0, 1): a correct answer must keep a positive reward (success is reward > 0)")
+        check_choice(self.curriculum, ("none", "pass_rate"), "task.curriculum")
+        check_positive(self.curriculum_min_groups, "task.curriculum_min_groups")
+        check(0.0 < self.curriculum_weight <= 1.0, "task.curriculum_weight", "must be in (0, 1]")
         check(isinstance(self.eval_sets, dict), "task.eval_sets", "must be a mapping of set name -> path or set")
         # Normalised here, the one place: the long form of every set (a saved config round-trips).
         self.eval_sets = {name: parse_eval_set(name, value) for name, value in self.eval_sets.items()

@@ -61,6 +61,9 @@ class Config:
         check(self.task.name != "math_tir" or self.actor.episode.step_timeout_s > self.task.sandbox.timeout_s,
               "actor.episode.step_timeout_s", f"got {self.actor.episode.step_timeout_s}; a step runs the turn's "
               f"scripts, each up to task.sandbox.timeout_s ({self.task.sandbox.timeout_s}): set it above that")
+        check(self.task.curriculum == "none" or self.streams.retention == "keep", "task.curriculum",
+              "the curriculum counts the actor's published groups from the stream (an exact resume), so it needs "
+              "every segment: set streams.retention=keep")
         check_choice(self.mode, ("pipeline", "conventional"), "mode")
         if self.mode == "conventional":
             self._check_conventional()
