@@ -16,8 +16,12 @@ per trained sample (vLLM's engine core apart from its API server) with the cores
 run's process tree sampled every 0.5 s; then pipeline / conventional ratios (goal: >= 1.5 in samples/s and
 in time to the target, the inverse ratio for time).
 
+A `--variant NAME=key=value[,key=value...]` adds a pipeline-mode run with those overrides, compared with the
+plain pipeline run in a table of its own (same seed, steps and machine): e.g.
+`--variant dynamic=rl.filter_zero_variance=true --variant curriculum=task.curriculum=pass_rate`.
+
     python tools/bench_pipeline_vs_conventional.py [--config C] [--steps 120] [--target T] [--G 4]
-        [--summary PATH] [key=value ...]
+        [--variant NAME=k=v,...] [--summary PATH] [key=value ...]
 """
 
 from __future__ import annotations
@@ -361,8 +365,11 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, default=REPO / "runs" / "bench_pipeline_vs_conventional")
     parser.add_argument("--base-port", type=int, default=18650)
     parser.add_argument("--summary", type=Path, default=None, help="also write the ratios here (bench_all)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=k=v,...",
+                        help="also a pipeline run with these overrides, compared with the plain one")
     parser.add_argument("overrides", nargs="*", help="key=value overrides applied to both modes")
     args = parser.parse_args()
+    variants = dict(v.split("=", 1) for v in args.variant)
     common = [f"trainer.max_steps={args.steps}", f"actor.eval_every_steps={args.G}",
               f"inference.base_port={args.base_port}", f"trainer.broadcast_port={args.base_port + 40}", *args.overrides]
     results = {}
@@ -372,6 +379,11 @@ def main() -> int:
         results[mode] = run_mode(args.config, mode, args.out_dir, overrides, args.target)
         results[mode]["predicted"] = "{:.2f} / {:.2f}".format(*predicted_lag(results[mode], args.G))
     print_table(results, args.target)
+    for name, extra in variants.items():
+        print(f"running pipeline with {extra} ({args.steps} steps)...", flush=True)
+        overrides = mode_overrides(args.config, "pipeline", args.G) + common + extra.split(",")
+        results[name] = run_mode(args.config, name, args.out_dir, overrides, args.target)
+        print_table({name: results[name], "pipeline": results["pipeline"]}, args.target)
     summary = {m: {k: v for k, v in r.items() if k != "lengths"} for m, r in results.items()}
     (args.out_dir / "results.json").write_text(json.dumps(summary, indent=1))
     write_summary(results, args.target, args.summary)
