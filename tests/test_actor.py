@@ -273,6 +273,7 @@ def _run_actor_until(actor: Actor, server: _FakeServer, monkeypatch, done) -> No
         loop.cancel()
 
     asyncio.run(run())
+    actor.log_window()  # the scalars of the last window, before the writer closes (a closed one drops them)
     actor.close()  # publishes the finished groups, as the writer had before the kill; in-flight ones are lost
 
 
@@ -345,7 +346,6 @@ def test_a_restarted_actor_resumes_its_curriculum_exactly(tmp_path, tiny_model_d
     assert sum(published.values()) == 12
     first_resumed = next(g for g in rows if json.loads(g.column("metadata")[0].as_py())["prompt_index"] == 12)
     assert json.loads(first_resumed.column("metadata")[0].as_py())["prompt_id"] == drawn.id
-    second.log_window()
     assert 0.0 < _scalars(tmp_path / "run" / "tb" / "a0")["actor/curriculum/saturated_frac"] < 1.0
 
 
