@@ -40,6 +40,16 @@ def cmd_show_config(args: argparse.Namespace) -> None:
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> None:
     shape = TinyModelConfig(seed=args.seed)
+    if args.reward_model:
+        from pipelinerl.config import TaskConfig
+        from pipelinerl.reward_model import build_tiny_reward_model
+
+        r = build_tiny_reward_model(args.out_dir, shape, TaskConfig(name=args.task, seed=args.seed), seed=args.seed)
+        kinds = ", ".join(f"{kind} {accuracy:.3f}" for kind, accuracy in r["heldout_by_kind"].items())
+        print(f"tiny reward model ({r['parameters']:,} parameters, seed {args.seed}) saved to {args.out_dir}, trained "
+              f"on {args.task}: {r['steps']} steps in {r['seconds']:.0f} s, loss {r['first_loss']:.3f} -> "
+              f"{r['last_loss']:.3f}, held-out pairwise accuracy {r['heldout_accuracy']:.3f} ({kinds})")
+        return
     if args.warm_start:
         from pipelinerl.config import TaskConfig
         from pipelinerl.tasks.warm_start import build_warm_tiny_model
@@ -184,10 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-tiny-model", help="build the offline tiny Qwen2 model + tokenizer (HF format)")
     p.add_argument("out_dir", help="folder to write (replaced if it exists)")
     p.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default 0)")
-    p.add_argument("--warm-start", action="store_true",
-                   help="then train it briefly (supervised) on --task so RL starts above 0 success")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--warm-start", action="store_true",
+                      help="then train it briefly (supervised) on --task so RL starts above 0 success")
+    kind.add_argument("--reward-model", action="store_true",
+                      help="build a tiny reward model instead: the same shape with a one-logit head, trained to score "
+                           "--task's correct answers above wrong ones (vLLM serves it with --runner pooling)")
     p.add_argument("--task", choices=("addition", "arithmetic", "tool_sums"), default="addition",
-                   help="the tiny task of --warm-start (default addition)")
+                   help="the tiny task of --warm-start or --reward-model (default addition; a reward model: addition "
+                        "or arithmetic)")
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("streams", help="rollout stream tools")
