@@ -85,11 +85,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
         overrides.append(f"model.path={args.model}")
     if args.run_dir is not None:
         overrides.append(f"run_dir={args.run_dir}")
-    if args.reference and args.version != 0:
-        raise ConfigError("--version is the policy version of a policy server's weights; a reference server "
-                          "serves the run's initial model: drop --version")
+    kind = "reference" if args.reference else "reward" if args.reward else "policy"
+    if kind != "policy" and args.version != 0:
+        raise ConfigError(f"--version is the policy version of a policy server's weights; a {kind} server serves "
+                          "a frozen model: drop --version")
     cfg = load_config(args.config, overrides)
-    serve(cfg, args.port if args.port is not None else cfg.inference.base_port, args.version, args.reference)
+    serve(cfg, args.port if args.port is not None else cfg.inference.base_port, args.version, kind)
 
 
 # `train --nproc` takes the first free port from here for rank 0; PIPELINERL_MASTER_PORT_BASE moves the range
@@ -219,9 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="TCP port (default: inference.base_port)")
     p.add_argument("--run-dir", default=None, help="run directory: auth token + discovery (or run_dir=)")
     p.add_argument("--version", type=int, default=0, help="policy version of the weights loaded (default 0)")
-    p.add_argument("--reference", action="store_true",
-                   help="a frozen reference server for reference log-probs: announced in RUN_DIR/reference_servers/, "
-                        "refuses weight updates")
+    frozen = p.add_mutually_exclusive_group()
+    frozen.add_argument("--reference", action="store_true",
+                        help="a frozen reference server for reference log-probs: announced in "
+                             "RUN_DIR/reference_servers/, refuses weight updates")
+    frozen.add_argument("--reward", action="store_true",
+                        help="a reward server of reward.model_path (vLLM's pooling runner, POST /classify): announced "
+                             "in RUN_DIR/reward_servers/, refuses weight updates")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("train", help="run one trainer rank (RANK, WORLD_SIZE, ... from torchrun or srun), or "

@@ -8,6 +8,7 @@ RUN_DIR/servers/*             one file per healthy policy server, holding its ba
 RUN_DIR/reference_servers/*   the same for the frozen reference-model servers (`serve --reference`):
                               a folder of their own, so the trainer never broadcasts weights to them
                               and the actor never samples from them
+RUN_DIR/reward_servers/*      the same for the reward-model servers (`serve --reward`, reward.kind=model)
 
 Files are published whole by rename/link: parallel filesystems (Lustre, GPFS, NFS) give no reliable locks,
 inotify or append visibility, so writers publish whole files and readers poll.
@@ -26,6 +27,7 @@ from pipelinerl.atomic import create_file, write_file
 TOKEN_FILE = "auth_token"
 SERVERS_DIR = "servers"
 REFERENCE_SERVERS_DIR = "reference_servers"
+REWARD_SERVERS_DIR = "reward_servers"
 
 
 def run_token(run_dir: str | Path | None, configured: str | None = None) -> str:

@@ -168,9 +168,9 @@ def test_servers_get_a_float32_head_from_the_option(tmp_path):
     refused."""
     from pipelinerl.inference.vllm_glue.serving import vllm_argv
 
-    for reference in (False, True):
-        assert _hf_overrides(vllm_argv(_cfg(tmp_path), "127.0.0.1", 1, reference)) is None
-        on = vllm_argv(_cfg(tmp_path, "model.lm_head_fp32=true"), "127.0.0.1", 1, reference)
+    for kind in ("policy", "reference"):
+        assert _hf_overrides(vllm_argv(_cfg(tmp_path), "127.0.0.1", 1, kind)) is None
+        on = vllm_argv(_cfg(tmp_path, "model.lm_head_fp32=true"), "127.0.0.1", 1, kind)
         assert _hf_overrides(on) == {"head_dtype": "float32"}
     kept = _cfg(tmp_path, "model.lm_head_fp32=true", "inference.engine_args.hf_overrides.rope_theta=5")
     assert _hf_overrides(vllm_argv(kept, "127.0.0.1", 1)) == {"rope_theta": 5, "head_dtype": "float32"}

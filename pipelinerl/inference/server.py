@@ -22,6 +22,10 @@ otherwise apply to every request field the actor leaves unset, silently changing
 broadcasts to it and the actor asks it only for reference log-probs (`prompt_logprobs`); its
 weight-update routes answer 403, and it has no weight-transfer engine and no `policy_versions`.
 
+`serve --reward` runs a *reward server*: reward.model_path (a one-logit sequence classifier) on vLLM's
+pooling runner, whose `POST /classify` the actor asks for the score of each prompt + completion text
+(reward.kind=model). It announces itself in RUN_DIR/reward_servers/ and refuses weight updates alike.
+
 Everything that touches vLLM itself (command line, launcher, engine calls) is in `vllm_glue/`; this
 module and `updates.py` only see `vllm_glue.serving.open_server` and the `UpdatableEngine` steps.
 """
@@ -112,14 +116,14 @@ def control_router(updater: WeightUpdater, token: str) -> APIRouter:
     return router
 
 
-def reference_router() -> APIRouter:
-    """A reference server's answer to the weight-update routes: a clear 403, not a silent 404."""
+def frozen_router(kind: str) -> APIRouter:
+    """A reference or reward server's answer to the weight-update routes: a clear 403, not a silent 404."""
     router = APIRouter()
+    serves = "the run's initial model" if kind == "reference" else "reward.model_path"
 
     async def refuse() -> JSONResponse:
-        return JSONResponse({"error": "a reference server never takes weight updates (it serves the run's "
-                                      "initial model; broadcast to the servers in RUN_DIR/servers/)"},
-                            status_code=403)
+        return JSONResponse({"error": f"a {kind} server never takes weight updates (it serves {serves}; "
+                                      "broadcast to the servers in RUN_DIR/servers/)"}, status_code=403)
 
     for path in ("/init_process_group", "/request_weight_update"):
         router.add_api_route(path, refuse, methods=["POST"])
@@ -178,22 +182,23 @@ class Updates:
     version: int  # policy version of the weights it starts with
 
 
-async def run(cfg: Config, args, updates: Updates | None) -> None:
-    """Serve until SIGINT/SIGTERM: a policy server with `updates`, a reference server without."""
+async def run(cfg: Config, args, updates: Updates | None, kind: str = "policy") -> None:
+    """Serve until SIGINT/SIGTERM: a policy server with `updates`, a reference or reward server without."""
     from pipelinerl.inference.vllm_glue.serving import open_server
 
     published: list[Path] = []
     try:
         async with open_server(args, policy_versions=updates is not None) as server:
             if updates is None:
-                server.app.include_router(reference_router())
+                server.app.include_router(frozen_router(kind))
             else:
                 updater = WeightUpdater(server.engine, updates.expected, cfg.model.dtype, cfg.inference.kv_on_update,
                                         updates.version, staging=cfg.inference.update_staging,
                                         on_broken=lambda: os.kill(os.getpid(), signal.SIGTERM))
                 server.app.include_router(control_router(updater, updates.token))
                 await updater.start()
-            folder = rundir.SERVERS_DIR if updates is not None else rundir.REFERENCE_SERVERS_DIR
+            folder = {"policy": rundir.SERVERS_DIR, "reference": rundir.REFERENCE_SERVERS_DIR,
+                      "reward": rundir.REWARD_SERVERS_DIR}[kind]
             announce = asyncio.create_task(announce_when_healthy(cfg.run_dir, args.host, args.port, folder,
                                                                  published))
             announce.add_done_callback(lambda t: stop_if_unannounced(t, lambda: os.kill(os.getpid(), signal.SIGTERM)))
@@ -208,13 +213,14 @@ async def run(cfg: Config, args, updates: Updates | None) -> None:
             path.unlink(missing_ok=True)
 
 
-def serve(cfg: Config, port: int, version: int, reference: bool = False) -> None:
-    """Entry point of `pipelinerl serve` (blocks until SIGINT/SIGTERM); `reference`: a frozen reference
-    server of `cfg.model.path` (no updates, so neither the token nor the untied-model check applies)."""
+def serve(cfg: Config, port: int, version: int, kind: str = "policy") -> None:
+    """Entry point of `pipelinerl serve` (blocks until SIGINT/SIGTERM); `kind`: policy, reference (a frozen
+    server of `cfg.model.path`) or reward (reward.model_path); only a policy server takes updates, so only it
+    needs the token and the untied-model check."""
     # config errors before the heavy imports
-    argv = vllm_argv(cfg, rundir.bind_host(cfg.inference.host), port, reference)
+    argv = vllm_argv(cfg, rundir.bind_host(cfg.inference.host), port, kind)
     updates = None
-    if not reference:
+    if kind == "policy":
         updates = Updates(check_model(cfg.model.path), rundir.run_token(cfg.run_dir, cfg.inference.auth_token),
                           version)
 
@@ -226,4 +232,4 @@ def serve(cfg: Config, port: int, version: int, reference: bool = False) -> None
     check_version()
     check_plugin()
     setup_process(cfg.inference.cpu_kv_cache_gb)
-    uvloop.run(run(cfg, parse_vllm_args(argv), updates))
+    uvloop.run(run(cfg, parse_vllm_args(argv), updates, kind))

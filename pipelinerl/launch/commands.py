@@ -2,7 +2,8 @@
 on this machine, the Slurm node agent in slurm_node.py and the job launcher in slurm.py).
 
 Server slots and ports: policy server i listens on inference.base_port + i, reference server i on
-inference.base_port + inference.num_servers + i (after every policy slot, so the two never collide).
+inference.base_port + inference.num_servers + i (after every policy slot), reward server i on
+inference.base_port + inference.num_servers + inference.reference_servers + i: no two kinds collide.
 """
 
 from __future__ import annotations
@@ -11,7 +12,14 @@ import sys
 from pathlib import Path
 
 from pipelinerl.config import Config
-from pipelinerl.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, advertised_host, bind_host, server_file
+from pipelinerl.rundir import (
+    REFERENCE_SERVERS_DIR,
+    REWARD_SERVERS_DIR,
+    SERVERS_DIR,
+    advertised_host,
+    bind_host,
+    server_file,
+)
 
 
 def cli(python: str = sys.executable) -> list[str]:
@@ -48,6 +56,32 @@ def reference_server_count(cfg: Config) -> int:
     return cfg.inference.reference_servers if cfg.rl.needs_reference_logprobs else 0
 
 
+# The servers that never take weight updates, in slot order after the policy servers: kind -> discovery folder.
+FROZEN_FOLDERS = {"reference": REFERENCE_SERVERS_DIR, "reward": REWARD_SERVERS_DIR}
+
+
+def frozen_server_counts(cfg: Config) -> dict[str, int]:
+    """How many servers of each frozen kind the run starts (FROZEN_FOLDERS' order)."""
+    return {"reference": reference_server_count(cfg), "reward": cfg.reward.servers_started}
+
+
+def frozen_server_kinds(cfg: Config) -> list[str]:
+    """The kind of each frozen server the run starts, in slot order: reference servers, then reward servers."""
+    return [kind for kind, n in frozen_server_counts(cfg).items() for _ in range(n)]
+
+
+def node_slots(cfg: Config, frozen: bool) -> list[tuple[str, int]]:
+    """(kind, index) of each server slot of a Slurm inference node: on the node that hosts them (`frozen`), the
+    first slots serve the frozen kinds (reference servers, then reward servers; index counted within the kind);
+    every other slot i serves the policy (index i)."""
+    kinds = frozen_server_kinds(cfg) if frozen else []
+    slots = []
+    for i in range(cfg.inference.num_servers):
+        kind = kinds[i] if i < len(kinds) else "policy"
+        slots.append((kind, kinds[:i].count(kind) if kind != "policy" else i))
+    return slots
+
+
 def policy_server(cfg: Config, config_path: str, i: int, model: str, version: int) -> tuple[str, list[str]]:
     """(name, argv) of policy server slot i, serving `model` (the base model or a checkpoint's HF folder)
     at policy `version`. Served under the base model's name, whichever folder it loads."""
@@ -56,19 +90,20 @@ def policy_server(cfg: Config, config_path: str, i: int, model: str, version: in
     return f"server{i}", argv
 
 
-def reference_server(cfg: Config, config_path: str, i: int) -> tuple[str, list[str]]:
-    """(name, argv) of reference server i: the run's initial model, frozen."""
-    return f"reference{i}", [*cli(), "serve", str(config_path), "--reference", "--port",
-                             str(server_port(cfg, i, reference=True))]
+def frozen_server(cfg: Config, config_path: str, kind: str, i: int) -> tuple[str, list[str]]:
+    """(name, argv) of reference server i (the run's initial model) or reward server i (reward.model_path)."""
+    return f"{kind}{i}", [*cli(), "serve", str(config_path), f"--{kind}", "--port", str(server_port(cfg, i, kind))]
 
 
-def server_port(cfg: Config, i: int, reference: bool = False) -> int:
-    """The port of policy server slot i, or of reference server i."""
-    return cfg.inference.base_port + (cfg.inference.num_servers if reference else 0) + i
+def server_port(cfg: Config, i: int, kind: str = "policy") -> int:
+    """The port of policy server slot i, or of reference / reward server i."""
+    inf = cfg.inference
+    offset = {"policy": 0, "reference": inf.num_servers, "reward": inf.num_servers + inf.reference_servers}[kind]
+    return inf.base_port + offset + i
 
 
-def discovery_file(cfg: Config, i: int, reference: bool = False) -> Path:
-    """Where policy server i (or reference server i) on this host announces itself once healthy."""
-    folder = REFERENCE_SERVERS_DIR if reference else SERVERS_DIR
+def discovery_file(cfg: Config, i: int, kind: str = "policy") -> Path:
+    """Where policy server i (or reference / reward server i) on this host announces itself once healthy."""
+    folder = FROZEN_FOLDERS.get(kind, SERVERS_DIR)
     host = advertised_host(bind_host(cfg.inference.host))
-    return server_file(cfg.run_dir, host, server_port(cfg, i, reference), folder)
+    return server_file(cfg.run_dir, host, server_port(cfg, i, kind), folder)

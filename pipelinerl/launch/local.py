@@ -1,7 +1,8 @@
 """`pipelinerl run CONFIG`: the whole pipeline as child processes of one launcher on this machine.
 
 Order: run directory + resolved config -> (tiny model, built and warm-started if missing) -> inference
-servers, and the reference servers when the RL objective needs reference log-probs, healthy -> trainer
+servers, the reference servers when the RL objective needs reference log-probs and the reward servers with
+reward.kind=model, healthy -> trainer
 (opens the weight-update group) -> actor. The launcher then follows the trainer's progress through the
 servers' policy version until the trainer exits. Ctrl-C, SIGTERM or any child's failure stops every role
 (newest first) and names the role that failed and its log, unless launch.max_restarts allows starting it
@@ -10,7 +11,7 @@ checkpoint, the trainer resumes from it by itself, the actor continues its strea
 answering /health once announced counts as dead (launch.server_health_timeout_s, launch/health.py).
 Re-running with the same run directory resumes: the servers start from the latest checkpoint's weights
 at its version, and the trainer restores its state and stream cursor from the same checkpoint; reference
-servers always serve the initial model (`model.path`).
+servers always serve the initial model (`model.path`), reward servers reward.model_path.
 
 Placement (launch/placement.py): on a GPU machine the servers take launch.inference_gpus (tensor-parallel
 groups of contiguous GPUs) and the trainer ranks launch.training_gpus, disjoint; by default the first
@@ -35,18 +36,20 @@ from pathlib import Path
 
 from pipelinerl.config import Config, ConfigError, save_config
 from pipelinerl.launch.commands import (
+    FROZEN_FOLDERS,
     cli,
     discovery_file,
+    frozen_server,
+    frozen_server_counts,
+    frozen_server_kinds,
     policy_server,
-    reference_server,
-    reference_server_count,
     server_env,
     threads_env,
 )
 from pipelinerl.launch.placement import CpuPlacement, Placement, format_ids, split_cpus, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
 from pipelinerl.plan import check_before_start
-from pipelinerl.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, list_servers
+from pipelinerl.rundir import SERVERS_DIR, list_servers
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ def prepare_run_dir(cfg: Config) -> Path:
     """Create the run directory, write the resolved config, and forget servers of an earlier launch."""
     run_dir = Path(cfg.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    for folder in (SERVERS_DIR, REFERENCE_SERVERS_DIR):
+    for folder in (SERVERS_DIR, *FROZEN_FOLDERS.values()):
         for stale in (run_dir / folder).glob("*"):  # their processes are gone with the old launcher
             stale.unlink()
     save_config(cfg, run_dir / "config.yaml")
@@ -66,6 +69,12 @@ def prepare_run_dir(cfg: Config) -> Path:
 
 
 def ensure_model(cfg: Config) -> None:
+    """Build the tiny policy and reward models when the config asks for them and they are missing."""
+    _ensure_policy_model(cfg)
+    _ensure_reward_model(cfg)
+
+
+def _ensure_policy_model(cfg: Config) -> None:
     """Build and warm-start the tiny model when the config asks for it and it is missing."""
     model_dir = Path(cfg.model.path)
     if (model_dir / "config.json").is_file():
@@ -79,6 +88,22 @@ def ensure_model(cfg: Config) -> None:
     result = build_warm_tiny_model(model_dir, cfg.model.tiny, cfg.task)
     log.info("warm start: %d steps in %.0f s, held-out greedy success %.3f", result["steps"], result["seconds"],
              result["heldout_greedy"])
+
+
+def _ensure_reward_model(cfg: Config) -> None:
+    """Build and train the tiny reward model when reward.kind=model asks for it and it is missing."""
+    r = cfg.reward
+    if r.kind != "model" or (Path(r.model_path) / "config.json").is_file():
+        return
+    if not r.build_tiny_if_missing:
+        raise ConfigError(f"config `reward.model_path`: {r.model_path} has no config.json; point it at an HF-format "
+                          "sequence classifier (or set reward.build_tiny_if_missing=true for the tiny CPU one)")
+    from pipelinerl.reward_model import build_tiny_reward_model
+
+    log.info("building the tiny reward model of `%s` in %s...", cfg.task.name, r.model_path)
+    report = build_tiny_reward_model(r.model_path, cfg.model.tiny, cfg.task, seed=cfg.seed)
+    log.info("reward model: %d steps in %.0f s, held-out pairwise accuracy %.3f", report["steps"], report["seconds"],
+             report["heldout_accuracy"])
 
 
 def serving_weights(cfg: Config, pin: str | None = None) -> tuple[str, int]:
@@ -156,10 +181,10 @@ def machine_gpus() -> list[str]:
 
 
 def placement(cfg: Config, gpus: list[str], cores: list[int] | None = None) -> Placement:
-    """This machine's split between the servers (policy, then reference) and the trainer ranks, in the
+    """This machine's split between the servers (policy, then reference and reward) and the trainer ranks, in the
     ids of `gpus` (so a launcher started under CUDA_VISIBLE_DEVICES=2,3 hands out 2 and 3), and of the
     `cores` the launcher may use (default: its own CPU affinity) when launch.*_cpus ask for it."""
-    launch, slots = cfg.launch, cfg.inference.num_servers + reference_server_count(cfg)
+    launch, slots = cfg.launch, cfg.inference.num_servers + len(frozen_server_kinds(cfg))
     try:
         plan = split_node(len(gpus), launch.inference_gpus, launch.training_gpus, slots,
                           cfg.inference.tensor_parallel_size, cfg.trainer.num_gpus)
@@ -174,13 +199,13 @@ def placement(cfg: Config, gpus: list[str], cores: list[int] | None = None) -> P
 
 
 def _roles(cfg: Config, config_path: Path, where: Placement) -> tuple[list[Role], Role, Role]:
-    """(servers: the policy servers, then any reference servers; trainer; actor)."""
+    """(servers: the policy servers, then any reference and reward servers; trainer; actor)."""
     logs, cpus = Path(cfg.run_dir) / "logs", where.cpus or CpuPlacement([], [], None)
     model, version, path = *serving_weights(cfg), str(config_path)
     servers = [(*policy_server(cfg, path, i, model, version), policy_restart(cfg, path, i), discovery_file(cfg, i))
                for i in range(cfg.inference.num_servers)]
-    servers += [(*reference_server(cfg, path, i), None, discovery_file(cfg, i, reference=True))
-                for i in range(reference_server_count(cfg))]
+    servers += [(*frozen_server(cfg, path, kind, i), None, discovery_file(cfg, i, kind))
+                for kind, n in frozen_server_counts(cfg).items() for i in range(n)]
     server_roles = []
     for slot, (name, argv, restart_argv, discovery) in enumerate(servers):
         cores = cpus.servers[slot] if cpus.servers else None
@@ -219,7 +244,7 @@ def render(cfg: Config, config_path: Path, gpus: list[str]) -> str:
 def wait_for_servers(cfg: Config, sup: Supervisor, expected: int | None = None,
                      folder: str = SERVERS_DIR) -> list[str]:
     """Wait until `expected` servers (default inference.num_servers) announce themselves in RUN_DIR/<folder>
-    (the policy servers', or REFERENCE_SERVERS_DIR)."""
+    (the policy servers', or a frozen kind's: commands.FROZEN_FOLDERS)."""
     expected = cfg.inference.num_servers if expected is None else expected
     deadline = time.monotonic() + cfg.inference.startup_timeout_s
     while len(urls := list_servers(cfg.run_dir, folder)) < expected:
@@ -231,19 +256,19 @@ def wait_for_servers(cfg: Config, sup: Supervisor, expected: int | None = None,
     return urls
 
 
-def start_servers(cfg: Config, sup: Supervisor, roles: list[Role], references: int = 0,
+def start_servers(cfg: Config, sup: Supervisor, roles: list[Role], frozen: dict[str, int] | None = None,
                   policy: int | None = None) -> list[str]:
     """Start the server `roles` under `sup`, then wait until `policy` policy servers (default
-    inference.num_servers) and `references` reference servers have announced themselves: the policy servers'
-    URLs. Every launcher starts its servers with it: `pipelinerl run`, the Slurm job (its servers steps) and
-    `pipelinerl eval`."""
+    inference.num_servers) and `frozen[kind]` servers of each frozen kind (reference, reward) have announced
+    themselves: the policy servers' URLs. Every launcher starts its servers with it: `pipelinerl run`, the
+    Slurm job (its servers steps) and `pipelinerl eval`."""
     for role in roles:
         sup.start(role)
     urls = wait_for_servers(cfg, sup, policy)
     log.info("servers healthy: %s", ", ".join(urls))
-    if references:
-        log.info("reference servers healthy: %s",
-                 ", ".join(wait_for_servers(cfg, sup, references, REFERENCE_SERVERS_DIR)))
+    for kind, n in (frozen or {}).items():
+        if n:
+            log.info("%s servers healthy: %s", kind, ", ".join(wait_for_servers(cfg, sup, n, FROZEN_FOLDERS[kind])))
     return urls
 
 
@@ -311,7 +336,7 @@ def _run_roles(cfg: Config, config_path: Path, where: Placement) -> None:
     sup = Supervisor.from_config(cfg)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally below
     try:
-        urls = start_servers(cfg, sup, servers, reference_server_count(cfg))
+        urls = start_servers(cfg, sup, servers, frozen_server_counts(cfg))
         sup.start(trainer)
         sup.start(actor)
         follow_trainer(cfg, sup, urls)

@@ -15,11 +15,11 @@ trainer (one srun task per rank, one rank per GPU) and, on the first of them, th
              and each server / rank selects its own through CUDA_VISIBLE_DEVICES (slurm_node.node_placement).
 
 Reference servers (only when the RL objective needs reference log-probs: rl.kl_coef > 0 or
-rl.dpo_reference=reference) take the first inference.reference_servers server slots of the first
-inference node: slot i there runs `serve --reference` (the initial model, on the slot's GPUs, port
-base_port + num_servers + i) instead of a policy server, which leaves (inference_nodes x num_servers)
-minus reference_servers policy servers. `check_config` refuses a placement that does not fit on the
-first node or leaves no policy server.
+rl.dpo_reference=reference) and then reward servers (reward.kind=model) take the first server slots of the
+first inference node: slot i there runs `serve --reference` (the initial model) or `serve --reward`
+(reward.model_path), on the slot's GPUs and its kind's port (commands.py), instead of a policy server, which
+leaves (inference_nodes x num_servers) minus those policy servers. `check_config` refuses a placement that
+does not fit on the first node or leaves no policy server.
 
 `launch` runs in the batch step. It prepares the run directory, starts one srun per role under a
 procs.Supervisor (a `servers@NODE` step per server node, `trainer`, `actor`), waits for the servers through
@@ -51,7 +51,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipelinerl.config import Config
-from pipelinerl.launch.commands import cli, reference_server_count, server_port, threads_env
+from pipelinerl.launch.commands import (
+    FROZEN_FOLDERS,
+    cli,
+    frozen_server_counts,
+    frozen_server_kinds,
+    node_slots,
+    server_port,
+    threads_env,
+)
 from pipelinerl.launch.local import ensure_model, prepare_run_dir, serving_weights, start_servers
 from pipelinerl.launch.procs import DiscoveryFiles, Role, RoleFailed, Supervisor
 from pipelinerl.launch.restarts import Restarts
@@ -59,7 +67,7 @@ from pipelinerl.launch.slurm_node import colocated, node_placement
 from pipelinerl.launch.summary import summarize, summary_line
 from pipelinerl.netif import interface_env
 from pipelinerl.plan import check_before_start
-from pipelinerl.rundir import ADVERTISE_ENV, REFERENCE_SERVERS_DIR, SERVERS_DIR, WILDCARDS, bind_host, server_file
+from pipelinerl.rundir import ADVERTISE_ENV, SERVERS_DIR, WILDCARDS, bind_host, server_file
 
 log = logging.getLogger(__name__)
 
@@ -156,20 +164,20 @@ def allocation_from_env(cfg: Config, env=os.environ) -> Allocation:
 
 
 def check_config(cfg: Config) -> None:
-    """Config choices only the Slurm launcher can check: trainer ranks vs training GPUs, reference server
-    placement."""
+    """Config choices only the Slurm launcher can check: trainer ranks vs training GPUs, reference and reward
+    server placement."""
     inf, ranks = cfg.inference, trainer_ranks(cfg)
     if cfg.trainer.num_gpus is not None and cfg.trainer.num_gpus != ranks:
         per_node = "launch.training_gpus" if colocated(cfg) else "gpus_per_node"
         raise ValueError(f"trainer.num_gpus={cfg.trainer.num_gpus} but launch.slurm.training_nodes x {per_node} "
                          f"gives {ranks} trainer ranks; set trainer.num_gpus={ranks} (or null)")
-    references, slots = reference_server_count(cfg), inf.num_servers * server_nodes(cfg)
-    if references > inf.num_servers:
-        raise ValueError(f"inference.reference_servers={references} but reference servers take server slots of the "
-                         f"first inference node, which has inference.num_servers={inf.num_servers}; lower "
-                         "reference_servers or raise num_servers")
-    if references and references >= slots:
-        raise ValueError(f"inference.reference_servers={references} would take all {slots} server slots "
+    frozen, slots = frozen_server_kinds(cfg), inf.num_servers * server_nodes(cfg)
+    if len(frozen) > inf.num_servers:
+        raise ValueError(f"{len(frozen)} reference and reward servers ({', '.join(frozen)}) but they take server slots "
+                         f"of the first inference node, which has inference.num_servers={inf.num_servers}; lower "
+                         "inference.reference_servers / reward.servers or raise num_servers")
+    if frozen and len(frozen) >= slots:
+        raise ValueError(f"{len(frozen)} reference and reward servers would take all {slots} server slots "
                          "(launch.slurm.inference_nodes x inference.num_servers) and leave no policy server; "
                          "raise inference.num_servers or add an inference node")
 
@@ -280,7 +288,7 @@ def servers_role(cfg: Config, alloc: Allocation, node: str, config_path: Path, p
         overlap = ["--overlap"] if colocated(cfg) else []
         command = _srun(alloc, 0, [node], cfg, gpus=True) + overlap + cli(python) + [
             "slurm", "servers", str(config_path), "--model", model, "--version", str(version)]
-        return command + (["--reference-node", alloc.inference[0]] if reference_server_count(cfg) else [])
+        return command + (["--frozen-node", alloc.inference[0]] if frozen_server_kinds(cfg) else [])
 
     env = {**threads_env(cfg), **interface_env(cfg.launch.network_interface),
            ADVERTISE_ENV: alloc.addresses.get(node, node)}
@@ -290,15 +298,11 @@ def servers_role(cfg: Config, alloc: Allocation, node: str, config_path: Path, p
 
 def node_discovery_files(cfg: Config, alloc: Allocation, node: str) -> DiscoveryFiles:
     """Where the servers of `node` announce themselves (commands.discovery_file, as seen from that node):
-    reference servers in the first slots of the first server node, policy servers in the others."""
+    reference and reward servers in the first slots of the first server node, policy servers in the others."""
     bind = bind_host(cfg.inference.host)
     host = alloc.addresses.get(node, node) if bind in WILDCARDS else bind
-    references = reference_server_count(cfg) if node == alloc.inference[0] else 0
-    files = []
-    for i in range(cfg.inference.num_servers):
-        reference = i < references
-        folder = REFERENCE_SERVERS_DIR if reference else SERVERS_DIR
-        files.append(server_file(cfg.run_dir, host, server_port(cfg, i, reference), folder))
+    files = [server_file(cfg.run_dir, host, server_port(cfg, index, kind), FROZEN_FOLDERS.get(kind, SERVERS_DIR))
+             for kind, index in node_slots(cfg, node == alloc.inference[0])]
     return DiscoveryFiles(tuple(files))
 
 
@@ -395,9 +399,9 @@ def launch(cfg: Config, alloc: Allocation) -> None:
     roles = plan_roles(cfg, alloc, config_path)
     signals, sup, requeue_now = _Signals(), Supervisor(Restarts.from_config(cfg)), False
     try:
-        references = reference_server_count(cfg)
         steps = [role for role in roles.values() if role.name.startswith("servers@")]
-        start_servers(cfg, sup, steps, references, cfg.inference.num_servers * server_nodes(cfg) - references)
+        start_servers(cfg, sup, steps, frozen_server_counts(cfg),
+                      cfg.inference.num_servers * server_nodes(cfg) - len(frozen_server_kinds(cfg)))
         sup.start(roles["trainer"])
         sup.start(roles["actor"])
         requeue_now = _follow_trainer(cfg, sup, signals)

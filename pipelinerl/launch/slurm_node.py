@@ -25,9 +25,10 @@ from pathlib import Path
 from pipelinerl.config import Config
 from pipelinerl.launch.commands import (
     discovery_file,
+    frozen_server,
+    frozen_server_kinds,
+    node_slots,
     policy_server,
-    reference_server,
-    reference_server_count,
     server_env,
 )
 from pipelinerl.launch.local import policy_restart
@@ -69,36 +70,38 @@ def visible_gpus(placed: list[str], gpus_per_node: int, environ=os.environ) -> s
 
 
 def node_server_roles(cfg: Config, config_path: str, model: str, version: int, node: str,
-                      references: int) -> list[Role]:
-    """One `pipelinerl serve` per server slot i of an inference node, each on its own GPUs: the first
-    `references` slots serve the reference model, the others the policy from `model` at `version`, and
-    after a restart from the latest checkpoint (ports: commands.py)."""
+                      frozen: bool) -> list[Role]:
+    """One `pipelinerl serve` per server slot i of an inference node, each on its own GPUs: on the node that
+    hosts them (`frozen`), the first slots serve the reference and reward models (commands.node_slots), the
+    others the policy from `model` at `version`, and after a restart from the latest checkpoint (ports:
+    commands.py)."""
     gpus = node_placement(cfg).server_gpus
     roles = []
-    for i in range(cfg.inference.num_servers):
+    for i, (kind, index) in enumerate(node_slots(cfg, frozen)):
         env = server_env(cfg)
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible_gpus(gpus[i], cfg.launch.slurm.gpus_per_node)
-        reference = i < references
-        name, argv = (reference_server(cfg, config_path, i) if reference
-                      else policy_server(cfg, config_path, i, model, version))
-        restart_argv = None if reference else policy_restart(cfg, config_path, i, node)
+        policy = kind == "policy"
+        name, argv = (policy_server(cfg, config_path, i, model, version) if policy
+                      else frozen_server(cfg, config_path, kind, index))
+        restart_argv = policy_restart(cfg, config_path, i, node) if policy else None
         roles.append(Role(name, argv, Path(cfg.run_dir) / "logs" / f"{node}_{name}.log", env,
-                          restart_argv=restart_argv, discovery=discovery_file(cfg, i, reference)))
+                          restart_argv=restart_argv, discovery=discovery_file(cfg, index, kind)))
     return roles
 
 
-def run_node_servers(cfg: Config, config_path: str, model: str, version: int, reference_node: str | None) -> None:
-    """The `servers` role on one inference node: its `node_server_roles` (reference servers only on
-    `reference_node`), supervised until SIGTERM or the first failure."""
+def run_node_servers(cfg: Config, config_path: str, model: str, version: int, frozen_node: str | None) -> None:
+    """The `servers` role on one inference node: its `node_server_roles` (reference and reward servers only on
+    `frozen_node`), supervised until SIGTERM or the first failure."""
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
-    references = reference_server_count(cfg) if node == reference_node else 0
+    frozen = node == frozen_node
+    kinds = frozen_server_kinds(cfg) if frozen else []
     sup = Supervisor.from_config(cfg, f"launch/{node}")
-    print(f"pipelinerl slurm servers on {node}: {cfg.inference.num_servers} server(s), {references} of them "
-          f"reference, the policy from {model} at version {version}", file=sys.stderr, flush=True)
+    print(f"pipelinerl slurm servers on {node}: {cfg.inference.num_servers} server(s), {len(kinds)} of them frozen "
+          f"({', '.join(kinds) or 'none'}), the policy from {model} at version {version}", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher's normal way to stop this role
     try:
-        for role in node_server_roles(cfg, config_path, model, version, node, references):
+        for role in node_server_roles(cfg, config_path, model, version, node, frozen):
             sup.start(role)
         while True:
             sup.check()

@@ -24,23 +24,27 @@ if TYPE_CHECKING:
     from pipelinerl.inference.vllm_glue.control import VllmEngine
 
 # Engine arguments the servers set themselves (server.py's docstring says why); engine_args may not
-# override them. Reference servers skip logprobs_mode: vLLM never processes prompt log-probs, the only
-# ones they return.
+# override them. Reference and reward servers skip logprobs_mode: vLLM never processes prompt log-probs, the
+# only ones a reference server returns, and a reward server returns none.
 OWN_ENGINE_ARGS = {"generation_config": "vllm", "logprobs_mode": "processed_logprobs"}
 # Requests carry a priority (evaluation: actor.eval_priority, training 0), which vLLM refuses (HTTP 400) unless the
 # engine schedules by priority; with every priority equal it is first come, first served.
 SCHEDULING_POLICY = "priority"
 
 
-def vllm_argv(cfg: Config, host: str, port: int, reference: bool = False) -> list[str]:
-    """The engine's vLLM command line, from the config (engine_args pass through as --flags).
+def vllm_argv(cfg: Config, host: str, port: int, kind: str = "policy") -> list[str]:
+    """The engine's vLLM command line, from the config (engine_args pass through as --flags); `kind` is the
+    server's: policy, reference or reward.
 
     A reference server scores prompt + completion as one prompt, and vLLM refuses a prompt that leaves
     no room for the one token it must generate: a completion that filled max_model_len could not be
     scored. So it runs with max_model_len + 1, which needs max_model_len set (and within the model's
-    positions; vLLM says so at start-up if not)."""
+    positions; vLLM says so at start-up if not). A reward server serves reward.model_path with vLLM's pooling
+    runner (`POST /classify`: sigmoid of the classifier's logit); it generates nothing, so max_model_len is
+    enough room."""
     inf = cfg.inference
-    argv = ["--model", cfg.model.path, "--host", host, "--port", str(port), "--dtype", cfg.model.dtype,
+    model = cfg.reward.model_path if kind == "reward" else cfg.model.path
+    argv = ["--model", model, "--host", host, "--port", str(port), "--dtype", cfg.model.dtype,
             "--tensor-parallel-size", str(inf.tensor_parallel_size), "--max-num-seqs", str(inf.max_num_seqs),
             "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
             "--enable-prefix-caching" if inf.enable_prefix_caching else "--no-enable-prefix-caching"]
@@ -48,7 +52,7 @@ def vllm_argv(cfg: Config, host: str, port: int, reference: bool = False) -> lis
         if key in inf.engine_args:
             raise ConfigError(f"config `inference.engine_args.{key}`: the servers set it to {value!r} (behaviour "
                               "log-probs must be those of the distribution sampled); remove it")
-        if not (reference and key == "logprobs_mode"):
+        if kind == "policy" or key != "logprobs_mode":
             argv += ["--" + key.replace("_", "-"), value]
     policy = inf.engine_args.get("scheduling_policy", SCHEDULING_POLICY)
     if policy != SCHEDULING_POLICY:
@@ -56,17 +60,19 @@ def vllm_argv(cfg: Config, host: str, port: int, reference: bool = False) -> lis
                           "request priority (evaluation requests at actor.eval_priority yield to training ones; "
                           "actor.eval_priority=0 makes it first come, first served): remove it")
     argv += ["--scheduling-policy", SCHEDULING_POLICY]
-    if reference:
+    if kind == "reference":
         if inf.max_model_len is None:
             raise ConfigError("config `inference.max_model_len`: a reference server needs it set (it runs with "
                               "max_model_len + 1 to score completions that fill max_model_len); set it at "
                               "least one below the model's max_position_embeddings")
         argv += ["--max-model-len", str(inf.max_model_len + 1)]
+    elif kind == "reward":
+        argv += ["--runner", "pooling"]
     else:
         argv += ["--weight-transfer-config", json.dumps({"backend": ENGINE_NAME}),
                  "--worker-extension-cls", WORKER_EXTENSION]
-        if inf.max_model_len is not None:
-            argv += ["--max-model-len", str(inf.max_model_len)]
+    if kind != "reference" and inf.max_model_len is not None:
+        argv += ["--max-model-len", str(inf.max_model_len)]
     for key, value in _engine_args(cfg).items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):

@@ -1,0 +1,43 @@
+"""The `reward` section: where a completion's reward comes from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipelinerl.config.fields import check, check_choice, check_positive, doc
+
+REWARD_KINDS = ("verify", "model")
+
+
+@dataclass
+class RewardConfig:
+    """The task's own check, or a served reward model (seed 004's RLHF)."""
+
+    kind: str = doc("verify", "verify (the task's own check: exact answer, math-verify) | model (the score of a "
+                              "reward model served by `serve --reward` on (prompt + completion); the task's check is "
+                              "still logged, as actor/verified_success, and evaluation still uses it)")
+    model_path: str | None = doc(None, "HF folder of the reward model: a sequence classifier with one logit "
+                                       "(e.g. Qwen2ForSequenceClassification, LlamaForSequenceClassification), served "
+                                       "by vLLM's pooling runner (`POST /classify`)",
+                                 null="none (kind=verify)")
+    build_tiny_if_missing: bool = doc(False, "build and train the tiny reward model of task.name into model_path when "
+                                             "it has no config.json (as `pipelinerl make-tiny-model --reward-model`)")
+    servers: int = doc(1, "reward-model servers (kind=model): locally on inference.base_port + num_servers + "
+                          "reference servers + i, on Slurm in server slots of the first inference node after the "
+                          "reference servers'")
+    score: str = doc("probability", "the reward: probability (the server's sigmoid of the logit, in [0, 1]) | "
+                                    "logit (the raw score, as Bradley-Terry reward models are usually read)")
+    success_threshold: float = doc(0.5, "a score above it counts as a success in actor/success and the curriculum "
+                                        "(the task's own check is logged apart, as actor/verified_success)")
+
+    def __post_init__(self) -> None:
+        check_choice(self.kind, REWARD_KINDS, "reward.kind")
+        check_choice(self.score, ("probability", "logit"), "reward.score")
+        check_positive(self.servers, "reward.servers")
+        check(self.kind != "model" or bool(self.model_path), "reward.model_path",
+              "reward.kind=model needs the reward model's folder")
+
+    @property
+    def servers_started(self) -> int:
+        """How many reward servers a run starts: `servers` with kind=model, else none."""
+        return self.servers if self.kind == "model" else 0
