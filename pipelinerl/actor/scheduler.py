@@ -40,6 +40,7 @@ from pipelinerl.actor.curriculum import Curriculum
 from pipelinerl.actor.episodes import EpisodeStats, episode_rollout, sample_episodes
 from pipelinerl.actor.evals import actor_suites, sample_suite
 from pipelinerl.actor.resume import record_started, resume_position
+from pipelinerl.actor.rewards import RewardModelInputs
 from pipelinerl.config import Config
 from pipelinerl.config.actor import DEFAULT_EVAL_SET
 from pipelinerl.eval_metrics import scalars as eval_scalars
@@ -68,7 +69,10 @@ class Actor:
         self.task = get_task(cfg.task)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.client = CompletionsClient(cfg.actor, cfg.run_dir, reference=cfg.rl.needs_reference_logprobs,
-                                        max_lag=cfg.actor.max_lag if cfg.mode == "pipeline" else 0)
+                                        max_lag=cfg.actor.max_lag if cfg.mode == "pipeline" else 0,
+                                        reward=cfg.reward.kind == "model")
+        self.reward_model = RewardModelInputs(cfg.reward, self.tokenizer) if cfg.reward.kind == "model" else None
+        self.is_success = self.task.is_success if self.reward_model is None else self.reward_model.is_success
         self.writer = StreamWriter(cfg.run_dir, ROLLOUT_TOPIC, actor_id, cfg.streams)
         self.eval_writer = StreamWriter(cfg.run_dir, EVAL_TOPIC, actor_id, cfg.streams)
         self.filtered_writer = (StreamWriter(cfg.run_dir, FILTERED_TOPIC, actor_id, cfg.streams)
@@ -109,7 +113,7 @@ class Actor:
         if t.curriculum == "none":
             return None
         curriculum = Curriculum(self.task.train_items, t.seed, t.curriculum_min_groups, t.curriculum_weight,
-                                self.task.is_success)
+                                self.is_success)
         curriculum.recount(self.cfg.run_dir, self.actor_id)
         return curriculum
 
@@ -129,7 +133,8 @@ class Actor:
                                                  min_version=min_version)
         if self.client.reference_pool is not None:
             await self.client.score_reference(http, prompt_ids, completions)
-        return await self.score(f"{self.actor_id}/{index}", item, prompt_ids, completions, {"prompt_index": index})
+        return await self.score(f"{self.actor_id}/{index}", item, prompt_ids, completions, {"prompt_index": index},
+                                http)
 
     async def run_episodes(self, http: httpx.AsyncClient, index: int, item: PromptItem,
                            min_version: int | None = None) -> list[Rollout]:
@@ -185,6 +190,7 @@ class Actor:
             self.window["groups"] += 1
             self.window["filtered"] += filtered
             self.window["rewards"] += [r.reward for r in group]
+            self.window["verified"] += [r.metadata["verified_reward"] for r in group if "verified_reward" in r.metadata]
             self.window["tokens"] += sum(len(r.completion_token_ids) for r in group)
             self.window["samples"] += len(group)
 
@@ -205,14 +211,24 @@ class Actor:
         self.filtered_run = (since, count + 1, due)
 
     async def score(self, group_id: str, item: PromptItem, prompt_ids: list[int], completions: list[Completion],
-                    metadata: dict) -> list[Rollout]:
-        """Stream rows of one group, with rewards. Rewards run off the event loop, one thread per completion
-        (the math task's grading pool then grades them side by side)."""
+                    metadata: dict, http: httpx.AsyncClient | None = None) -> list[Rollout]:
+        """Stream rows of one group, with rewards. The task's check runs off the event loop, one thread per
+        completion (the math task's grading pool then grades them side by side). With reward.kind=model the
+        reward is the reward servers' score of the G completions (one request, `http`), and the check is kept
+        in each row's metadata as `verified_reward`."""
         limit = self.cfg.actor.sampling.max_new_tokens
-        rewards = await asyncio.gather(*[
+        checks = await asyncio.gather(*[
             asyncio.to_thread(self.task.reward, item, c.text, c.finished, num_tokens=len(c.token_ids),
                               max_new_tokens=limit) for c in completions])
-        return self.rollouts(group_id, item, prompt_ids, completions, rewards, metadata)
+        if self.reward_model is None:
+            return self.rollouts(group_id, item, prompt_ids, completions, checks, metadata)
+        inputs = self.reward_model.inputs(prompt_ids, [c.token_ids for c in completions])
+        scores = await self.client.score_rewards(http, inputs)
+        rows = self.rollouts(group_id, item, prompt_ids, completions, list(map(self.reward_model.reward, scores)),
+                             metadata)
+        for row, check in zip(rows, checks):
+            row.metadata["verified_reward"] = check
+        return rows
 
     def rollouts(self, group_id: str, item: PromptItem, prompt_ids: list[int], completions: list[Completion],
                  rewards: list[float], metadata: dict) -> list[Rollout]:
@@ -279,7 +295,7 @@ class Actor:
         if w["samples"] and dt > 0:
             rewards = w["rewards"]
             self.tb.log(self.version, {"actor/reward": sum(rewards) / len(rewards),
-                                       "actor/success": sum(map(self.task.is_success, rewards)) / len(rewards),
+                                       "actor/success": sum(map(self.is_success, rewards)) / len(rewards),
                                        "actor/tokens_per_s": w["tokens"] / dt, "actor/samples_per_s": w["samples"] / dt,
                                        "actor/groups_in_flight": len(self.in_flight),
                                        **{f"actor/outcome/{k}": v
@@ -287,6 +303,9 @@ class Actor:
                                        **self.episodes.scalars()})
         if self.filtered_writer is not None and w["groups"]:
             self.tb.log(self.version, {"actor/filtered_frac": w["filtered"] / w["groups"]})
+        if w["verified"]:  # reward.kind=model: the task's own check of the same completions
+            self.tb.log(self.version, {"actor/verified_success": sum(map(self.task.is_success, w["verified"]))
+                                       / len(w["verified"])})
         if self.curriculum is not None and w["groups"]:
             self.tb.histogram(self.version, "actor/curriculum/pass_rate", np.array(self.curriculum.pass_rates()))
             self.tb.log(self.version, {"actor/curriculum/saturated_frac": self.curriculum.saturated_fraction(),
@@ -296,8 +315,10 @@ class Actor:
 
     @staticmethod
     def _new_window() -> dict:
-        """The counters of one log window: rewards, tokens and samples written, groups finished and filtered."""
-        return {"rewards": [], "tokens": 0, "samples": 0, "groups": 0, "filtered": 0, "t0": time.monotonic()}
+        """The counters of one log window: rewards (and the task's checks with a reward model), tokens and samples
+        written, groups finished and filtered."""
+        return {"rewards": [], "verified": [], "tokens": 0, "samples": 0, "groups": 0, "filtered": 0,
+                "t0": time.monotonic()}
 
     async def run(self) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)

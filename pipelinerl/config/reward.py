@@ -25,6 +25,10 @@ class RewardConfig:
     servers: int = doc(1, "reward-model servers (kind=model): locally on inference.base_port + num_servers + "
                           "reference servers + i, on Slurm in server slots of the first inference node after the "
                           "reference servers'")
+    input: str = doc("tokens", "what a reward server scores: tokens (the policy's prompt + completion token ids, EOS "
+                               "included: exact, for a reward model with the policy's tokenizer, checked at the "
+                               "actor's start) | text (their text, special tokens kept but a leading BOS, which the "
+                               "server's tokenizer adds again: a reward model with a tokenizer of its own)")
     score: str = doc("probability", "the reward: probability (the server's sigmoid of the logit, in [0, 1]) | "
                                     "logit (the raw score, as Bradley-Terry reward models are usually read)")
     success_threshold: float = doc(0.5, "a score above it counts as a success in actor/success and the curriculum "
@@ -32,6 +36,7 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         check_choice(self.kind, REWARD_KINDS, "reward.kind")
+        check_choice(self.input, ("tokens", "text"), "reward.input")
         check_choice(self.score, ("probability", "logit"), "reward.score")
         check_positive(self.servers, "reward.servers")
         check(self.kind != "model" or bool(self.model_path), "reward.model_path",

@@ -1,0 +1,127 @@
+"""reward.kind=model on the actor's side (pipelinerl/actor/rewards.py, CompletionsClient.score_rewards): what a
+reward server is sent, how its answer becomes a reward, and the refusals. The served model itself is checked
+against transformers in tests/test_reward_model.py."""
+
+import asyncio
+import math
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pipelinerl.actor import CompletionsClient
+from pipelinerl.actor.rewards import RewardModelInputs
+from pipelinerl.config import ConfigError, RewardConfig, load_config
+from pipelinerl.rundir import REWARD_SERVERS_DIR
+from pipelinerl.tiny_model import build_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _reward_cfg(model_dir: Path, **kw) -> RewardConfig:
+    return RewardConfig(kind="model", model_path=str(model_dir), **kw)
+
+
+def test_inputs_are_the_policys_token_ids_or_their_text_and_scores_map_to_rewards(tmp_path):
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "rm")
+    prompt = tokenizer("37+48=").input_ids  # with its BOS, as the actor sends prompts
+    completions = [tokenizer("58", add_special_tokens=False).input_ids + [tokenizer.eos_token_id],
+                   tokenizer("5", add_special_tokens=False).input_ids]  # finished, and cut at the length limit
+    tokens = RewardModelInputs(_reward_cfg(tmp_path / "rm"), tokenizer)
+    assert tokens.inputs(prompt, completions) == [prompt + completions[0], prompt + completions[1]]
+    text = RewardModelInputs(_reward_cfg(tmp_path / "rm", input="text"), tokenizer)
+    assert text.inputs(prompt, completions) == ["37+48=58" + tokenizer.eos_token, "37+48=5"]
+    # the server's tokenizer adds the BOS again: the same ids as the token inputs
+    assert [tokenizer(t).input_ids for t in text.inputs(prompt, completions)] == tokens.inputs(prompt, completions)
+
+    assert tokens.reward(0.25) == 0.25 and tokens.is_success(0.51) and not tokens.is_success(0.5)
+    logit = RewardModelInputs(_reward_cfg(tmp_path / "rm", score="logit", success_threshold=0.8), tokenizer)
+    for p in (0.25, 0.5, 0.9, 1e-3):
+        assert logit.reward(p) == pytest.approx(math.log(p / (1 - p)), rel=1e-12)
+    assert logit.reward(1.0) == pytest.approx(math.log((1 - 1e-7) / 1e-7))  # clamped, not infinite
+    assert logit.is_success(logit.reward(0.81)) and not logit.is_success(logit.reward(0.79))
+
+
+def test_token_inputs_refuse_a_reward_model_with_another_tokenizer(tmp_path):
+    tokenizer = build_tokenizer()
+    other = build_tokenizer()
+    other.add_tokens(["<unk_word>"])
+    other.save_pretrained(tmp_path / "rm")
+    with pytest.raises(ConfigError, match="reward.input.*another tokenizer.*set reward.input=text"):
+        RewardModelInputs(_reward_cfg(tmp_path / "rm"), tokenizer)
+    RewardModelInputs(_reward_cfg(tmp_path / "rm", input="text"), tokenizer)  # text: any tokenizer
+
+
+def _client(run_dir: Path, *urls: str) -> CompletionsClient:
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={run_dir}", "actor.max_retries=2"])
+    (run_dir / REWARD_SERVERS_DIR).mkdir(parents=True)
+    for url in urls:
+        (run_dir / REWARD_SERVERS_DIR / url.split("//")[1].replace(":", "_")).write_text(url + "\n")
+    return CompletionsClient(cfg.actor, str(run_dir), reference=False, reward=True)
+
+
+def _classification(probs: list[list[float]], order: list[int]) -> dict:
+    return {"data": [{"index": i, "probs": probs[i], "num_classes": len(probs[i]), "label": "LABEL_0"} for i in order]}
+
+
+def test_score_rewards_retries_a_failed_server_and_reads_scores_in_input_order(tmp_path):
+    client = _client(tmp_path / "run", "http://h:1", "http://h:2")
+    client.reward_pool.load["http://h:2"] = 3  # h:1, the less loaded, takes the first attempt
+    asked = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        host = request.url.netloc.decode()
+        asked.append((host, request.url.path))
+        if host == "h:1":
+            return httpx.Response(503, text="the engine died")
+        return httpx.Response(200, json=_classification([[0.9], [0.1], [0.5]], order=[2, 0, 1]))
+
+    async def score() -> list[float]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as http:
+            return await client.score_rewards(http, [[1, 2], [1, 3], "text"])
+
+    assert asyncio.run(score()) == [0.9, 0.1, 0.5]
+    assert asked == [("h:1", "/classify"), ("h:2", "/classify")]
+    assert "http://h:1" in client.reward_pool.aside
+
+
+def test_score_rewards_refuses_a_reply_that_is_not_one_probability_per_input(tmp_path):
+    client = _client(tmp_path / "run", "http://h:1")
+    replies = iter([_classification([[0.2, 0.8], [0.3, 0.7]], order=[0, 1]), _classification([[0.5]], order=[0])])
+
+    async def score() -> list[float]:
+        server = httpx.MockTransport(lambda request: httpx.Response(200, json=next(replies)))
+        async with httpx.AsyncClient(transport=server) as http:
+            return await client.score_rewards(http, [[1], [2]])
+
+    with pytest.raises(ValueError, match="one probability each"):  # two labels: not a one-logit classifier
+        asyncio.run(score())
+    with pytest.raises(ValueError, match="one probability each"):  # one answer for two inputs
+        asyncio.run(score())
+
+
+def test_every_attempt_failing_names_the_reward_servers(tmp_path):
+    client = _client(tmp_path / "run", "http://h:1")
+
+    async def score() -> list[float]:
+        server = httpx.MockTransport(lambda request: httpx.Response(400, json={"error": {"message": "too long"}}))
+        async with httpx.AsyncClient(transport=server) as http:
+            return await client.score_rewards(http, [[1]])
+
+    with pytest.raises(RuntimeError, match=r"POST /classify failed on the reward servers \['http://h:1'\] after 3"):
+        asyncio.run(score())
+
+
+def test_reward_config_is_checked_where_it_is_written(tmp_path):
+    with pytest.raises(ConfigError, match="reward.model_path"):
+        load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={tmp_path}", "reward.kind=model"])
+    with pytest.raises(ConfigError, match="reward.kind.*tool_sums"):
+        load_config(REPO / "configs" / "tiny_tools.yaml", [f"run_dir={tmp_path}", "reward.kind=model",
+                                                          "reward.model_path=rm"])
+    with pytest.raises(ConfigError, match="inference.base_port.*policy, reference and reward"):
+        load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={tmp_path}", "reward.kind=model",
+                                                         "reward.model_path=rm", "reward.servers=3",
+                                                         "inference.base_port=65531"])
+    verify = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={tmp_path}", "reward.servers=4"])
+    assert verify.reward.servers_started == 0  # kind=verify starts none, whatever `servers` says
