@@ -53,10 +53,13 @@ host RAM      per node: inference.num_servers servers (each counted as a policy 
               run; on Slurm launch.slurm.mem when it names a size; otherwise not checked).
 reference     the same without staging, plus the prompt log-probs it computes outside vLLM's profiled share:
               max_num_batched_tokens x V x (b + 8) (logits, their float32 copy, the log-softmax).
+reward        the same as a reference server of the reward model's shape (reward.model_path/config.json, else
+              the policy's), without the sampler's logits nor prompt log-probs: a one-logit head.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -127,13 +130,18 @@ def shape_from_hf_config(hf: dict) -> ModelShape:
 def load_shape(cfg: Config) -> tuple[ModelShape, str]:
     """(shape, where it came from): model.path/config.json, else the built-in table by folder name, else the
     tiny model's config section when `run` would build it."""
-    config_json = Path(cfg.model.path) / "config.json"
+    return shape_at(cfg.model.path, cfg.model.build_tiny_if_missing, cfg, "model.path")
+
+
+def shape_at(path: str, tiny: bool, cfg: Config, key: str) -> tuple[ModelShape, str]:
+    """load_shape for the model at `path` (`tiny`: built from model.tiny when missing; `key` names the field)."""
+    config_json = Path(path) / "config.json"
     if config_json.is_file():
         return shape_from_hf_config(json.loads(config_json.read_text())), str(config_json)
-    name = Path(cfg.model.path).name
+    name = Path(path).name
     if name in BUILTIN_SHAPES:
         return BUILTIN_SHAPES[name], f"built-in shape of {name} ({config_json} not found)"
-    if cfg.model.build_tiny_if_missing:
+    if tiny:
         from pipelinerl.tiny_model import ALPHABET
 
         t = cfg.model.tiny
@@ -141,8 +149,19 @@ def load_shape(cfg: Config) -> tuple[ModelShape, str]:
         return (ModelShape(t.hidden_size, t.num_layers, t.intermediate_size, t.num_attention_heads,
                            t.num_key_value_heads, t.hidden_size // t.num_attention_heads, vocab),
                 "model.tiny (to be built)")
-    raise ConfigError(f"config `model.path`: {config_json} not found and {name!r} has no built-in shape "
-                      f"({', '.join(BUILTIN_SHAPES)}); point model.path at the HF model folder")
+    raise ConfigError(f"config `{key}`: {config_json} not found and {name!r} has no built-in shape "
+                      f"({', '.join(BUILTIN_SHAPES)}); point {key} at the HF model folder")
+
+
+def reward_shape(cfg: Config, policy: ModelShape) -> tuple[ModelShape, str]:
+    """The reward model's shape (reward.model_path, as load_shape), its one-logit head in place of the LM head;
+    the policy's shape where the folder is not at hand (a reward model of the policy's family and size, as in
+    seed 004), said in the note."""
+    try:
+        shape, source = shape_at(cfg.reward.model_path, cfg.reward.build_tiny_if_missing, cfg, "reward.model_path")
+    except ConfigError:
+        shape, source = policy, f"the policy's shape ({cfg.reward.model_path}/config.json not found)"
+    return dataclasses.replace(shape, tied=True), source  # a head of H x 1, not a second V x H matrix
 
 
 @dataclass
@@ -162,7 +181,7 @@ class MemoryPlan:
     gpu_memory_gb: float
     model: str  # where the shape came from
     params: int
-    roles: dict[str, RolePlan]  # "trainer", "server", and "reference" when the run has reference servers
+    roles: dict[str, RolePlan]  # "trainer", "server", and "reference" / "reward" when the run has those servers
     host_nodes: dict[str, float] = field(default_factory=dict)  # host RAM in GB per kind of node
     host_memory_gb: float | None = None  # one node's memory (None: not checked)
 
@@ -327,55 +346,57 @@ def _trainer_knobs(cfg: Config) -> str:
     return " or ".join(knobs)
 
 
-def server_plan(cfg: Config, shape: ModelShape, gpu_gb: float, reference: bool = False) -> RolePlan:
+def server_plan(cfg: Config, shape: ModelShape, gpu_gb: float, kind: str = "policy") -> RolePlan:
+    """A server's plan; `kind`: policy, reference or reward (`shape`: the reward model's for a reward server)."""
     inf, b = cfg.inference, DTYPE_BYTES[cfg.model.dtype]
     tp, gpu = inf.tensor_parallel_size, gpu_gb * GB
     batched = int(inf.engine_args.get("max_num_batched_tokens", VLLM_BATCHED_TOKENS))
     model_bytes = b * shape.params
+    sampler = inf.max_num_seqs * shape.vocab * 4 * SAMPLER_COPIES if kind != "reward" else 0.0
     items = {"weights": model_bytes / tp,
              "activations": batched * ((3 * shape.intermediate + shape.q_dim + 2 * shape.kv_dim) / tp
-                                       + 4 * shape.hidden) * b
-             + inf.max_num_seqs * shape.vocab * 4 * SAMPLER_COPIES,
+                                       + 4 * shape.hidden) * b + sampler,
              "cuda_graphs_runtime": SERVER_RUNTIME_GB * GB}
     budget = inf.gpu_memory_utilization * gpu
     items["kv_cache"] = budget - sum(items.values())
-    if reference:
+    if kind == "reference":
         items["prompt_logprobs"] = batched * shape.vocab * (b + 8)
-    else:
+    elif kind == "policy":
         items["update_staging"] = model_bytes if inf.update_staging == "device" else 2 * update_bucket_bytes(cfg, shape)
         items["update_group"] = UPDATE_GROUP_GB * GB if _nccl(cfg) else 0.0
     items = {k: v / GB for k, v in items.items()}
-    role = RolePlan("reference server" if reference else "policy server", items, budget / GB + sum(
+    role = RolePlan(f"{kind} server", items, budget / GB + sum(
         v for k, v in items.items() if k in ("prompt_logprobs", "update_staging", "update_group")))
-    _server_checks(cfg, shape, gpu_gb, role, reference, model_bytes / GB)
+    _server_checks(cfg, shape, gpu_gb, role, kind, model_bytes / GB)
     return role
 
 
-def _server_checks(cfg: Config, shape: ModelShape, gpu_gb: float, role: RolePlan, reference: bool,
+def _server_checks(cfg: Config, shape: ModelShape, gpu_gb: float, role: RolePlan, kind: str,
                    model_gb: float) -> None:
     inf, b = cfg.inference, DTYPE_BYTES[cfg.model.dtype]
     name, tp = role.title, inf.tensor_parallel_size
     outside = role.per_gpu_gb - inf.gpu_memory_utilization * gpu_gb
     kv_token = 2 * shape.layers * shape.head_dim * max(1, shape.kv_heads // tp) * b  # K and V, per GPU
     kv_tokens = role.items["kv_cache"] * GB / kv_token
-    seq = (inf.max_model_len or 0) + (1 if reference else 0)
+    seq = (inf.max_model_len or 0) + (1 if kind == "reference" else 0)
     role.notes.append(f"TP {tp}; vLLM's share {inf.gpu_memory_utilization:g} x {gpu_gb:g} GB; KV cache holds "
                       f"{kv_tokens:,.0f} tokens ({kv_tokens / max(seq, 1):.0f} sequences of {seq} tokens; "
                       f"max_num_seqs {inf.max_num_seqs})")
-    if not reference and inf.update_staging == "host":
+    if kind == "policy" and inf.update_staging == "host":
         role.host["update_staging"] = model_gb
         shm = " in /dev/shm, which every TP worker loads from" if tp > 1 else ""
         role.notes.append(f"host staging: {model_gb:.1f} GB of host RAM per server (one copy, received by its first "
                           f"TP worker{shm}), {model_gb * inf.num_servers:.1f} GB per inference node")
-    if not reference and cfg.trainer.broadcast_delta == "auto":
+    if kind == "policy" and cfg.trainer.broadcast_delta == "auto":
         role.host["delta_base"] = model_gb
         role.notes.append(f"delta base: {model_gb:.1f} GB of host RAM per server (host staging's dense tensors "
                           "become the base, so a dense update needs up to twice that while it lands)")
     if role.per_gpu_gb > gpu_gb:
         most = math.floor(100 * (gpu_gb - outside) / gpu_gb) / 100
-        what = ("prompt log-probs" if reference else f"update staging ({inf.update_staging})") + \
+        # a reward server has nothing outside vLLM's share: only a reference or policy server gets here
+        what = ("prompt log-probs" if kind == "reference" else f"update staging ({inf.update_staging})") + \
                f" {outside:.1f} GB + vLLM's {inf.gpu_memory_utilization * gpu_gb:.1f} GB"
-        fix = ("or set inference.engine_args.max_num_batched_tokens lower" if reference else
+        fix = ("or set inference.engine_args.max_num_batched_tokens lower" if kind == "reference" else
                "or set inference.update_staging=host" if inf.update_staging == "device" else
                "or lower trainer.broadcast_bucket_mb")
         role.problems.append(f"{name}: {what} = {role.per_gpu_gb:.1f} GB > {gpu_gb:g} GB; lower "
@@ -419,7 +440,11 @@ def plan_config(cfg: Config, gpu_gb: float, shape: ModelShape, source: str, trai
     (None: not checked)."""
     roles = {"trainer": trainer_plan(cfg, shape, trainer_ranks, gpu_gb), "server": server_plan(cfg, shape, gpu_gb)}
     if cfg.rl.needs_reference_logprobs:
-        roles["reference"] = server_plan(cfg, shape, gpu_gb, reference=True)
+        roles["reference"] = server_plan(cfg, shape, gpu_gb, "reference")
+    if cfg.reward.kind == "model":
+        rm_shape, rm_source = reward_shape(cfg, shape)
+        roles["reward"] = server_plan(cfg, rm_shape, gpu_gb, "reward")
+        roles["reward"].notes.append(f"reward model: {rm_shape.params / 1e9:.2f}B parameters, from {rm_source}")
     return MemoryPlan(gpu_gb, source, shape.params, roles, host_nodes(cfg, roles), host_gb)
 
 

@@ -376,3 +376,26 @@ def test_flash_attention_needs_no_mask_and_gloo_updates_no_send_buffers_on_the_g
     flash = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "trainer.attn_implementation=flash_attention_2",
                   "inference.weight_update_backend=gloo").roles["trainer"].items
     assert flash["attention_mask"] == 0 and flash["broadcast_buffers"] == 0
+
+
+def test_a_reward_server_is_planned_with_the_reward_models_shape_and_no_staging(tmp_path):
+    """reward.kind=model: the reward servers' plan uses reward.model_path/config.json (here a Qwen2.5-7B-shaped
+    classifier: its one-logit head in place of the V x H LM head), and holds no update staging, update group,
+    sampler logits nor prompt log-probs; without the folder, the policy's shape, said in a note."""
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    rm.joinpath("config.json").write_text(json.dumps({
+        "hidden_size": 3584, "num_hidden_layers": 28, "intermediate_size": 18944, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "vocab_size": V, "num_labels": 1}))
+    plan = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "reward.kind=model", f"reward.model_path={rm}")
+    reward = plan.roles["reward"]
+    assert set(reward.items) == {"weights", "activations", "cuda_graphs_runtime", "kv_cache"}
+    assert reward.items["weights"] == pytest.approx(2 * (P_7B - V * 3584) / GB)  # bf16, one embedding matrix
+    batched = 8192 * ((3 * 18944 + 3584 + 2 * 512) + 4 * 3584) * 2  # vLLM's profiled activations, no sampler
+    assert reward.items["activations"] == pytest.approx(batched / GB)
+    assert reward.per_gpu_gb == pytest.approx(0.9 * 80) and plan.fits
+    assert any(str(rm / "config.json") in note for note in reward.notes)
+    missing = _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80", "reward.kind=model", "reward.model_path=/nowhere/rm")
+    assert missing.roles["reward"].items["weights"] == pytest.approx(reward.items["weights"])
+    assert any("the policy's shape" in note for note in missing.roles["reward"].notes)
+    assert "reward" not in _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80").roles
