@@ -27,8 +27,9 @@ SHARED = {"test_conventional": "conventional_runs", "test_kl_analysis": "convent
           "test_e2e_rl_options": "conventional_runs", "test_inference_recompute": "recompute_server",
           "test_sampling_logprobs": "recompute_server"}
 SLOWEST_FIRST = ["test_slurm", "conventional_runs", "test_chaos", "test_chaos_episodes", "test_delivery_trap",
-                 "test_trainer_loop", "test_e2e_local", "recompute_server", "test_inference_server", "test_actor",
-                 "test_launch_health", "test_reference", "test_trainer_deepspeed", "test_eval", "test_trainer_critic"]
+                 "test_trainer_loop", "test_e2e_local", "test_reward_model", "recompute_server",
+                 "test_inference_server", "test_actor", "test_launch_health", "test_reference",
+                 "test_trainer_deepspeed", "test_eval", "test_trainer_critic"]
 
 
 def _group(nodeid: str) -> str:

@@ -13,7 +13,9 @@ Each kill waits for the previous one to heal: every role running, every server a
 Kinds: `server`, `actor`, `trainer` (one role), `servers` (every policy server at once: no server at the
 trainer's version survives, the trap that weight delivery closes; with `actor.max_lag=0` or conventional mode
 and no recent checkpoint every restarted server is behind the lag bound), and `hang` (a server SIGSTOPped: alive
-and silent, which the launcher's health deadline, launch.server_health_timeout_s, must find and restart).
+and silent, which the launcher's health deadline, launch.server_health_timeout_s, must find and restart), and
+`reward` (a reward server, reward.kind=model: its scoring requests fail and are retried on another reward server,
+or wait until the launcher has restarted it; a group is written only once scored).
 
 A kill is SIGKILL to the role's whole process group (every process of it: vLLM's engine, every trainer
 rank), found by command line: `pipelinerl.cli serve RUN_DIR/config.yaml ... --port P` (server slot P -
@@ -52,11 +54,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pipelinerl.config import Config, StreamsConfig, load_config  # noqa: E402
-from pipelinerl.launch.commands import cli  # noqa: E402
+from pipelinerl.launch.commands import cli, server_port  # noqa: E402
 from pipelinerl.launch.procs import die_with_parent  # noqa: E402
 from pipelinerl.rundir import list_servers  # noqa: E402
 
-KINDS = ("server", "actor", "trainer", "servers", "hang")
+KINDS = ("server", "actor", "trainer", "servers", "hang", "reward")
 DEFAULT_KINDS = ("server", "actor", "trainer")
 _STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
 STEP_LINE = re.compile(_STAMP + r"INFO .*?: step (\d+): ", re.M)
@@ -69,7 +71,7 @@ class Planned:
     after_steps: int = 1  # trainer steps to wait for after the previous kill healed
     delay_s: float = 0.0  # then this many seconds more
     during_broadcast: bool = False  # a server: wait for /status `updating` instead of the delay
-    slot: int = 0  # a server: which policy server
+    slot: int = 0  # a server: which policy server; a reward kill: which reward server
 
 
 @dataclass
@@ -91,13 +93,16 @@ class Kill:
         return f"{self.role}:hang" if self.hung else self.role
 
 
-def make_plan(kills: int, seed: int, kinds: tuple[str, ...], num_servers: int) -> list[Planned]:
+def make_plan(kills: int, seed: int, kinds: tuple[str, ...], num_servers: int,
+              reward_servers: int = 0) -> list[Planned]:
     """Seeded random kills; the first server kill (and half the later ones) during a weight update."""
     rng, plan, seen_server = random.Random(seed), [], False
     for _ in range(kills):
         p = Planned(rng.choice(kinds), rng.randint(1, 3), round(rng.uniform(0, 2), 1))
         if p.kind in ("server", "hang"):
             p.slot = rng.randrange(num_servers)
+        if p.kind == "reward":
+            p.slot = rng.randrange(reward_servers)
         if p.kind == "server":
             p.during_broadcast = not seen_server or rng.random() < 0.5
             seen_server = True
@@ -106,8 +111,8 @@ def make_plan(kills: int, seed: int, kinds: tuple[str, ...], num_servers: int) -
 
 
 def role_leaders(cfg: Config) -> dict[str, int]:
-    """Role name (server<slot>, reference<i>, trainer, actor) -> pid of its process-group leader, live ones (not
-    zombies, not stopped)."""
+    """Role name (server<slot>, reference<i>, reward<i>, trainer, actor) -> pid of its process-group leader, live
+    ones (not zombies, not stopped)."""
     config_path, found = str(Path(cfg.run_dir) / "config.yaml"), {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -124,8 +129,10 @@ def role_leaders(cfg: Config) -> dict[str, int]:
             continue
         sub = argv[argv.index("pipelinerl.cli") + 1]
         if sub == "serve":
-            port = int(argv[argv.index("--port") + 1]) - cfg.inference.base_port
-            found[f"reference{port - cfg.inference.num_servers}" if "--reference" in argv else f"server{port}"] = pid
+            port = int(argv[argv.index("--port") + 1])
+            kind = next((k for k in ("reference", "reward") if f"--{k}" in argv), "policy")
+            found[f"{kind}{port - server_port(cfg, 0, kind)}" if kind != "policy" else
+                  f"server{port - server_port(cfg, 0)}"] = pid
         elif sub in ("train", "actor"):
             found["trainer" if sub == "train" else "actor"] = pid
     return found
@@ -185,7 +192,8 @@ class Chaos:
 
     def healed(self) -> bool:
         """Every role running, every policy server announced, a trainer step logged after the last kill."""
-        names = {"trainer", "actor", *(f"server{i}" for i in range(self.cfg.inference.num_servers))}
+        names = {"trainer", "actor", *(f"server{i}" for i in range(self.cfg.inference.num_servers)),
+                 *(f"reward{i}" for i in range(self.cfg.reward.servers_started))}
         since = self.kills[-1].at if self.kills else 0.0
         servers = len(list_servers(self.run_dir)) >= self.cfg.inference.num_servers
         return (names <= set(role_leaders(self.cfg)) and servers
@@ -200,7 +208,7 @@ class Chaos:
         target = self.last_step() + p.after_steps
         if not self._wait(f"trainer step {target}", lambda: self.last_step() >= target, self.heal_timeout_s):
             return None
-        role = {"server": f"server{p.slot}", "hang": f"server{p.slot}"}.get(p.kind, p.kind)
+        role = {"server": f"server{p.slot}", "hang": f"server{p.slot}", "reward": f"reward{p.slot}"}.get(p.kind, p.kind)
         leaders = role_leaders(self.cfg)
         pids = ([leaders.get(f"server{i}") for i in range(self.cfg.inference.num_servers)] if p.kind == "servers"
                 else [leaders.get(role)])
@@ -377,10 +385,12 @@ def main() -> int:
     if set(kinds) - set(KINDS) or any("=" not in x for x in extra):
         parser.error(f"--roles takes {','.join(KINDS)}; overrides are key=value")
     overrides = [*args.overrides, *extra]
-    num_servers = load_config(args.config, overrides).inference.num_servers
+    cfg = load_config(args.config, overrides)
+    if "reward" in kinds and not cfg.reward.servers_started:
+        parser.error("--roles reward needs a config with reward.kind=model")
     out = args.out or REPO / "runs" / f"chaos_{args.seed}"
-    result = run_chaos(args.config, make_plan(args.kills, args.seed, kinds, num_servers), out, overrides,
-                       args.timeout_s)
+    plan = make_plan(args.kills, args.seed, kinds, cfg.inference.num_servers, cfg.reward.servers_started)
+    result = run_chaos(args.config, plan, out, overrides, args.timeout_s)
     print(result.table, flush=True)
     (out / "chaos_table.txt").write_text(result.table + "\n")
     return 0 if result.code == 0 and result.exactly_once else 1
