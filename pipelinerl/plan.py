@@ -440,7 +440,11 @@ def plan_config(cfg: Config, gpu_gb: float, shape: ModelShape, source: str, trai
     (None: not checked)."""
     roles = {"trainer": trainer_plan(cfg, shape, trainer_ranks, gpu_gb), "server": server_plan(cfg, shape, gpu_gb)}
     if cfg.rl.needs_reference_logprobs:
-        roles["reference"] = server_plan(cfg, shape, gpu_gb, "reference")
+        teacher, source = (shape, "") if cfg.rl.teacher is None else shape_at(
+            cfg.rl.teacher, cfg.model.build_tiny_if_missing, cfg, "rl.teacher")
+        roles["reference"] = server_plan(cfg, teacher, gpu_gb, "reference")
+        if cfg.rl.teacher is not None:
+            roles["reference"].notes.append(f"teacher: {teacher.params / 1e9:.2f}B parameters, from {source}")
     if cfg.reward.kind == "model":
         rm_shape, rm_source = reward_shape(cfg, shape)
         roles["reward"] = server_plan(cfg, rm_shape, gpu_gb, "reward")

@@ -42,6 +42,8 @@ def reference_loss(seqs, num_sequences, cfg, num_pairs=None):
             if not s["mask"][t] or (cfg.max_token_lag is not None and s["lag"][t] > cfg.max_token_lag):
                 continue
             new, beh, ref, adv = s["new"][t], s["beh"][t], s["ref"][t], s["adv"]
+            if cfg.teacher is not None:  # on-policy distillation: the reference is the teacher
+                adv = cfg.teacher_coef * (ref - beh) + cfg.teacher_task_weight * adv
             r = math.exp(new - beh)
             if cfg.algorithm == "dpo":
                 anchor = ref if cfg.dpo_reference == "reference" else beh
@@ -94,6 +96,8 @@ CONFIGS = {
     "dpo_reference": RLConfig(algorithm="dpo", dpo_beta=0.5),
     "dpo_kl": RLConfig(algorithm="dpo", dpo_beta=0.5, kl_coef=0.2, max_token_lag=3),
     "all_pg": RLConfig(ppo_clip=0.1, max_token_lag=3, kl_coef=0.1, value_function=True, baseline="leave_one_out"),
+    "distill": RLConfig(teacher="teacher", teacher_coef=0.7, teacher_task_weight=0.3, max_token_lag=3),
+    "distill_clip_kl": RLConfig(teacher="teacher", ppo_clip=0.2, kl_coef=0.1),
 }
 
 
@@ -273,3 +277,30 @@ def test_config_rejects_conflicting_options():
     assert RLConfig(algorithm="dpo").needs_reference_logprobs  # seed 004: the frozen initial model
     assert not RLConfig(algorithm="dpo", dpo_reference="behaviour").needs_reference_logprobs
     assert RLConfig(kl_coef=0.1).needs_reference_logprobs and not RLConfig().needs_reference_logprobs
+
+
+def test_distillation_advantage_is_teacher_minus_student_per_token_hand_computed():
+    """rl.teacher, pure distillation: one 3-token sequence (the first a prompt token). Each completion token's
+    gradient is -(teacher - behaviour) * exp(new - behaviour) / num_sequences; the logged reverse KL is the mean
+    of behaviour - teacher over those tokens; the sequence's task advantage (5.0) weighs nothing."""
+    cfg = RLConfig(teacher="teacher")
+    beh, teacher, new = [-1.0, -0.5, -2.0], [-3.0, -0.25, -1.0], [-1.0, -0.7, -1.5]
+    seq = {"id": 0, "group": 0, "adv": 5.0, "new": new, "beh": beh, "ref": teacher, "val": [0.0] * 3,
+           "ret": [0.0] * 3, "mask": [False, True, True], "lag": [0, 0, 0], "role": 0}
+    loss, stats, (leaf,), _ = run_loss([seq], num_sequences=2, cfg=cfg)
+    loss.backward()
+    expected = [0.0, -(0.25 * math.exp(-0.2)) / 2, -(1.0 * math.exp(0.5)) / 2]
+    assert leaf.grad.tolist() == pytest.approx(expected, rel=1e-12)
+    assert loss.item() == pytest.approx(sum(expected), rel=1e-12)  # ratio x advantage, the same sums
+    assert summarize_stats(stats)["distill_reverse_kl"] == pytest.approx(((-0.5 + 0.25) + (-2.0 + 1.0)) / 2)
+    mixed, _, _, _ = run_loss([seq], num_sequences=2, cfg=RLConfig(teacher="t", teacher_coef=2.0,
+                                                                   teacher_task_weight=0.5))
+    assert mixed.item() == pytest.approx(-(math.exp(-0.2) * (2 * 0.25 + 2.5) + math.exp(0.5) * (2 * 1.0 + 2.5)) / 2)
+
+
+def test_distillation_config_is_refused_where_it_cannot_apply():
+    with pytest.raises(ConfigError, match="rl.teacher"):
+        RLConfig(teacher="t", algorithm="dpo")
+    with pytest.raises(ConfigError, match="rl.teacher"):
+        RLConfig(teacher="t", value_function=True)
+    assert RLConfig(teacher="t").needs_reference_logprobs and not RLConfig().needs_reference_logprobs

@@ -23,7 +23,8 @@ class RewardModelInputs:
     def __init__(self, cfg: RewardConfig, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
         if cfg.input == "tokens":
-            check_same_tokenizer(tokenizer, cfg.model_path)
+            check_same_tokenizer(tokenizer, cfg.model_path, "reward.input",
+                                 "tokens sends the policy's token ids; set reward.input=text")
 
     def inputs(self, prompt_ids: list[int], completion_ids: list[list[int]]) -> list[list[int]] | list[str]:
         if self.cfg.input == "tokens":
@@ -45,13 +46,13 @@ class RewardModelInputs:
         return p > self.cfg.success_threshold
 
 
-def check_same_tokenizer(tokenizer, model_path: str) -> None:
-    """reward.input=tokens sends the policy's token ids: refuse a reward model whose vocabulary differs."""
+def check_same_tokenizer(tokenizer, model_path: str, key: str, why: str) -> None:
+    """Refuse a model at `model_path` whose vocabulary or BOS differs from the policy's `tokenizer`: it would be
+    sent the policy's token ids (`key` and `why` name the setting and the fix)."""
     from transformers import AutoTokenizer
 
     theirs = AutoTokenizer.from_pretrained(model_path)
     if theirs.get_vocab() != tokenizer.get_vocab() or theirs.bos_token_id != tokenizer.bos_token_id:
-        raise ConfigError(f"config `reward.input`: tokens sends the policy's token ids, but the reward model at "
-                          f"{model_path} has another tokenizer ({len(theirs.get_vocab())} tokens, BOS "
-                          f"{theirs.bos_token_id}; the policy's: {len(tokenizer.get_vocab())}, BOS "
-                          f"{tokenizer.bos_token_id}): set reward.input=text")
+        raise ConfigError(f"config `{key}`: the model at {model_path} has another tokenizer than the policy "
+                          f"({len(theirs.get_vocab())} tokens, BOS {theirs.bos_token_id}; the policy's: "
+                          f"{len(tokenizer.get_vocab())}, BOS {tokenizer.bos_token_id}): {why}")

@@ -40,7 +40,7 @@ from pipelinerl.actor.curriculum import Curriculum
 from pipelinerl.actor.episodes import EpisodeStats, episode_rollout, sample_episodes
 from pipelinerl.actor.evals import actor_suites, sample_suite
 from pipelinerl.actor.resume import record_started, resume_position
-from pipelinerl.actor.rewards import RewardModelInputs
+from pipelinerl.actor.rewards import RewardModelInputs, check_same_tokenizer
 from pipelinerl.config import Config
 from pipelinerl.config.actor import DEFAULT_EVAL_SET
 from pipelinerl.eval_metrics import scalars as eval_scalars
@@ -72,6 +72,9 @@ class Actor:
                                         max_lag=cfg.actor.max_lag if cfg.mode == "pipeline" else 0,
                                         reward=cfg.reward.kind == "model")
         self.reward_model = RewardModelInputs(cfg.reward, self.tokenizer) if cfg.reward.kind == "model" else None
+        if cfg.rl.teacher is not None:  # the reference servers score the policy's token ids with the teacher
+            check_same_tokenizer(self.tokenizer, cfg.rl.teacher, "rl.teacher",
+                                 "a teacher scores the policy's own tokens: distil from one with the same tokenizer")
         self.is_success = self.task.is_success if self.reward_model is None else self.reward_model.is_success
         self.writer = StreamWriter(cfg.run_dir, ROLLOUT_TOPIC, actor_id, cfg.streams)
         self.eval_writer = StreamWriter(cfg.run_dir, EVAL_TOPIC, actor_id, cfg.streams)

@@ -31,6 +31,9 @@ class TinyModelConfig:
     warm_start_check_every: int = doc(20, "held-out greedy success is checked every this many warm-start steps "
                                           "(and after the last)", unit="steps")
     warm_start_lr: float = doc(1e-3, "AdamW learning rate of the warm start")
+    teacher_warm_start_target: float = doc(0.9, "rl.teacher, when missing and build_tiny_if_missing: the tiny model "
+                                                "warm-started (same seed and steps) until this held-out greedy "
+                                                "success, a strong teacher for a weak student")
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",

@@ -180,6 +180,15 @@ class RLConfig:
                                           "initial model's, from reference servers: seed 004's online DPO "
                                           "anchored at the start) | behaviour (the sampling policy's, no "
                                           "reference server; a moving trust region)")
+    teacher: str | None = doc(None, "on-policy distillation: HF folder of a teacher with the policy's tokenizer. The "
+                                     "reference servers serve it instead of model.path (reference log-probs are the "
+                                     "teacher's), and each token's advantage is teacher_coef x (teacher - behaviour "
+                                     "log-prob), the negative of its reverse-KL estimate, plus the task's group "
+                                     "advantage x teacher_task_weight. rl.kl_coef > 0 then pulls toward the "
+                                     "teacher too", null="no teacher")
+    teacher_coef: float = doc(1.0, "weight of the per-token distillation advantage (rl.teacher only)")
+    teacher_task_weight: float = doc(0.0, "weight of the task reward's group advantage mixed into the distillation "
+                                          "advantage (rl.teacher only); 0 = pure distillation")
 
     def __post_init__(self) -> None:
         check_choice(self.algorithm, ("grpo", "dpo"), "rl.algorithm")
@@ -201,11 +210,17 @@ class RLConfig:
         check_positive(self.dpo_beta, "rl.dpo_beta")
         check_choice(self.dpo_reference, ("behaviour", "reference"), "rl.dpo_reference")
         check_choice(self.overlong, ("none", "filter", "soft"), "rl.overlong")
+        check(self.teacher is None or (self.algorithm == "grpo" and not self.value_function), "rl.teacher",
+              "distillation gives per-token advantages to the policy gradient: use algorithm=grpo without "
+              "value_function")
+        check(self.teacher_coef > 0, "rl.teacher_coef", "must be > 0")
+        check(self.teacher_task_weight >= 0, "rl.teacher_task_weight", "must be >= 0")
 
     @property
     def needs_reference_logprobs(self) -> bool:
-        """Whether the trainer must fetch reference-model log-probs for each sample."""
-        return self.kl_coef > 0 or (self.algorithm == "dpo" and self.dpo_reference == "reference")
+        """Whether the trainer must fetch reference-model (with rl.teacher: teacher) log-probs for each sample."""
+        return (self.kl_coef > 0 or (self.algorithm == "dpo" and self.dpo_reference == "reference")
+                or self.teacher is not None)
 
 
 @dataclass

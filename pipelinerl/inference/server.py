@@ -18,9 +18,10 @@ generation_config.json (`--generation-config vllm`): its top_k / top_p / repetit
 otherwise apply to every request field the actor leaves unset, silently changing the sampled distribution.
 
 `serve --reference` runs a *reference server*: the same OpenAI server on the run's initial model
-(`model.path`), frozen. It announces itself in RUN_DIR/reference_servers/, so the trainer never
-broadcasts to it and the actor asks it only for reference log-probs (`prompt_logprobs`); its
-weight-update routes answer 403, and it has no weight-transfer engine and no `policy_versions`.
+(`model.path`; with on-policy distillation, the teacher `rl.teacher`), frozen. It announces itself in
+RUN_DIR/reference_servers/, so the trainer never broadcasts to it and the actor asks it only for reference
+log-probs (`prompt_logprobs`); its weight-update routes answer 403, and it has no weight-transfer engine
+and no `policy_versions`.
 
 `serve --reward` runs a *reward server*: reward.model_path (a one-logit sequence classifier) on vLLM's
 pooling runner, whose `POST /classify` the actor asks for the score of each prompt + completion text

@@ -69,9 +69,29 @@ def prepare_run_dir(cfg: Config) -> Path:
 
 
 def ensure_model(cfg: Config) -> None:
-    """Build the tiny policy and reward models when the config asks for them and they are missing."""
+    """Build the tiny policy, teacher and reward models when the config asks for them and they are missing."""
     _ensure_policy_model(cfg)
+    _ensure_teacher(cfg)
     _ensure_reward_model(cfg)
+
+
+def _ensure_teacher(cfg: Config) -> None:
+    """rl.teacher missing with model.build_tiny_if_missing: the tiny model warm-started to
+    model.tiny.teacher_warm_start_target."""
+    teacher = cfg.rl.teacher
+    if teacher is None or (Path(teacher) / "config.json").is_file():
+        return
+    if not cfg.model.build_tiny_if_missing:
+        raise ConfigError(f"config `rl.teacher`: {teacher} has no config.json; point it at an HF-format model with "
+                          "the policy's tokenizer (or set model.build_tiny_if_missing=true for a tiny one)")
+    from pipelinerl.tasks.warm_start import build_warm_tiny_model
+
+    tiny = dataclasses.replace(cfg.model.tiny, warm_start_target=cfg.model.tiny.teacher_warm_start_target)
+    log.info("building the tiny teacher in %s (warm start to %.2f on `%s`)...", teacher, tiny.warm_start_target,
+             cfg.task.name)
+    result = build_warm_tiny_model(teacher, tiny, cfg.task)
+    log.info("teacher warm start: %d steps in %.0f s, held-out greedy success %.3f", result["steps"],
+             result["seconds"], result["heldout_greedy"])
 
 
 def _ensure_policy_model(cfg: Config) -> None:

@@ -108,3 +108,13 @@ def gae_advantages(rewards_T: torch.Tensor, values_T: torch.Tensor, seq_index_T:
         next_value = values[t]
     advantages_T = torch.tensor(advantages, dtype=values_T.dtype, device=values_T.device)
     return advantages_T, advantages_T + values_T.detach()
+
+
+def distill_advantages(teacher_T: torch.Tensor, student_T: torch.Tensor, task_T: torch.Tensor, keep_T: torch.Tensor,
+                       coef: float, task_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation: each kept token's advantage is coef x (log teacher - log student) of the sampled
+    token, the negative of the per-token estimate of KL(student || teacher) on the student's samples (a token the
+    teacher finds likelier is reinforced), plus task_weight x the task's advantage; 0 on other tokens. Returns the
+    advantages and the reverse-KL estimate summed over the kept tokens (log student - log teacher)."""
+    gap_T = (teacher_T - student_T) * keep_T
+    return coef * gap_T + task_weight * task_T * keep_T, -gap_T.sum()

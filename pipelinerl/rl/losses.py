@@ -4,7 +4,8 @@ Each term is a *sum* over this micro-batch divided by a count of the whole optim
 micro-batches, all ranks), so summing the micro-batch losses of a step gives the same value and
 gradient whatever the packing. The normalisation is mixed:
 
-- policy gradient, KL to the reference, value loss: per-token sums over ``num_sequences``, the step's
+- policy gradient (with rl.teacher: per-token distillation advantages, advantages.distill_advantages), KL to the
+  reference, value loss: per-token sums over ``num_sequences``, the step's
   sequences (seed 000: loss normalised by the number of sequences, every token weighs the same);
 - online DPO: the sum over pairs over ``num_pairs``, the step's (chosen, rejected) pairs, i.e. the mean
   pair loss (seed 004). With a KL term a DPO step mixes both: mean pair loss + kl_coef * KL per sequence.
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pipelinerl.config import RLConfig
+from pipelinerl.rl.advantages import distill_advantages
 from pipelinerl.rl.stats import k3_kl, token_stats
 
 # |log(ref / new)| bound inside the k3 KL term. A token the current policy has moved far from the
@@ -139,6 +141,10 @@ def compute_loss(inputs: LossInputs, cfg: RLConfig) -> tuple[torch.Tensor, dict[
     if cfg.needs_reference_logprobs:
         assert ref_logprobs_T is not None, "this RL config needs ref_logprobs_T (kl_coef > 0 or dpo reference)"
         ref_logprobs_T = torch.where(keep_T, ref_logprobs_T.detach().to(new_logprobs_T.dtype), current_T)
+    if cfg.teacher is not None:  # the reference log-probs are the teacher's
+        advantages_T, reverse_kl_sum = distill_advantages(ref_logprobs_T, behaviour_T, advantages_T, keep_T,
+                                                          cfg.teacher_coef, cfg.teacher_task_weight)
+        stats["distill_reverse_kl_sum"] = reverse_kl_sum.detach().double()
     if cfg.algorithm == "dpo":
         assert num_pairs is not None, "algorithm=dpo needs num_pairs (the step's pairs, all ranks)"
         reference_T = ref_logprobs_T if cfg.dpo_reference == "reference" else behaviour_T

@@ -34,7 +34,7 @@ SCHEDULING_POLICY = "priority"
 
 def vllm_argv(cfg: Config, host: str, port: int, kind: str = "policy") -> list[str]:
     """The engine's vLLM command line, from the config (engine_args pass through as --flags); `kind` is the
-    server's: policy, reference or reward.
+    server's: policy, reference (rl.teacher when set, else model.path) or reward.
 
     A reference server scores prompt + completion as one prompt, and vLLM refuses a prompt that leaves
     no room for the one token it must generate: a completion that filled max_model_len could not be
@@ -43,7 +43,7 @@ def vllm_argv(cfg: Config, host: str, port: int, kind: str = "policy") -> list[s
     runner (`POST /classify`: sigmoid of the classifier's logit); it generates nothing, so max_model_len is
     enough room."""
     inf = cfg.inference
-    model = cfg.reward.model_path if kind == "reward" else cfg.model.path
+    model = {"reward": cfg.reward.model_path, "reference": cfg.rl.teacher or cfg.model.path}.get(kind, cfg.model.path)
     argv = ["--model", model, "--host", host, "--port", str(port), "--dtype", cfg.model.dtype,
             "--tensor-parallel-size", str(inf.tensor_parallel_size), "--max-num-seqs", str(inf.max_num_seqs),
             "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
