@@ -113,9 +113,12 @@ class ModelShape:
 
 
 # The shipped configs' models, for planning where the model folder is not at hand (e.g. on a laptop).
+_LLAMA_31_8B = ModelShape(4096, 32, 14336, 32, 8, 128, 128256)  # no q/k/v biases: 0.01 % fewer than counted
 BUILTIN_SHAPES = {
     "Qwen2.5-7B": ModelShape(3584, 28, 18944, 28, 4, 128, 152064),
     "Qwen2.5-32B": ModelShape(5120, 64, 27648, 40, 8, 128, 152064),
+    "Llama-3.1-8B-Instruct": _LLAMA_31_8B,
+    "Skywork-Reward-Llama-3.1-8B-v0.2": _LLAMA_31_8B,  # a reward model: reward_shape drops the LM head
 }
 
 

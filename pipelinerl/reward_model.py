@@ -11,11 +11,12 @@ EOS) low. Labels come from `Task.reward`, so the model learns the task's reward 
 
 The recipe, InstructGPT's: the backbone starts from a supervised policy (the project's warm start, run past
 its usual target), then binary cross-entropy on the logit, one correct and one wrong completion of the same
-prompt per pair, plain PyTorch on CPU. Measured on addition (arithmetic's pairs are built alike; its accuracy
-is unmeasured): a random-init classifier stalled at 0.6-0.7 held-out pairwise accuracy on one-digit near
-misses (chance on the units digit: it never learnt the units' sum) after 2,000 steps at lr 1e-3; from the
-supervised backbone it reached 0.986 in 800 steps at lr 1e-4 (0.995 over every kind; lr 3e-4 and more:
-slower or worse).
+prompt per pair, plain PyTorch on CPU; half the wrong ones are the policy's own mistakes (sampled from the
+policy RL starts from, graded by the task), the others made up. Measured on addition (arithmetic's pairs are
+built alike; its accuracy is unmeasured): a random-init classifier stalled at 0.6-0.7 held-out pairwise
+accuracy on one-digit near misses (chance on the units digit: it never learnt the units' sum) after 2,000
+steps at lr 1e-3; from the supervised backbone it reached 0.986 in 800 steps at lr 1e-4 (0.995 over every
+kind; lr 3e-4 and more: slower or worse).
 
 transformers' sequence classifier scores the last token that is not `pad_token_id` (so the config must name
 it); vLLM's classify pooler scores the last token too and serves sigmoid(logit).
@@ -39,10 +40,16 @@ SFT_STEPS = 300  # supervised steps of the backbone: 0.99 held-out greedy on add
 STEPS = 800  # classifier steps
 BATCH_PAIRS = 64  # pairs per classifier step: 128 sequences
 LR = 1e-4  # AdamW, betas 0.9/0.98 (the warm start's), constant
-# The wrong completions, with their share of the training pairs: the near misses are the hard ones (malformed
-# and unfinished answers are told apart within 100 steps). Held out, every kind counts once per prompt.
+# The made-up wrong completions, with their share of the synthetic pairs: the near misses are the hard ones
+# (malformed and unfinished answers are told apart within 100 steps). Held out, every kind counts once per prompt.
 WRONG_KINDS = {"digit": 3, "length": 1, "unfinished": 1}
 DIGITS = "0123456789"
+# The policy's own mistakes: SAMPLES_PER_PROMPT completions of every prompt sampled (temperature 1) from the policy
+# RL starts from, the wrong ones kept; SAMPLED_SHARE of the training pairs put one against the right answer. With
+# made-up mistakes alone the model ranked them well (0.99) but scored 46 % of the policy's real mistakes above 0.5
+# in RL (their one-digit slips are plausible, not random), and RL on it did not raise held-out success.
+SAMPLES_PER_PROMPT = 16
+SAMPLED_SHARE = 0.5
 
 
 def reward_text(prompt: str, completion: str, finished: bool, eos_token: str) -> str:
@@ -84,6 +91,43 @@ def heldout_pairs(task: Task, eos: str, seed: int) -> list[tuple[str, str, str]]
     return [(kind, *labelled_pair(task, item, kind, rng, eos)) for item in task.eval_items for kind in WRONG_KINDS]
 
 
+def sampled_pairs(task: Task, items: list[PromptItem], mistakes: dict[str, list[tuple[str, bool]]],
+                  eos: str) -> list[tuple[str, str, str]]:
+    """("sampled", correct text, wrong text) for every sampled mistake of `items`."""
+    right = {item.id: reward_text(item.prompt, item.answer, True, eos) for item in items}
+    return [("sampled", right[item.id], reward_text(item.prompt, text, finished, eos))
+            for item in items for text, finished in mistakes.get(item.id, [])]
+
+
+@torch.inference_mode()
+def sampled_mistakes(policy, tokenizer, task: Task, items: list[PromptItem], samples: int,
+                     seed: int) -> dict[str, list[tuple[str, bool]]]:
+    """item id -> the distinct wrong (completion text, finished) among `samples` completions of the item sampled
+    from `policy` (a causal LM) at temperature 1, graded by the task; up to 2 tokens past the longest answer."""
+    torch.manual_seed(seed)
+    policy.eval()
+    eos, max_new = tokenizer.eos_token_id, max(len(item.answer) for item in items) + 3
+    by_length: dict[int, list[tuple[PromptItem, list[int]]]] = {}
+    for item in items:
+        ids = tokenizer(item.prompt).input_ids
+        by_length.setdefault(len(ids), []).append((item, ids))
+    found: dict[str, set[tuple[str, bool]]] = {}
+    for group in by_length.values():
+        for start in range(0, len(group), 256):
+            chunk = group[start:start + 256]
+            prompt_BL = torch.tensor([ids for _, ids in chunk]).repeat_interleave(samples, 0)
+            new_BN = policy.generate(prompt_BL, attention_mask=torch.ones_like(prompt_BL), do_sample=True,
+                                     temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new,
+                                     eos_token_id=eos, pad_token_id=eos)[:, prompt_BL.shape[1]:]
+            for k, tokens in enumerate(new_BN.tolist()):
+                item = chunk[k // samples][0]
+                finished = eos in tokens
+                text = tokenizer.decode(tokens[:tokens.index(eos)] if finished else tokens, skip_special_tokens=True)
+                if task.reward(item, text, finished) == 0.0:
+                    found.setdefault(item.id, set()).add((text, finished))
+    return {key: sorted(values) for key, values in found.items()}
+
+
 def encode(tokenizer, texts: list[str]) -> torch.Tensor:
     """Right-padded input ids [len(texts), L]. No attention mask is needed: the classifier reads each row's
     last non-pad token, and causal attention keeps the padding after it out of every score."""
@@ -109,18 +153,26 @@ def pairwise_accuracy(model, tokenizer, pairs: list[tuple[str, str, str]]) -> di
     return {"all": float(wins_P.float().mean()), **by_kind}
 
 
-def train(model, tokenizer, task: Task, steps: int, seed: int) -> list[float]:
-    """`steps` AdamW steps of BCE on fresh pairs of training prompts (WRONG_KINDS' mix); the losses."""
+def train(model, tokenizer, task: Task, steps: int, seed: int,
+          mistakes: dict[str, list[tuple[str, bool]]]) -> list[float]:
+    """`steps` AdamW steps of BCE on fresh pairs of training prompts: SAMPLED_SHARE against one of the prompt's
+    sampled `mistakes` (where it has some), the others against a made-up one (WRONG_KINDS' mix); the losses."""
     rng = random.Random(f"{seed}/train")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.98))
     labels_B = torch.tensor([1.0, 0.0] * BATCH_PAIRS)
     kinds, weights = list(WRONG_KINDS), list(WRONG_KINDS.values())
+    eos = tokenizer.eos_token
     model.train()
     losses = []
+
+    def pair(item: PromptItem) -> tuple[str, str]:
+        if item.id in mistakes and rng.random() < SAMPLED_SHARE:
+            text, finished = rng.choice(mistakes[item.id])
+            return reward_text(item.prompt, item.answer, True, eos), reward_text(item.prompt, text, finished, eos)
+        return labelled_pair(task, item, rng.choices(kinds, weights)[0], rng, eos)
+
     for _ in range(steps):
-        texts = [text for item, kind in zip(rng.choices(task.train_items, k=BATCH_PAIRS),
-                                            rng.choices(kinds, weights, k=BATCH_PAIRS))
-                 for text in labelled_pair(task, item, kind, rng, tokenizer.eos_token)]
+        texts = [text for item in rng.choices(task.train_items, k=BATCH_PAIRS) for text in pair(item)]
         loss = torch.nn.functional.binary_cross_entropy_with_logits(
             model(encode(tokenizer, texts)).logits[:, 0], labels_B)
         optimizer.zero_grad(set_to_none=True)
@@ -151,11 +203,24 @@ def supervised_backbone(tiny_cfg: TinyModelConfig, task_cfg: TaskConfig, sft_ste
     return model, tokenizer, sft
 
 
+def rl_start_policy(tiny_cfg: TinyModelConfig, task_cfg: TaskConfig):
+    """The policy RL starts from (the tiny model warm-started as tiny_cfg says, as `pipelinerl run` builds it), in
+    memory: the one whose mistakes the reward model must score low."""
+    from transformers import AutoModelForCausalLM
+
+    from pipelinerl.tasks.warm_start import build_warm_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="tiny-rm-policy-") as tmp:
+        build_warm_tiny_model(tmp, tiny_cfg, task_cfg)
+        return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+
+
 def train_tiny_reward_model(tiny_cfg: TinyModelConfig, task_cfg: TaskConfig, steps: int = STEPS, seed: int = 0,
                             sft_steps: int = SFT_STEPS):
     """The tiny reward model of task_cfg's task (tiny_cfg's shape; `seed` draws the weights and the data), trained
-    in memory: (model, tokenizer, report); report: {steps, heldout_accuracy (pairwise, every kind),
-    heldout_by_kind, sft_steps, sft_heldout_greedy, first_loss, last_loss, parameters}."""
+    in memory: (model, tokenizer, report); report: {steps, heldout_accuracy (pairwise, every made-up kind),
+    heldout_by_kind, heldout_sampled_accuracy and heldout_sampled_pairs (the RL start policy's own mistakes on
+    held-out prompts), sft_steps, sft_heldout_greedy, first_loss, last_loss, parameters}."""
     from pipelinerl.tasks import get_task  # the registry imports the tasks package
 
     task = get_task(task_cfg)
@@ -164,11 +229,17 @@ def train_tiny_reward_model(tiny_cfg: TinyModelConfig, task_cfg: TaskConfig, ste
             raise ConfigError(f"the tiny reward model learns single-turn exact answers; task {task.name!r} has none: "
                               "use task addition or arithmetic")
         model, tokenizer, sft = supervised_backbone(tiny_cfg, task_cfg, sft_steps, seed)
-        losses = train(model, tokenizer, task, steps, seed)
+        policy = rl_start_policy(tiny_cfg, task_cfg)
+        mistakes = sampled_mistakes(policy, tokenizer, task, task.train_items + task.eval_items, SAMPLES_PER_PROMPT,
+                                    seed)
+        losses = train(model, tokenizer, task, steps, seed, mistakes)
         accuracy = pairwise_accuracy(model, tokenizer, heldout_pairs(task, tokenizer.eos_token, seed))
+        held_out = sampled_pairs(task, task.eval_items, mistakes, tokenizer.eos_token)
+        sampled = pairwise_accuracy(model, tokenizer, held_out)["all"] if held_out else None
     finally:
         task.close()
     report = {"steps": steps, "heldout_accuracy": accuracy.pop("all"), "heldout_by_kind": accuracy,
+              "heldout_sampled_accuracy": sampled, "heldout_sampled_pairs": len(held_out),
               "sft_steps": sft["steps"], "sft_heldout_greedy": sft["heldout_greedy"],
               "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
               "parameters": sum(p.numel() for p in model.parameters())}

@@ -84,8 +84,8 @@ def test_heldout_accuracy_clears_the_measured_bound_by_transformers_forward(buil
 
 
 def test_the_saved_folder_reloads_with_identical_logits(tmp_path):
-    model, tokenizer, _ = train_tiny_reward_model(TinyModelConfig(), TaskConfig(name="addition"), steps=2, seed=1,
-                                                  sft_steps=2)
+    model, tokenizer, _ = train_tiny_reward_model(TinyModelConfig(warm_start_steps=2), TaskConfig(name="addition"),
+                                                  steps=2, seed=1, sft_steps=2)
     save_model(model, tokenizer, tmp_path / "rm")  # what build_tiny_reward_model saves with
     again = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
     assert type(again).__name__ == "Qwen2ForSequenceClassification"

@@ -217,12 +217,12 @@ class Actor:
                     metadata: dict, http: httpx.AsyncClient | None = None) -> list[Rollout]:
         """Stream rows of one group, with rewards. The task's check runs off the event loop, one thread per
         completion (the math task's grading pool then grades them side by side). With reward.kind=model the
-        reward is the reward servers' score of the G completions (one request, `http`), and the check is kept
-        in each row's metadata as `verified_reward`."""
+        reward is the reward servers' score of the G completions (one request, `http`), and the check (when the
+        task has one) is kept in each row's metadata as `verified_reward`."""
         limit = self.cfg.actor.sampling.max_new_tokens
         checks = await asyncio.gather(*[
             asyncio.to_thread(self.task.reward, item, c.text, c.finished, num_tokens=len(c.token_ids),
-                              max_new_tokens=limit) for c in completions])
+                              max_new_tokens=limit) for c in completions]) if self.task.has_check else []
         if self.reward_model is None:
             return self.rollouts(group_id, item, prompt_ids, completions, checks, metadata)
         inputs = self.reward_model.inputs(prompt_ids, [c.token_ids for c in completions])

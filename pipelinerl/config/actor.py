@@ -197,7 +197,9 @@ class TaskConfig:
                                 "mixed with remainders by repeated subtraction: long-tailed lengths; CPU) | "
                                 "math (math-verify) | math_tir (math with a Python tool: multi-turn episodes, "
                                 "actor.episode and task.sandbox; the final answer graded as math's) | tool_sums "
-                                "(3-digit sums with a calculator tool: multi-turn episodes, actor.episode; CPU)")
+                                "(3-digit sums with a calculator tool: multi-turn episodes, actor.episode; CPU) | "
+                                "instructions (prompts without answers, e.g. a chat data set's: scored only by a "
+                                "reward model, reward.kind=model)")
     dataset_path: str | None = doc(None, "math training rows: a .jsonl/.json/.parquet file (or a Hugging Face "
                                          "`datasets` folder) of {question, answer} "
                                          "rows (or problem/answer, or Open-Reasoner-Zero pairs)",
@@ -241,9 +243,12 @@ class TaskConfig:
     sandbox: SandboxConfig = section(SandboxConfig)
 
     def __post_init__(self) -> None:
-        check_choice(self.name, ("addition", "arithmetic", "math", "math_tir", "tool_sums"), "task.name")
+        check_choice(self.name, ("addition", "arithmetic", "math", "math_tir", "tool_sums", "instructions"),
+                     "task.name")
         check(self.name not in ("math", "math_tir") or bool(self.dataset_path), "task.dataset_path",
               f"the {self.name} task needs a file of {{question, answer}} rows (.jsonl, .json or .parquet)")
+        check(self.name != "instructions" or bool(self.dataset_path), "task.dataset_path",
+              "the instructions task needs a file of prompt rows (.jsonl, .json or .parquet)")
         # math_tir grades only an episode's answer turn, which the model ended: a cut turn ends the episode
         # truncated with reward 0 (envs/runner.py) before any grading, and episodes have no completion length.
         check(self.name != "math_tir" or not self.credit_truncated, "task.credit_truncated",

@@ -69,6 +69,11 @@ class Config:
         check(self.reward.kind == "verify" or self.task.name not in ("math_tir", "tool_sums"), "reward.kind",
               f"got {self.reward.kind!r}: a reward model scores single-turn completions; {self.task.name}'s episodes "
               "are graded by the task (reward.kind=verify)")
+        check(self.task.name != "instructions" or self.reward.kind == "model", "reward.kind",
+              "the instructions task's prompts have no answer to check: set reward.kind=model (a reward model)")
+        check(self.task.name != "instructions" or self.actor.eval_every_steps == 0, "actor.eval_every_steps",
+              "evaluation grades held-out prompts with the task's check, which the instructions task has none "
+              "of: set it to 0 (actor/reward, the reward model's mean score, measures the run)")
         ports = self.inference.num_servers + self.inference.reference_servers + self.reward.servers_started
         check(self.inference.base_port + ports <= 65535, "inference.base_port",
               f"got {self.inference.base_port}: its {ports} server ports (policy, reference and reward servers) "

@@ -82,6 +82,11 @@ def node_slots(cfg: Config, frozen: bool) -> list[tuple[str, int]]:
     return slots
 
 
+def slot_names(cfg: Config, frozen: bool) -> list[str]:
+    """The role name of each server slot of a Slurm inference node (node_slots): server<i>, reference<j>, reward<j>."""
+    return [f"server{index}" if kind == "policy" else f"{kind}{index}" for kind, index in node_slots(cfg, frozen)]
+
+
 def policy_server(cfg: Config, config_path: str, i: int, model: str, version: int) -> tuple[str, list[str]]:
     """(name, argv) of policy server slot i, serving `model` (the base model or a checkpoint's HF folder)
     at policy `version`. Served under the base model's name, whichever folder it loads."""

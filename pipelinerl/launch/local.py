@@ -252,7 +252,7 @@ def render(cfg: Config, config_path: Path, gpus: list[str]) -> str:
     where = placement(cfg, gpus)
     servers, trainer, actor = _roles(cfg, config_path, where)
     lines = [f"# GPUs on this machine: {','.join(gpus) or 'none (CPU)'}",
-             *(f"# {line}" for line in where.describe(len(servers)))]
+             *(f"# {line}" for line in where.describe([role.name for role in servers]))]
     lines += [f"# {line}" for line in where.cpus.describe()] if where.cpus else []
     for role in (*servers, trainer, actor):
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in role.env.items())

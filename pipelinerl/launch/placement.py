@@ -67,10 +67,10 @@ class Placement:
     trainer_ranks: int  # trainer processes on this node
     cpus: CpuPlacement | None = None  # the roles' CPU cores (local launcher); None = not pinned
 
-    def describe(self, num_servers: int) -> list[str]:
-        """One line per role, for --dry-run."""
-        lines = [f"server{i}: GPUs {','.join(self.server_gpus[i])}" if self.server_gpus else f"server{i}: CPU"
-                 for i in range(num_servers)]
+    def describe(self, servers: list[str]) -> list[str]:
+        """One line per role, for --dry-run; `servers` names the server slots' roles in order."""
+        lines = [f"{name}: GPUs {','.join(self.server_gpus[i])}" if self.server_gpus else f"{name}: CPU"
+                 for i, name in enumerate(servers)]
         where = f"GPUs {','.join(self.trainer_gpus)}" if self.trainer_gpus else "CPU (gloo)"
         return lines + [f"trainer: {self.trainer_ranks} rank(s) on {where}"]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import shlex
 
 from pipelinerl.config import Config
+from pipelinerl.launch.commands import slot_names
 from pipelinerl.launch.slurm_node import colocated, node_placement
 
 
@@ -52,7 +53,7 @@ def _shape(cfg: Config) -> list[str]:
     if colocated(cfg):
         return [f"{s.training_nodes} node(s){gpus}, each split between the roles (every step asks for all the node's",
                 "GPUs and each server / trainer rank picks its own; the actor runs on the first node):",
-                *(f"  {line}" for line in placed.describe(inf.num_servers))]
+                *(f"  {line}" for line in placed.describe(slot_names(cfg, frozen=True)))]
     where = "on CPU (gloo)" if placed.trainer_gpus is None else "one GPU each"
     return [f"component 0 (srun --het-group=0): {s.inference_nodes} inference node(s){gpus}",
             f"  {inf.num_servers} vLLM server(s) per node, tensor-parallel over {inf.tensor_parallel_size} GPU(s) each",

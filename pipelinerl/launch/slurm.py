@@ -58,6 +58,7 @@ from pipelinerl.launch.commands import (
     frozen_server_kinds,
     node_slots,
     server_port,
+    slot_names,
     threads_env,
 )
 from pipelinerl.launch.local import ensure_model, prepare_run_dir, serving_weights, start_servers
@@ -325,8 +326,9 @@ def render(cfg: Config, alloc: Allocation) -> str:
     cfg = bound_for_slurm(cfg, alloc)
     roles = plan_roles(cfg, alloc, Path(cfg.run_dir) / "config.yaml")
     lines = [f"# inference nodes: {' '.join(alloc.inference)}; training nodes: {' '.join(alloc.training)}",
-             "# on each node of its role (GPU positions in the step's CUDA_VISIBLE_DEVICES):",
-             *(f"#   {line}" for line in node_placement(cfg).describe(cfg.inference.num_servers))]
+             "# on each node of its role (GPU positions in the step's CUDA_VISIBLE_DEVICES; the first inference "
+             "node's slots shown):",
+             *(f"#   {line}" for line in node_placement(cfg).describe(slot_names(cfg, frozen=True)))]
     for role in roles.values():
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in role.env.items())
         lines.append(f"# {role.name} (log {role.log_path})\n{env + ' ' if env else ''}{shlex.join(role.argv)}")

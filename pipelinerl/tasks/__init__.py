@@ -30,7 +30,11 @@ def task_class(name: str) -> type[Task]:
         from pipelinerl.tasks.tool_sums import ToolSumsTask
 
         return ToolSumsTask
-    raise ValueError(f"unknown task {name!r}; choose addition, arithmetic, math, math_tir or tool_sums")
+    if name == "instructions":
+        from pipelinerl.tasks.instructions import InstructionsTask
+
+        return InstructionsTask
+    raise ValueError(f"unknown task {name!r}; choose addition, arithmetic, math, math_tir, tool_sums or instructions")
 
 
 def get_task(cfg: TaskConfig) -> Task:

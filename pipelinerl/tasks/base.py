@@ -43,6 +43,9 @@ class Task(abc.ABC):
     # Samples are multi-turn episodes: `environment(item)` answers each model turn (pipelinerl/envs/), and the
     # episode's reward is the environment's, not `reward()`'s.
     multi_turn: bool = False
+    # `reward()` checks a completion (an exact answer, math-verify). False: nothing can (instruction prompts), and
+    # only a reward model scores them (reward.kind=model).
+    has_check: bool = True
     # A multi-turn task's limits for the episodes it runs itself: its warm start's demonstrations and the
     # held-out greedy report (the actor's episodes take actor.episode's).
     episode_limits: EpisodeLimits = EpisodeLimits()

@@ -12,6 +12,7 @@ from pathlib import Path
 # Looked for (any key case) when task.question_field / task.answer_field are null.
 DEFAULT_QUESTION_FIELDS = ("question", "problem")
 DEFAULT_ANSWER_FIELDS = ("answer",)
+DEFAULT_PROMPT_FIELDS = ("prompt", "instruction", "question")  # instruction prompts (no answer)
 
 
 def _read(path: Path) -> list:
@@ -71,3 +72,20 @@ def load_rows(path: str | Path, question_field: str | None = None, answer_field:
     answer_fields = (answer_field,) if answer_field else DEFAULT_ANSWER_FIELDS
     return [_question_answer(row, f"{path.name} row {i}", question_fields, answer_fields)
             for i, row in enumerate(_read(path))]
+
+
+def load_prompts(path: str | Path, prompt_field: str | None = None, setting: str = "task.dataset_path") -> list[str]:
+    """The prompt text of every row of `path` (rows without an answer: instruction data); `prompt_field` None
+    means DEFAULT_PROMPT_FIELDS."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"data file {str(path)!r} does not exist (set {setting})")
+    fields = (prompt_field,) if prompt_field else DEFAULT_PROMPT_FIELDS
+    prompts = []
+    for i, row in enumerate(_read(path)):
+        text = _field({str(k).lower(): v for k, v in row.items()}, fields) if isinstance(row, dict) else None
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{path.name} row {i}: no prompt text in a field {'/'.join(fields)}; the row is "
+                             f"{str(row)[:200]!r}. Set task.question_field to the name this file uses")
+        prompts.append(text)
+    return prompts
