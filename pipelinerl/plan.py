@@ -54,7 +54,8 @@ host RAM      per node: inference.num_servers servers (each counted as a policy 
 reference     the same without staging, plus the prompt log-probs it computes outside vLLM's profiled share:
               max_num_batched_tokens x V x (b + 8) (logits, their float32 copy, the log-softmax).
 reward        the same as a reference server of the reward model's shape (reward.model_path/config.json, else
-              the policy's), without the sampler's logits nor prompt log-probs: a one-logit head.
+              the policy's), without the sampler's logits nor prompt log-probs: a one-logit head; a judge
+              (reward.kind=judge) is a whole language model, with the sampler's logits.
 """
 
 from __future__ import annotations
@@ -164,6 +165,8 @@ def reward_shape(cfg: Config, policy: ModelShape) -> tuple[ModelShape, str]:
         shape, source = shape_at(cfg.reward.model_path, cfg.reward.build_tiny_if_missing, cfg, "reward.model_path")
     except ConfigError:
         shape, source = policy, f"the policy's shape ({cfg.reward.model_path}/config.json not found)"
+    if cfg.reward.kind == "judge":  # a judge is a whole language model
+        return shape, source
     return dataclasses.replace(shape, tied=True), source  # a head of H x 1, not a second V x H matrix
 
 
@@ -355,7 +358,8 @@ def server_plan(cfg: Config, shape: ModelShape, gpu_gb: float, kind: str = "poli
     tp, gpu = inf.tensor_parallel_size, gpu_gb * GB
     batched = int(inf.engine_args.get("max_num_batched_tokens", VLLM_BATCHED_TOKENS))
     model_bytes = b * shape.params
-    sampler = inf.max_num_seqs * shape.vocab * 4 * SAMPLER_COPIES if kind != "reward" else 0.0
+    classifier = kind == "reward" and cfg.reward.kind == "model"
+    sampler = 0.0 if classifier else inf.max_num_seqs * shape.vocab * 4 * SAMPLER_COPIES
     items = {"weights": model_bytes / tp,
              "activations": batched * ((3 * shape.intermediate + shape.q_dim + 2 * shape.kv_dim) / tp
                                        + 4 * shape.hidden) * b + sampler,
@@ -448,7 +452,7 @@ def plan_config(cfg: Config, gpu_gb: float, shape: ModelShape, source: str, trai
         roles["reference"] = server_plan(cfg, teacher, gpu_gb, "reference")
         if cfg.rl.teacher is not None:
             roles["reference"].notes.append(f"teacher: {teacher.params / 1e9:.2f}B parameters, from {source}")
-    if cfg.reward.kind == "model":
+    if cfg.reward.kind != "verify":
         rm_shape, rm_source = reward_shape(cfg, shape)
         roles["reward"] = server_plan(cfg, rm_shape, gpu_gb, "reward")
         roles["reward"].notes.append(f"reward model: {rm_shape.params / 1e9:.2f}B parameters, from {rm_source}")

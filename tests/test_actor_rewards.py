@@ -3,6 +3,7 @@ reward server is sent, how its answer becomes a reward, and the refusals. The se
 against transformers in tests/test_reward_model.py."""
 
 import asyncio
+import json
 import math
 from pathlib import Path
 
@@ -123,5 +124,78 @@ def test_reward_config_is_checked_where_it_is_written(tmp_path):
         load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={tmp_path}", "reward.kind=model",
                                                          "reward.model_path=rm", "reward.servers=3",
                                                          "inference.base_port=65531"])
+    with pytest.raises(ConfigError, match="reward.rubric.*put {prompt} and {completion} in it"):
+        load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={tmp_path}", "reward.kind=judge",
+                                                         "reward.model_path=j", "reward.rubric='Grade {prompt}.'"])
+    judge = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={tmp_path}", "reward.kind=judge",
+                                                             "reward.model_path=j"])
+    assert judge.reward.servers_started == 1 and "{completion}" in judge.reward.rubric  # the default rubric
     verify = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={tmp_path}", "reward.servers=4"])
     assert verify.reward.servers_started == 0  # kind=verify starts none, whatever `servers` says
+
+
+@pytest.mark.parametrize("text, score", [
+    ("The sum is right.\nSCORE: 7", 0.7),
+    ("SCORE: 10\n\n", 1.0),
+    ("  SCORE:0  ", 0.0),
+    ("Reasoning...\nSCORE: 7.5", 0.75),
+    ("SCORE: 11", None),  # above judge_max_score
+    ("SCORE: -1", None),
+    ("SCORE: 7\nBut maybe 3.", None),  # not the last line
+    ("score: 7", None),
+    ("SCORE: 7/10", None),
+    ("SCORE: seven", None),
+    ("", None),
+    ("I give it a 9.", None),
+])
+def test_a_verdict_is_read_strictly_from_the_last_line(text, score):
+    from pipelinerl.actor.judge import parse_verdict
+
+    assert parse_verdict(text, 10.0) == (None if score is None else pytest.approx(score))
+
+
+def test_the_actor_asks_the_judge_once_per_completion_and_counts_unparsed_verdicts(tmp_path, tiny_model_dir):
+    """reward.kind=judge: one chat request per completion to the reward server, the rubric filled with the prompt
+    and the completion (braces in them kept); SCORE / judge_max_score is the reward, an unparseable verdict 0 and
+    counted (actor/judge_unparsed_frac); the task's check is kept as verified_reward."""
+    from pipelinerl.actor import Actor, Completion
+    from pipelinerl.config import save_config
+
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}", "model.build_tiny_if_missing=false",
+        "reward.kind=judge", f"reward.model_path={tiny_model_dir}", "reward.judge_max_score=4",
+        "reward.rubric='Q: {prompt} A: {completion} Grade it.'", "reward.judge_max_tokens=32"])
+    save_config(cfg, tmp_path / "c.yaml")
+    run = tmp_path / "run"
+    (run / REWARD_SERVERS_DIR).mkdir(parents=True)
+    (run / REWARD_SERVERS_DIR / "j_1").write_text("http://j:1\n")
+    actor = Actor(cfg, "judge_probe")
+    item = actor.task.train_items[0]
+    texts = [item.answer, "9{x}", "77"]
+    verdicts = {item.answer: "fine\nSCORE: 4", "9{x}": "SCORE: 1", "77": "no idea"}
+    asked = []
+
+    def judge(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        asked.append((request.url.path, body))
+        content = body["messages"][0]["content"]
+        answer = content.split(" A: ")[1].removesuffix(" Grade it.")
+        return httpx.Response(200, json={"choices": [{"index": 0, "message": {"role": "assistant",
+                                                                               "content": verdicts[answer]}}]})
+
+    async def score():
+        completions = [Completion([1], [0.0], [0], text, True) for text in texts]
+        async with httpx.AsyncClient(transport=httpx.MockTransport(judge)) as http:
+            return await actor.score("judge_probe/0", item, actor.prompt_ids(item), completions, {}, http)
+
+    try:
+        rows = asyncio.run(score())
+    finally:
+        actor.close()
+    assert sorted(b["messages"][0]["content"] for _, b in asked) == sorted(
+        f"Q: {item.prompt} A: {text} Grade it." for text in texts)
+    assert {path for path, _ in asked} == {"/v1/chat/completions"}
+    assert all(b["temperature"] == 0.0 and b["max_tokens"] == 32 for _, b in asked)
+    assert [r.reward for r in rows] == [1.0, 0.25, 0.0]
+    assert [r.metadata["verified_reward"] for r in rows] == [1.0, 0.0, 0.0]
+    assert (actor.window["judged"], actor.window["unparsed"]) == (3, 1)

@@ -242,6 +242,17 @@ class CompletionsClient:
                              "one probability each (reward.model_path must be a classifier with one logit)")
         return [float(d["probs"][0]) for d in data]
 
+    async def judge(self, http: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> str:
+        """A judge's greedy answer to one chat (`POST /v1/chat/completions` to a reward server, retried on another
+        one like a completion)."""
+        assert self.reward_pool is not None, "judge needs a client built with reward=True"
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+        reply = await self._post(http, self.reward_pool, "/v1/chat/completions", body)
+        try:
+            return reply["choices"][0]["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"a judge answered {json.dumps(reply)[:300]}: expected one chat choice") from None
+
     async def score_reference(self, http: httpx.AsyncClient, prompt_ids: list[int],
                               completions: list[Completion]) -> None:
         """Fill each completion's `reference_logprobs`: one request of G prompts (prompt + completion) to a

@@ -39,6 +39,7 @@ from pipelinerl.actor.client import Completion, CompletionsClient
 from pipelinerl.actor.curriculum import Curriculum
 from pipelinerl.actor.episodes import EpisodeStats, episode_rollout, sample_episodes
 from pipelinerl.actor.evals import actor_suites, sample_suite
+from pipelinerl.actor.judge import judge_messages, parse_verdict
 from pipelinerl.actor.resume import record_started, resume_position
 from pipelinerl.actor.rewards import RewardModelInputs, check_same_tokenizer
 from pipelinerl.config import Config
@@ -70,12 +71,13 @@ class Actor:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.client = CompletionsClient(cfg.actor, cfg.run_dir, reference=cfg.rl.needs_reference_logprobs,
                                         max_lag=cfg.actor.max_lag if cfg.mode == "pipeline" else 0,
-                                        reward=cfg.reward.kind == "model")
+                                        reward=cfg.reward.kind != "verify")
         self.reward_model = RewardModelInputs(cfg.reward, self.tokenizer) if cfg.reward.kind == "model" else None
         if cfg.rl.teacher is not None:  # the reference servers score the policy's token ids with the teacher
             check_same_tokenizer(self.tokenizer, cfg.rl.teacher, "rl.teacher",
                                  "a teacher scores the policy's own tokens: distil from one with the same tokenizer")
-        self.is_success = self.task.is_success if self.reward_model is None else self.reward_model.is_success
+        self.is_success = (self.task.is_success if cfg.reward.kind == "verify" else self.reward_model.is_success
+                           if self.reward_model is not None else lambda r: r > cfg.reward.success_threshold)
         self.writer = StreamWriter(cfg.run_dir, ROLLOUT_TOPIC, actor_id, cfg.streams)
         self.eval_writer = StreamWriter(cfg.run_dir, EVAL_TOPIC, actor_id, cfg.streams)
         self.filtered_writer = (StreamWriter(cfg.run_dir, FILTERED_TOPIC, actor_id, cfg.streams)
@@ -217,21 +219,36 @@ class Actor:
                     metadata: dict, http: httpx.AsyncClient | None = None) -> list[Rollout]:
         """Stream rows of one group, with rewards. The task's check runs off the event loop, one thread per
         completion (the math task's grading pool then grades them side by side). With reward.kind=model the
-        reward is the reward servers' score of the G completions (one request, `http`), and the check (when the
-        task has one) is kept in each row's metadata as `verified_reward`."""
+        reward is the reward servers' score of the G completions (one request, `http`), with judge their judge's
+        verdicts; the check (when the task has one) is kept in each row's metadata as `verified_reward`."""
         limit = self.cfg.actor.sampling.max_new_tokens
         checks = await asyncio.gather(*[
             asyncio.to_thread(self.task.reward, item, c.text, c.finished, num_tokens=len(c.token_ids),
                               max_new_tokens=limit) for c in completions]) if self.task.has_check else []
-        if self.reward_model is None:
+        kind = self.cfg.reward.kind
+        if kind == "verify":
             return self.rollouts(group_id, item, prompt_ids, completions, checks, metadata)
-        inputs = self.reward_model.inputs(prompt_ids, [c.token_ids for c in completions])
-        scores = await self.client.score_rewards(http, inputs)
-        rows = self.rollouts(group_id, item, prompt_ids, completions, list(map(self.reward_model.reward, scores)),
-                             metadata)
+        if kind == "model":
+            inputs = self.reward_model.inputs(prompt_ids, [c.token_ids for c in completions])
+            rewards = list(map(self.reward_model.reward, await self.client.score_rewards(http, inputs)))
+        else:
+            rewards = await self.judge(http, item, completions)
+        rows = self.rollouts(group_id, item, prompt_ids, completions, rewards, metadata)
         for row, check in zip(rows, checks):
             row.metadata["verified_reward"] = check
         return rows
+
+    async def judge(self, http: httpx.AsyncClient, item: PromptItem, completions: list[Completion]) -> list[float]:
+        """reward.kind=judge: each completion's verdict (actor/judge.py), side by side; an unparseable one is 0,
+        counted in the log window."""
+        r = self.cfg.reward
+        answers = await asyncio.gather(*[
+            self.client.judge(http, judge_messages(r.rubric, item.prompt, c.text), r.judge_max_tokens)
+            for c in completions])
+        verdicts = [parse_verdict(text, r.judge_max_score) for text in answers]
+        self.window["judged"] += len(verdicts)
+        self.window["unparsed"] += verdicts.count(None)
+        return [0.0 if v is None else v for v in verdicts]
 
     def rollouts(self, group_id: str, item: PromptItem, prompt_ids: list[int], completions: list[Completion],
                  rewards: list[float], metadata: dict) -> list[Rollout]:
@@ -306,7 +323,9 @@ class Actor:
                                        **self.episodes.scalars()})
         if self.filtered_writer is not None and w["groups"]:
             self.tb.log(self.version, {"actor/filtered_frac": w["filtered"] / w["groups"]})
-        if w["verified"]:  # reward.kind=model: the task's own check of the same completions
+        if w["judged"]:
+            self.tb.log(self.version, {"actor/judge_unparsed_frac": w["unparsed"] / w["judged"]})
+        if w["verified"]:  # reward.kind=model or judge: the task's own check of the same completions
             self.tb.log(self.version, {"actor/verified_success": sum(map(self.task.is_success, w["verified"]))
                                        / len(w["verified"])})
         if self.curriculum is not None and w["groups"]:
@@ -318,10 +337,10 @@ class Actor:
 
     @staticmethod
     def _new_window() -> dict:
-        """The counters of one log window: rewards (and the task's checks with a reward model), tokens and samples
-        written, groups finished and filtered."""
-        return {"rewards": [], "verified": [], "tokens": 0, "samples": 0, "groups": 0, "filtered": 0,
-                "t0": time.monotonic()}
+        """The counters of one log window: rewards (and the task's checks with a reward model or judge), tokens and
+        samples written, groups finished and filtered, completions judged and verdicts unparsed."""
+        return {"rewards": [], "verified": [], "tokens": 0, "samples": 0, "groups": 0, "filtered": 0, "judged": 0,
+                "unparsed": 0, "t0": time.monotonic()}
 
     async def run(self) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)

@@ -69,8 +69,9 @@ class Config:
         check(self.reward.kind == "verify" or self.task.name not in ("math_tir", "tool_sums"), "reward.kind",
               f"got {self.reward.kind!r}: a reward model scores single-turn completions; {self.task.name}'s episodes "
               "are graded by the task (reward.kind=verify)")
-        check(self.task.name != "instructions" or self.reward.kind == "model", "reward.kind",
-              "the instructions task's prompts have no answer to check: set reward.kind=model (a reward model)")
+        check(self.task.name != "instructions" or self.reward.kind != "verify", "reward.kind",
+              "the instructions task's prompts have no answer to check: set reward.kind=model (a reward model) or "
+              "judge")
         check(self.task.name != "instructions" or self.actor.eval_every_steps == 0, "actor.eval_every_steps",
               "evaluation grades held-out prompts with the task's check, which the instructions task has none "
               "of: set it to 0 (actor/reward, the reward model's mean score, measures the run)")

@@ -39,9 +39,9 @@ def vllm_argv(cfg: Config, host: str, port: int, kind: str = "policy") -> list[s
     A reference server scores prompt + completion as one prompt, and vLLM refuses a prompt that leaves
     no room for the one token it must generate: a completion that filled max_model_len could not be
     scored. So it runs with max_model_len + 1, which needs max_model_len set (and within the model's
-    positions; vLLM says so at start-up if not). A reward server serves reward.model_path with vLLM's pooling
-    runner (`POST /classify`: sigmoid of the classifier's logit); it generates nothing, so max_model_len is
-    enough room."""
+    positions; vLLM says so at start-up if not). A reward server serves reward.model_path: a reward model on
+    vLLM's pooling runner (`POST /classify`: sigmoid of the classifier's logit; it generates nothing, so
+    max_model_len is enough room), or a judge for generation, up to its own context length."""
     inf = cfg.inference
     model = {"reward": cfg.reward.model_path, "reference": cfg.rl.teacher or cfg.model.path}.get(kind, cfg.model.path)
     argv = ["--model", model, "--host", host, "--port", str(port), "--dtype", cfg.model.dtype,
@@ -67,11 +67,13 @@ def vllm_argv(cfg: Config, host: str, port: int, kind: str = "policy") -> list[s
                               "least one below the model's max_position_embeddings")
         argv += ["--max-model-len", str(inf.max_model_len + 1)]
     elif kind == "reward":
-        argv += ["--runner", "pooling"]
+        argv += ["--runner", "pooling"] if cfg.reward.kind == "model" else []  # a judge generates
     else:
         argv += ["--weight-transfer-config", json.dumps({"backend": ENGINE_NAME}),
                  "--worker-extension-cls", WORKER_EXTENSION]
-    if kind != "reference" and inf.max_model_len is not None:
+    # a judge reads the rubric around prompt + completion, longer than max_model_len: its model's own limit
+    judge = kind == "reward" and cfg.reward.kind == "judge"
+    if kind != "reference" and not judge and inf.max_model_len is not None:
         argv += ["--max-model-len", str(inf.max_model_len)]
     for key, value in _engine_args(cfg).items():
         flag = "--" + key.replace("_", "-")
