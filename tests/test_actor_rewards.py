@@ -129,7 +129,7 @@ def test_reward_config_is_checked_where_it_is_written(tmp_path):
                                                          "reward.model_path=j", "reward.rubric='Grade {prompt}.'"])
     judge = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={tmp_path}", "reward.kind=judge",
                                                              "reward.model_path=j"])
-    assert judge.reward.servers_started == 1 and "{completion}" in judge.reward.rubric  # the default rubric
+    assert judge.reward.servers_started == 1 and "{completion}" in judge.reward.judge_rubric  # the default rubric
     verify = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={tmp_path}", "reward.servers=4"])
     assert verify.reward.servers_started == 0  # kind=verify starts none, whatever `servers` says
 

@@ -10,11 +10,30 @@ def test_every_server_schedules_by_priority_and_another_policy_is_refused(tmp_pa
     from pipelinerl.config import ConfigError
     from pipelinerl.inference.vllm_glue.serving import parse_vllm_args, vllm_argv
 
-    def argv(*overrides):
+    def argv(*overrides, kind="policy"):
         return vllm_argv(load_config(None, [f"run_dir={tmp_path}", "model.path=m", "inference.max_model_len=64",
-                                            *overrides]), "127.0.0.1", 1, reference=False)
+                                            *overrides]), "127.0.0.1", 1, kind)
 
     assert parse_vllm_args(argv()).scheduling_policy == "priority"
     assert parse_vllm_args(argv("inference.engine_args.scheduling_policy=priority")).scheduling_policy == "priority"
     with pytest.raises(ConfigError, match="inference.engine_args.scheduling_policy"):
         argv("inference.engine_args.scheduling_policy=fcfs")
+
+
+def test_reward_servers_parse_with_vllms_own_parser_pooling_for_a_model_generation_for_a_judge(tmp_path):
+    """`serve --reward`'s command line, read by vLLM's own argument parser: a reward model on the pooling runner
+    within max_model_len, a judge on the default (generate) runner at its model's own length; both on their
+    folder (reward.model_path), by priority, without the policy's weight-transfer engine or logprobs mode."""
+    from pipelinerl.inference.vllm_glue.serving import parse_vllm_args, vllm_argv
+
+    def parsed(kind):
+        cfg = load_config(None, [f"run_dir={tmp_path}", "model.path=m", "inference.max_model_len=64",
+                                 f"reward.kind={kind}", "reward.model_path=/rm"])
+        return parse_vllm_args(vllm_argv(cfg, "127.0.0.1", 1, "reward"))
+
+    model, judge = parsed("model"), parsed("judge")
+    assert (model.model, model.runner, model.max_model_len) == ("/rm", "pooling", 64)
+    assert (judge.model, judge.runner, judge.max_model_len) == ("/rm", "auto", None)
+    for args in (model, judge):
+        assert args.scheduling_policy == "priority" and args.worker_extension_cls in ("", None)
+        assert args.logprobs_mode != "processed_logprobs"

@@ -243,7 +243,7 @@ class Actor:
         counted in the log window."""
         r = self.cfg.reward
         answers = await asyncio.gather(*[
-            self.client.judge(http, judge_messages(r.rubric, item.prompt, c.text), r.judge_max_tokens)
+            self.client.judge(http, judge_messages(r.judge_rubric, item.prompt, c.text), r.judge_max_tokens)
             for c in completions])
         verdicts = [parse_verdict(text, r.judge_max_score) for text in answers]
         self.window["judged"] += len(verdicts)

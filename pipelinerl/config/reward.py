@@ -38,9 +38,11 @@ class RewardConfig:
                                "server's tokenizer adds again: a reward model with a tokenizer of its own)")
     score: str = doc("probability", "the reward: probability (the server's sigmoid of the logit, in [0, 1]) | "
                                     "logit (the raw score, as Bradley-Terry reward models are usually read)")
-    rubric: str = doc(DEFAULT_RUBRIC, "kind=judge: the judge's user message, with {prompt} and {completion} filled in; "
-                                      "it must ask for a last line `SCORE: <number>` (read strictly: anything else "
-                                      "scores 0 and is counted as actor/judge_unparsed_frac)")
+    rubric: str | None = doc(None, "kind=judge: the judge's user message, with {prompt} and {completion} filled in; "
+                                   "it must ask for a last line `SCORE: <number>` (read strictly: anything else "
+                                   "scores 0 and is counted as actor/judge_unparsed_frac)",
+                             null="DEFAULT_RUBRIC of pipelinerl/config/reward.py: correct, helpful and complete, "
+                                  "a short reasoning, then SCORE: 0-10")
     judge_max_score: float = doc(10.0, "kind=judge: the highest SCORE the rubric allows; the reward is SCORE / this")
     judge_max_tokens: int = doc(512, "kind=judge: the judge's longest answer (reasoning and the SCORE line)",
                                 unit="tokens")
@@ -54,10 +56,16 @@ class RewardConfig:
         check_positive(self.servers, "reward.servers")
         check(self.kind == "verify" or bool(self.model_path), "reward.model_path",
               f"reward.kind={self.kind} needs the {'judge' if self.kind == 'judge' else 'reward model'}'s folder")
-        check(self.kind != "judge" or ("{prompt}" in self.rubric and "{completion}" in self.rubric), "reward.rubric",
+        check(self.kind != "judge" or ("{prompt}" in self.judge_rubric and "{completion}" in self.judge_rubric),
+              "reward.rubric",
               "the judge must see the request and the answer: put {prompt} and {completion} in it")
         check(self.judge_max_score > 0, "reward.judge_max_score", "must be > 0")
         check_positive(self.judge_max_tokens, "reward.judge_max_tokens")
+
+    @property
+    def judge_rubric(self) -> str:
+        """The rubric a judge is given: `rubric`, else DEFAULT_RUBRIC."""
+        return self.rubric or DEFAULT_RUBRIC
 
     @property
     def servers_started(self) -> int:
