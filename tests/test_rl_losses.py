@@ -19,7 +19,7 @@ def make_sequences(seed, num_groups=3, group_size=4, max_len=7):
             n = rng.randint(2, max_len)
             prompt = rng.randint(0, 2)
             seqs.append({
-                "id": 100 * g + k, "group": 7 * g + 3, "adv": rng.uniform(-1.5, 1.5),
+                "id": 100 * g + k, "group": 7 * g + 3, "adv": rng.uniform(-1.5, 1.5), "base": rng.uniform(-2, 0),
                 "role": 1 if k == 0 else (-1 if k == 1 else 0),
                 "new": [rng.uniform(-3.0, -0.05) for _ in range(n)],
                 "beh": [rng.uniform(-3.0, -0.05) for _ in range(n)],
@@ -43,7 +43,7 @@ def reference_loss(seqs, num_sequences, cfg, num_pairs=None):
                 continue
             new, beh, ref, adv = s["new"][t], s["beh"][t], s["ref"][t], s["adv"]
             if cfg.teacher is not None:  # on-policy distillation: the reference is the teacher
-                adv = cfg.teacher_coef * (ref - beh) + cfg.teacher_task_weight * adv
+                adv = cfg.teacher_coef * (ref - beh - s["base"]) + cfg.teacher_task_weight * adv
             r = math.exp(new - beh)
             if cfg.algorithm == "dpo":
                 anchor = ref if cfg.dpo_reference == "reference" else beh
@@ -72,7 +72,8 @@ def pack(seqs, dtype=torch.float64):
     batch = {"new_logprobs_T": torch.cat(new_leaves), "behaviour_logprobs_T": cat("beh"),
              "mask_T": cat("mask", torch.bool), "lag_T": cat("lag", torch.long), "seq_index_T": per_token("id"),
              "ref_logprobs_T": cat("ref"), "values_T": torch.cat(val_leaves), "returns_T": cat("ret"),
-             "group_index_T": per_token("group")}
+             "group_index_T": per_token("group"),
+             "distill_baseline_T": torch.cat([torch.full((len(s["new"]),), s["base"], dtype=dtype) for s in seqs])}
     return batch, new_leaves, val_leaves
 
 
@@ -286,7 +287,7 @@ def test_distillation_advantage_is_teacher_minus_student_per_token_hand_computed
     cfg = RLConfig(teacher="teacher")
     beh, teacher, new = [-1.0, -0.5, -2.0], [-3.0, -0.25, -1.0], [-1.0, -0.7, -1.5]
     seq = {"id": 0, "group": 0, "adv": 5.0, "new": new, "beh": beh, "ref": teacher, "val": [0.0] * 3,
-           "ret": [0.0] * 3, "mask": [False, True, True], "lag": [0, 0, 0], "role": 0}
+           "ret": [0.0] * 3, "mask": [False, True, True], "lag": [0, 0, 0], "role": 0, "base": 0.0}
     loss, stats, (leaf,), _ = run_loss([seq], num_sequences=2, cfg=cfg)
     loss.backward()
     expected = [0.0, -(0.25 * math.exp(-0.2)) / 2, -(1.0 * math.exp(0.5)) / 2]
@@ -296,6 +297,8 @@ def test_distillation_advantage_is_teacher_minus_student_per_token_hand_computed
     mixed, _, _, _ = run_loss([seq], num_sequences=2, cfg=RLConfig(teacher="t", teacher_coef=2.0,
                                                                    teacher_task_weight=0.5))
     assert mixed.item() == pytest.approx(-(math.exp(-0.2) * (2 * 0.25 + 2.5) + math.exp(0.5) * (2 * 1.0 + 2.5)) / 2)
+    based, _, _, _ = run_loss([{**seq, "base": -0.6}], num_sequences=2, cfg=cfg)  # the group's mean gap
+    assert based.item() == pytest.approx(-(math.exp(-0.2) * (0.25 + 0.6) + math.exp(0.5) * (1.0 + 0.6)) / 2)
 
 
 def test_distillation_config_is_refused_where_it_cannot_apply():

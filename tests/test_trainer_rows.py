@@ -80,6 +80,18 @@ def test_reference_logprobs_and_rewards_travel_when_the_objective_needs_them():
     assert "reference" not in plain[0].token_fields and "reward" not in plain[0].seq_fields
 
 
+def test_distillation_rows_carry_the_teachers_logprobs_and_their_groups_mean_gap():
+    """rl.teacher: the teacher's log-probs travel as the reference, and every sequence of a group gets the group's
+    mean of teacher - behaviour over its tokens (here (-0.25+0.5) + (-2.0+0.5) + (-1.5+1.0), over 3 tokens)."""
+    cfg = load_config(None, ["run_dir=x", "model.path=m", "actor.attempts=2", "rl.teacher=t"])
+    batch = _group("a", [1.0, 0.0], [[3, 4], [4]], reference=[[-0.25, -2.0], [-1.5]])
+    samples = rows_to_samples([batch], version=4, first_index=0, cfg=cfg)
+    assert [s.token_fields["reference"] for s in samples] == [[-0.25, -2.0], [-1.5]]
+    assert [s.seq_fields["distill_baseline"] for s in samples] == [pytest.approx((0.25 - 1.5 - 0.5) / 3)] * 2
+    plain = rows_to_samples([batch], version=4, first_index=0, cfg=load_config(None, ["run_dir=x", "model.path=m"]))
+    assert "distill_baseline" not in plain[0].seq_fields
+
+
 def test_rows_without_reference_logprobs_are_refused_when_the_kl_needs_them():
     cfg = load_config(None, ["run_dir=x", "model.path=m", "actor.attempts=2", "rl.kl_coef=0.1"])
     with pytest.raises(ValueError, match="a-0 has 0 reference log-probs for 2 completion tokens.*reference servers"):

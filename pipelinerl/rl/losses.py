@@ -119,6 +119,7 @@ class LossInputs:
     returns_T: torch.Tensor | None = None  # [T] float: GAE returns (the critic's target); when cfg.value_function
     group_index_T: torch.Tensor | None = None  # [T] int: any id of each token's prompt group; dpo only
     num_pairs: int | None = None  # DPO pairs in the whole optimizer step, all ranks; dpo only (0: no pair term)
+    distill_baseline_T: torch.Tensor | None = None  # [T] float: rl.teacher, the token's group baseline (None: 0)
 
 
 def compute_loss(inputs: LossInputs, cfg: RLConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -142,8 +143,10 @@ def compute_loss(inputs: LossInputs, cfg: RLConfig) -> tuple[torch.Tensor, dict[
         assert ref_logprobs_T is not None, "this RL config needs ref_logprobs_T (kl_coef > 0 or dpo reference)"
         ref_logprobs_T = torch.where(keep_T, ref_logprobs_T.detach().to(new_logprobs_T.dtype), current_T)
     if cfg.teacher is not None:  # the reference log-probs are the teacher's
-        advantages_T, reverse_kl_sum = distill_advantages(ref_logprobs_T, behaviour_T, advantages_T, keep_T,
-                                                          cfg.teacher_coef, cfg.teacher_task_weight)
+        baseline_T = inputs.distill_baseline_T
+        baseline_T = torch.zeros_like(advantages_T) if baseline_T is None else baseline_T.to(advantages_T.dtype)
+        advantages_T, reverse_kl_sum = distill_advantages(ref_logprobs_T, behaviour_T, baseline_T, advantages_T,
+                                                          keep_T, cfg.teacher_coef, cfg.teacher_task_weight)
         stats["distill_reverse_kl_sum"] = reverse_kl_sum.detach().double()
     if cfg.algorithm == "dpo":
         assert num_pairs is not None, "algorithm=dpo needs num_pairs (the step's pairs, all ranks)"

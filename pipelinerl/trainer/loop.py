@@ -84,6 +84,7 @@ def rows_to_samples(batches, version: int, first_index: int, cfg: Config, resume
             adv = dpo_roles(rewards, group)
         else:
             adv = group_advantages(rewards, group, cfg.rl.baseline, cfg.rl.divide_by_std)
+        baseline = _distill_baseline(rows) if cfg.rl.teacher is not None else 0.0
         for i, completion in enumerate(rows["completion_token_ids"]):
             n = len(completion)
             lags = token_lags(version, rows["versions"][i], resumed)
@@ -96,6 +97,8 @@ def rows_to_samples(batches, version: int, first_index: int, cfg: Config, resume
             seq = {"advantage": float(adv[i]), "group": float(g)}
             if cfg.rl.value_function:
                 seq["reward"] = float(rewards[i])
+            if cfg.rl.teacher is not None:
+                seq["distill_baseline"] = baseline
             samples.append(Sample(rows["prompt_token_ids"][i], completion, first_index + len(samples), tokens, seq))
     return samples
 
@@ -103,7 +106,17 @@ def rows_to_samples(batches, version: int, first_index: int, cfg: Config, resume
 def _field_names(cfg: Config) -> tuple[list[str], list[str]]:
     """The per-token and per-sequence fields `rows_to_samples` gives every sample under this config."""
     return (["behaviour", "lag", "loss_mask"] + ["reference"] * cfg.rl.needs_reference_logprobs,
-            ["advantage", "group"] + ["reward"] * cfg.rl.value_function)
+            ["advantage", "group"] + ["reward"] * cfg.rl.value_function
+            + ["distill_baseline"] * (cfg.rl.teacher is not None))
+
+
+def _distill_baseline(rows: dict) -> float:
+    """rl.teacher: the group's mean of teacher - behaviour log-prob over its model tokens (loss mask 1), each
+    token's distillation baseline (rl/advantages.distill_advantages); computed before packing, so it does not
+    depend on which micro-batch a sequence lands in."""
+    gaps = [t - b for ref, beh, mask in zip(rows["reference_logprobs"], rows["behaviour_logprobs"], rows["loss_mask"])
+            for t, b, m in zip(ref, beh, mask) if m]
+    return sum(gaps) / len(gaps) if gaps else 0.0
 
 
 def _reference_logprobs(rows: dict, i: int, n: int) -> list[float]:
@@ -142,7 +155,8 @@ def _loss_fn(cfg: Config, num_sequences: int, num_pairs: int, device: torch.devi
             advantages_N, returns_N = _model_token_gae(per_seq["reward"], values_N, seq_N, mask_N, cfg)
         inputs = LossInputs(new_N, f["behaviour"], advantages_N, mask_N, lag_N, seq_N, num_sequences,
                             ref_logprobs_T=f.get("reference"), values_T=values_N, returns_T=returns_N,
-                            group_index_T=per_seq["group"][seq_N].long(), num_pairs=num_pairs)
+                            group_index_T=per_seq["group"][seq_N].long(), num_pairs=num_pairs,
+                            distill_baseline_T=per_seq["distill_baseline"][seq_N] if cfg.rl.teacher else None)
         loss, stats = compute_loss(inputs, cfg.rl)
         if not mb.is_padding:
             token_log.append((lag_N[mask_N].cpu(), f["behaviour"][mask_N].cpu(), new_N.detach()[mask_N].cpu()))
