@@ -29,14 +29,14 @@ class RewardConfig:
                                  null="none (kind=verify)")
     build_tiny_if_missing: bool = doc(False, "build and train the tiny reward model of task.name into model_path when "
                                              "it has no config.json (as `pipelinerl make-tiny-model --reward-model`)")
-    servers: int = doc(1, "reward-model servers (kind=model): locally on inference.base_port + num_servers + "
+    servers: int = doc(1, "reward servers (kind=model or judge): locally on inference.base_port + num_servers + "
                           "reference servers + i, on Slurm in server slots of the first inference node after the "
                           "reference servers'")
-    input: str = doc("tokens", "what a reward server scores: tokens (the policy's prompt + completion token ids, EOS "
+    input: str = doc("tokens", "kind=model: what a reward server scores: tokens (the policy's prompt + completion token ids, EOS "
                                "included: exact, for a reward model with the policy's tokenizer, checked at the "
                                "actor's start) | text (their text, special tokens kept but a leading BOS, which the "
                                "server's tokenizer adds again: a reward model with a tokenizer of its own)")
-    score: str = doc("probability", "the reward: probability (the server's sigmoid of the logit, in [0, 1]) | "
+    score: str = doc("probability", "kind=model: the reward: probability (the server's sigmoid of the logit, in [0, 1]) | "
                                     "logit (the raw score, as Bradley-Terry reward models are usually read)")
     rubric: str | None = doc(None, "kind=judge: the judge's user message, with {prompt} and {completion} filled in; "
                                    "it must ask for a last line `SCORE: <number>` (read strictly: anything else "
