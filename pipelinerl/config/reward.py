@@ -32,12 +32,13 @@ class RewardConfig:
     servers: int = doc(1, "reward servers (kind=model or judge): locally on inference.base_port + num_servers + "
                           "reference servers + i, on Slurm in server slots of the first inference node after the "
                           "reference servers'")
-    input: str = doc("tokens", "kind=model: what a reward server scores: tokens (the policy's prompt + completion token ids, EOS "
-                               "included: exact, for a reward model with the policy's tokenizer, checked at the "
-                               "actor's start) | text (their text, special tokens kept but a leading BOS, which the "
-                               "server's tokenizer adds again: a reward model with a tokenizer of its own)")
-    score: str = doc("probability", "kind=model: the reward: probability (the server's sigmoid of the logit, in [0, 1]) | "
-                                    "logit (the raw score, as Bradley-Terry reward models are usually read)")
+    input: str = doc("tokens", "kind=model: what a reward server scores: tokens (the policy's prompt + completion "
+                               "token ids, EOS included: exact, for a reward model with the policy's tokenizer, "
+                               "checked at the actor's start) | text (their text, special tokens kept but a leading "
+                               "BOS, which the server's tokenizer adds again: a reward model with a tokenizer of its "
+                               "own)")
+    score: str = doc("probability", "kind=model: the reward: probability (the server's sigmoid of the logit, in "
+                                    "[0, 1]) | logit (the raw score, as Bradley-Terry reward models are usually read)")
     rubric: str | None = doc(None, "kind=judge: the judge's user message, with {prompt} and {completion} filled in; "
                                    "it must ask for a last line `SCORE: <number>` (read strictly: anything else "
                                    "scores 0 and is counted as actor/judge_unparsed_frac)",
