@@ -41,6 +41,7 @@ class ServerStatus:
     tensors: dict[str, list[int]] = field(default_factory=dict, repr=False)  # HF name -> shape
     last_pause_s: float = 0.0
     pause_total_s: float = 0.0
+    run: str = ""  # the run it serves (rundir.run_fingerprint); "" from a server that does not say
 
     @classmethod
     def parse(cls, url: str, body: object) -> ServerStatus:
@@ -51,7 +52,7 @@ class ServerStatus:
                        updates=int(body.get("updates", 0)), delta_base=body.get("delta_base"),
                        dtype=str(body.get("dtype", "")), tensors=dict(body.get("tensors") or {}),
                        last_pause_s=float(body.get("last_pause_s", 0.0)),
-                       pause_total_s=float(body.get("pause_total_s", 0.0)))
+                       pause_total_s=float(body.get("pause_total_s", 0.0)), run=str(body.get("run", "")))
         except (TypeError, KeyError, ValueError) as err:
             raise ControlError(f"GET {url}/status answered something that is not a server status "
                                f"({err!r}): {str(body)[:200]}") from err

@@ -16,6 +16,7 @@ inotify or append visibility, so writers publish whole files and readers poll.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import socket
@@ -28,6 +29,13 @@ TOKEN_FILE = "auth_token"
 SERVERS_DIR = "servers"
 REFERENCE_SERVERS_DIR = "reference_servers"
 REWARD_SERVERS_DIR = "reward_servers"
+
+
+def run_fingerprint(token: str) -> str:
+    """A public id of the run whose token this is: a policy server reports it on GET /status, so that a client can
+    tell its run's servers from another run's that took the same host and port (two runs on one machine, one
+    base_port). A prefix of a hash: it reveals nothing of the token."""
+    return hashlib.sha256(b"pipelinerl-run\0" + token.encode()).hexdigest()[:16]
 
 
 def run_token(run_dir: str | Path | None, configured: str | None = None) -> str:

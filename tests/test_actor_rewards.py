@@ -199,3 +199,37 @@ def test_the_actor_asks_the_judge_once_per_completion_and_counts_unparsed_verdic
     assert [r.reward for r in rows] == [1.0, 0.25, 0.0]
     assert [r.metadata["verified_reward"] for r in rows] == [1.0, 0.0, 0.0]
     assert (actor.window["judged"], actor.window["unparsed"]) == (3, 1)
+
+
+def test_a_server_of_another_run_on_our_port_takes_no_request(tmp_path, caplog):
+    """Two runs on one machine with one inference.base_port: the server answering at our discovery file's URL
+    reports another run's id on /status; the actor sets it aside with an error naming both runs, and takes the
+    version of its own run's server only."""
+    import logging
+
+    from pipelinerl.rundir import SERVERS_DIR, run_fingerprint, run_token
+
+    run = tmp_path / "run"
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={run}"])
+    (run / SERVERS_DIR).mkdir(parents=True)
+    for port in (1, 2):
+        (run / SERVERS_DIR / f"h_{port}").write_text(f"http://h:{port}\n")
+    ours = run_fingerprint(run_token(str(run)))
+    client = CompletionsClient(cfg.actor, str(run), reference=False, run=ours)
+    runs = {"h:1": run_fingerprint("another run's token"), "h:2": ours}
+
+    def server(request: httpx.Request) -> httpx.Response:
+        host = request.url.netloc.decode()
+        return httpx.Response(200, json={"version": 3 if host == "h:2" else 9, "num_ranks": 1, "group_ready": True,
+                                         "updating": False, "run": runs[host]})
+
+    async def version() -> int:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as http:
+            return await client.serving_version(http)
+
+    with caplog.at_level(logging.ERROR, logger="pipelinerl.actor.client"):
+        assert asyncio.run(version()) == 3
+    assert "http://h:1" in client.pool.aside and "http://h:2" not in client.pool.aside
+    assert f"serves another run (its /status says run {runs['h:1']}, ours is {ours})" in caplog.text
+    assert client.pool.acquire(avoid=set()) == "http://h:2"
+    assert len(ours) == 16 and ours == run_fingerprint(run_token(str(run)))  # stable, not the token itself

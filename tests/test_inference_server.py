@@ -27,7 +27,7 @@ from pipelinerl.control import ControlError
 from pipelinerl.envs.environment import Environment, EnvReply
 from pipelinerl.envs.episode import EpisodeLimits
 from pipelinerl.envs.runner import run_episode
-from pipelinerl.rundir import list_servers, run_token
+from pipelinerl.rundir import list_servers, run_fingerprint, run_token
 from pipelinerl.weights import TensorMeta, WeightBroadcaster, dtype_name
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
@@ -164,6 +164,7 @@ def test_update_a_b_a_matches_transformers(server, models, broadcaster):
     assert hf_greedy(models["A"], _ids(models, PROMPTS[0]), 24) != hf_greedy(models["B"], _ids(models, PROMPTS[0]), 24)
     status = httpx.get(server["url"] + "/status", timeout=HTTP_TIMEOUT_S).json()
     assert status["version"] == 2 and status["updates"] == 2
+    assert status["run"] == run_fingerprint(server["token"])  # clients tell their run's servers from another's
     metrics = httpx.get(server["url"] + "/metrics", timeout=HTTP_TIMEOUT_S).text
     assert "pipelinerl_weight_version 2.0" in metrics and "pipelinerl_weight_updates_total 2.0" in metrics
     assert "weight update: serving version 2 (paused" in (server["run_dir"] / "server.log").read_text()

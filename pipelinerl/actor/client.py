@@ -201,8 +201,8 @@ class CompletionsClient:
     have no /status: they are not probed (a failed or timed-out request moves to another one)."""
 
     def __init__(self, cfg: ActorConfig, run_dir: str, reference: bool, max_lag: int | None = None,
-                 reward: bool = False):
-        self.cfg = cfg
+                 reward: bool = False, run: str = ""):
+        self.cfg, self.run = cfg, run  # run: this run's public id (rundir.run_fingerprint); "": not checked
         self.pool = ServerPool(run_dir, max_lag=max_lag, readmit_on_status=True)
         self.reference_pool = ServerPool(run_dir, folder=REFERENCE_SERVERS_DIR) if reference else None
         self.reward_pool = ServerPool(run_dir, folder=REWARD_SERVERS_DIR) if reward else None
@@ -283,10 +283,24 @@ class CompletionsClient:
                 log.warning("could not read the version of %s (set aside): %s", url, err)
                 self.pool.set_aside(url, f"GET /status failed: {err}")
                 return
+            if self.foreign(url, status.run):
+                return
             self.pool.heard(url, status.version)
 
         await asyncio.gather(*map(one, self.pool.refresh()))
         return min((self.pool.versions[u] for u in self.pool.eligible() if u in self.pool.versions), default=-1)
+
+    def foreign(self, url: str, run: str) -> bool:
+        """Whether the server at `url` reports another run than ours (then set aside, with an error: another run
+        took its host and port, e.g. two runs on one machine with one inference.base_port). A server that
+        reports no run is taken at its word."""
+        if not (self.run and run and run != self.run):
+            return False
+        log.error("server %s serves another run (its /status says run %s, ours is %s): another run is on its port "
+                  "(give each run on a machine its own inference.base_port); it takes no request of ours", url,
+                  run, self.run)
+        self.pool.set_aside(url, f"it serves another run ({run})")
+        return True
 
     async def _post_completions(self, http: httpx.AsyncClient, pool: ServerPool, body: dict,
                                 min_version: int | None = None) -> list[dict]:
@@ -378,7 +392,8 @@ class CompletionsClient:
                 self.pool.set_aside(url, f"no answer for {silent:.0f} s, actor.server_silence_s="
                                          f"{self.cfg.server_silence_s:g}: {err}")
             return
-        self.pool.heard(url, status.version)
+        if not self.foreign(url, status.run):
+            self.pool.heard(url, status.version)
 
 
 def _parse_choice(choice: dict) -> Completion:

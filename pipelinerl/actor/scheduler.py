@@ -31,10 +31,12 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
 
+from pipelinerl import rundir
 from pipelinerl.actor.client import Completion, CompletionsClient
 from pipelinerl.actor.curriculum import Curriculum
 from pipelinerl.actor.episodes import EpisodeStats, episode_rollout, sample_episodes
@@ -69,9 +71,12 @@ class Actor:
         self.cfg, self.actor_id = cfg, actor_id
         self.task = get_task(cfg.task)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)  # the run's token may be made here (rundir.run_token)
         self.client = CompletionsClient(cfg.actor, cfg.run_dir, reference=cfg.rl.needs_reference_logprobs,
                                         max_lag=cfg.actor.max_lag if cfg.mode == "pipeline" else 0,
-                                        reward=cfg.reward.kind != "verify")
+                                        reward=cfg.reward.kind != "verify",
+                                        run=rundir.run_fingerprint(rundir.run_token(cfg.run_dir,
+                                                                                    cfg.inference.auth_token)))
         self.reward_model = RewardModelInputs(cfg.reward, self.tokenizer) if cfg.reward.kind == "model" else None
         if cfg.rl.teacher is not None:  # the reference servers score the policy's token ids with the teacher
             check_same_tokenizer(self.tokenizer, cfg.rl.teacher, "rl.teacher",

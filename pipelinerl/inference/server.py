@@ -6,7 +6,8 @@ module adds:
 
     POST /init_process_group      (bearer token)  join the trainer's weight-update group
     POST /request_weight_update   (bearer token)  pause, receive, load, set version, resume
-    GET  /status                                  version, ranks, update counters (read-only)
+    GET  /status                                  version, ranks, update counters, the run's public id
+                                                  (rundir.run_fingerprint; read-only)
 
 vLLM's dev-mode routes are not mounted: they expose every control operation without authentication.
 
@@ -195,7 +196,8 @@ async def run(cfg: Config, args, updates: Updates | None, kind: str = "policy") 
             else:
                 updater = WeightUpdater(server.engine, updates.expected, cfg.model.dtype, cfg.inference.kv_on_update,
                                         updates.version, staging=cfg.inference.update_staging,
-                                        on_broken=lambda: os.kill(os.getpid(), signal.SIGTERM))
+                                        on_broken=lambda: os.kill(os.getpid(), signal.SIGTERM),
+                                        run=rundir.run_fingerprint(updates.token))
                 server.app.include_router(control_router(updater, updates.token))
                 await updater.start()
             folder = {"policy": rundir.SERVERS_DIR, "reference": rundir.REFERENCE_SERVERS_DIR,

@@ -71,8 +71,9 @@ class WeightUpdater:
 
     def __init__(self, engine: UpdatableEngine, expected: dict[str, list[int]], dtype: str, kv_on_update: str,
                  version: int, registry: CollectorRegistry = REGISTRY, staging: str = "host",
-                 on_broken: Callable[[], None] = lambda: None):
+                 on_broken: Callable[[], None] = lambda: None, run: str = ""):
         self.engine, self.expected, self.dtype, self.staging = engine, expected, dtype, staging
+        self.run = run  # the run's public id (rundir.run_fingerprint), reported on /status
         # A load that fails part-way leaves the model half-updated: the server must stop rather than serve
         # it (or stay paused for good); on_broken asks it to (server.py: a graceful stop, exit status 1).
         self.on_broken, self.broken = on_broken, False
@@ -93,7 +94,7 @@ class WeightUpdater:
         return {"version": self.version, "num_ranks": self.num_ranks, "group_ready": self.group_ready,
                 "updating": self.busy, "updates": self.updates, "pause_total_s": self.pause_total_s,
                 "last_pause_s": self.last_pause_s, "kv_on_update": self.kv_on_update, "delta_base": self.delta_base,
-                "update_staging": self.staging, "dtype": self.dtype, "tensors": self.expected}
+                "update_staging": self.staging, "dtype": self.dtype, "tensors": self.expected, "run": self.run}
 
     async def init_group(self, body: object) -> dict:
         """Join the group a trainer opens. A new group replaces the current one once joined (the trainer
