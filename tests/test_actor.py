@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from pipelinerl.actor.client import CompletionsClient, _completion_logprobs, _pa
 from pipelinerl.config import load_config, save_config
 from pipelinerl.launch.local import wait_for_servers
 from pipelinerl.launch.procs import Role, Supervisor
-from pipelinerl.rundir import SERVERS_DIR, list_servers, run_token
+from pipelinerl.rundir import SERVERS_DIR, TOKEN_FILE, list_servers, run_token
 from pipelinerl.streams import Rollout, StreamReader, StreamTimeout, release
 from pipelinerl.streams.segments import list_segments
 from pipelinerl.tasks import get_task
@@ -585,9 +586,12 @@ def _wait_served(url: str, proc: subprocess.Popen, before: float, timeout_s: flo
         time.sleep(0.05)
 
 
-def _announce_servers(run_dir: Path, urls: list[str]) -> None:
+def _announce_servers(run_dir: Path, servers: dict) -> None:
+    """Announce the fixture's servers in this run directory, and give it their run's token: they report that
+    run's id on /status, and an actor takes no request to a server of another run."""
     (run_dir / SERVERS_DIR).mkdir(parents=True)
-    for url in urls:  # announce the fixture's servers in this run directory
+    shutil.copy2(servers["run_dir"] / TOKEN_FILE, run_dir / TOKEN_FILE)  # mode 0600 kept
+    for url in servers["urls"]:
         (run_dir / SERVERS_DIR / url.split("//")[1].replace(":", "_")).write_text(url + "\n")
 
 
@@ -629,7 +633,7 @@ def test_a_hung_server_s_requests_move_to_the_other_one(servers, tmp_path):
     far below request_timeout_s: 3600 s), cancelling them; they move to server0, 4 more steps' samples
     arrive, and every group is in the stream once."""
     run_dir = tmp_path / "run"
-    _announce_servers(run_dir, servers["urls"])
+    _announce_servers(run_dir, servers)
     cfg_path, log_path = tmp_path / "actor.yaml", tmp_path / "actor.log"
     cfg = _config(run_dir, servers["model"], cfg_path, "actor.max_lag=1000", "actor.request_timeout_s=3600",
                   "actor.server_silence_s=5", *NEVER_DONE, *LONG)
@@ -659,7 +663,7 @@ def test_a_server_killed_mid_run_costs_no_group(servers, tmp_path):
     fail (or the next one the least-loaded pick sends it does), they are retried on the other, 6 more steps'
     samples arrive, and every group is in the stream once."""
     run_dir = tmp_path / "run"
-    _announce_servers(run_dir, servers["urls"])
+    _announce_servers(run_dir, servers)
     cfg_path, log_path = tmp_path / "actor.yaml", tmp_path / "actor.log"
     cfg = _config(run_dir, servers["model"], cfg_path, "actor.max_lag=null", "actor.request_timeout_s=20",
                   *NEVER_DONE, *LONG)
