@@ -25,7 +25,7 @@ from helpers import worker_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelinerl.actor import Actor, Completion, ServerPool
-from pipelinerl.actor.client import CompletionsClient, _completion_logprobs, _parse_choice
+from pipelinerl.actor.client import CompletionsClient, _completion_logprobs, _parse_choice, _top_k
 from pipelinerl.config import load_config, save_config
 from pipelinerl.launch.local import wait_for_servers
 from pipelinerl.launch.procs import Role, Supervisor
@@ -71,6 +71,17 @@ def test_reference_logprobs_are_the_completion_positions_of_prompt_logprobs():
     assert _completion_logprobs({"prompt_logprobs": positions}, 2, [5, 6]) == [-2.0, -3.0]
     with pytest.raises(ValueError, match="3 prompt log-probs for a sequence of 4 tokens"):
         _completion_logprobs({"prompt_logprobs": positions[:3]}, 2, [5, 6])
+
+
+def test_the_teachers_top_k_are_read_by_rank_from_prompt_logprobs():
+    """prompt_logprobs: k returns the k ranked tokens and the position's own token (ranked beyond k, or among
+    them): the top-k by rank, flattened per position; fewer than k at a position is an error naming it."""
+    positions = [{"5": {"logprob": -2.0, "rank": 3}, "1": {"logprob": -0.1, "rank": 1},
+                  "9": {"logprob": -1.5, "rank": 2}},
+                 {"6": {"logprob": -0.2, "rank": 1}, "2": {"logprob": -2.5, "rank": 2}}]
+    assert _top_k(positions, 2) == ([1, 9, 6, 2], [-0.1, -1.5, -0.2, -2.5])
+    with pytest.raises(ValueError, match="1 top tokens at completion position 1, expected rl.teacher_top_k=2"):
+        _top_k([positions[0], {"6": {"logprob": -0.2, "rank": 1}}], 2)
 
 
 def test_the_pool_picks_the_least_loaded_server_and_sets_a_failed_one_aside(tmp_path):

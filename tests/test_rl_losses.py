@@ -307,3 +307,47 @@ def test_distillation_config_is_refused_where_it_cannot_apply():
     with pytest.raises(ConfigError, match="rl.teacher"):
         RLConfig(teacher="t", value_function=True)
     assert RLConfig(teacher="t").needs_reference_logprobs and not RLConfig().needs_reference_logprobs
+
+
+def test_teacher_top_k_kl_is_hand_computed_and_replaces_the_sampled_gap():
+    """rl.teacher_top_k=2: one 3-token sequence (the first a prompt token). Each completion token adds
+    teacher_coef x sum_k q_k (log q_k - log p_k) / num_sequences, q the teacher's top-2 probabilities; the
+    gradient on the student's top-k log-probs is -teacher_coef x q / num_sequences; the sampled token's gap
+    gives no advantage (new_T gets no gradient) unless teacher_task_weight mixes in the task advantage."""
+    teacher = [[-0.1, -2.5], [-0.7, -0.9], [-0.2, -3.0]]
+    student = [[-1.0, -1.0], [-0.3, -2.0], [-1.5, -0.4]]
+    seq = {"id": 0, "group": 0, "adv": 5.0, "new": [-1.0, -0.7, -1.5], "beh": [-1.0, -0.5, -2.0],
+           "ref": [-3.0, -0.25, -1.0], "val": [0.0] * 3, "ret": [0.0] * 3, "mask": [False, True, True],
+           "lag": [0, 0, 0], "role": 0, "base": 0.0}
+
+    def run(cfg):
+        batch, (leaf,), _ = pack([seq])
+        student_TK = torch.tensor(student, dtype=torch.float64, requires_grad=True)
+        inputs = LossInputs(advantages_T=torch.full((3,), 5.0, dtype=torch.float64), num_sequences=2, **batch,
+                            teacher_top_logprobs_TK=torch.tensor(teacher, dtype=torch.float64),
+                            student_top_logprobs_TK=student_TK)
+        loss, stats = compute_loss(inputs, cfg)
+        loss.backward()
+        return loss.item(), stats, leaf.grad, student_TK.grad
+
+    kl = [sum(math.exp(q) * (q - p) for q, p in zip(teacher[t], student[t])) for t in (1, 2)]
+    loss, stats, new_grad, top_grad = run(RLConfig(teacher="t", teacher_top_k=2, teacher_coef=0.5))
+    assert loss == pytest.approx(0.5 * sum(kl) / 2, rel=1e-12)
+    assert new_grad.tolist() == [0.0, 0.0, 0.0]
+    assert top_grad[0].tolist() == [0.0, 0.0]  # the prompt token
+    for t in (1, 2):
+        assert top_grad[t].tolist() == pytest.approx([-0.5 * math.exp(q) / 2 for q in teacher[t]], rel=1e-12)
+    summary = summarize_stats(stats)
+    assert summary["distill_top_k_kl"] == pytest.approx(sum(kl) / 2, rel=1e-12)
+    assert summary["distill_reverse_kl"] == pytest.approx(((-0.5 + 0.25) + (-2.0 + 1.0)) / 2)  # still logged
+    mixed, _, new_grad, _ = run(RLConfig(teacher="t", teacher_top_k=2, teacher_coef=0.5, teacher_task_weight=0.2))
+    ratios = [math.exp(-0.2), math.exp(0.5)]
+    assert mixed == pytest.approx(0.5 * sum(kl) / 2 - sum(0.2 * 5.0 * r for r in ratios) / 2, rel=1e-12)
+    assert new_grad.tolist() == pytest.approx([0.0] + [-0.2 * 5.0 * r / 2 for r in ratios], rel=1e-12)
+
+
+def test_teacher_top_k_config_is_refused_without_a_teacher():
+    with pytest.raises(ConfigError, match="rl.teacher_top_k"):
+        RLConfig(teacher_top_k=4)
+    with pytest.raises(ConfigError, match="rl.teacher_top_k"):
+        RLConfig(teacher="t", teacher_top_k=-1)

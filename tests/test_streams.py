@@ -40,10 +40,12 @@ G = 4
 def expected_row(writer: str, group: int, i: int) -> dict:
     """The sample `i` of group `group` of `writer`; float values are exact in float32. In every third group
     the samples of 3 tokens or more are two-turn episodes: model tokens (one version), environment tokens
-    (loss mask 0, version -1, log-prob 0), model tokens (the next version)."""
+    (loss mask 0, version -1, log-prob 0), model tokens (the next version). Every fourth group carries a teacher's
+    top-2 per token."""
     length = 1 + (group * 7 + i) % 13
     episode = group % 3 == 2 and length >= 3
     mask = [int(not (episode and length // 3 <= k < 2 * length // 3)) for k in range(length)]
+    top = group % 4 == 3
     return {"run_id": "run", "group_id": f"{writer}/g{group}", "sample_id": f"{writer}/g{group}/s{i}",
                 "prompt_token_ids": [(group + k) % 997 for k in range(3 + group % 4)],
                 "completion_token_ids": [(group * 31 + i * 7 + k) % 151_000 for k in range(length)],
@@ -51,6 +53,8 @@ def expected_row(writer: str, group: int, i: int) -> dict:
                 "versions": [group // 3 + (k >= length // 2) if m else -1 for k, m in enumerate(mask)],
                 "loss_mask": mask,
                 "reference_logprobs": [-(k % 5) / 8 for k in range(length)] if group % 2 else [],
+                "teacher_top_ids": [(k * 3 + j) % 15 for k in range(length) for j in range(2)] if top else [],
+                "teacher_top_logprobs": [-(k + j) / 4 for k in range(length) for j in range(2)] if top else [],
                 "reward": float(i == group % G), "finished": i % 2 == 0, "truncated": i % 2 == 1,
                 "turns": 1 + episode, "tool_calls": int(episode), "tool_errors": int(episode and i == 3),
                 "end_reason": "finished" if i % 2 == 0 else "max_turns" if episode else "truncated", "task": "addition",
@@ -129,6 +133,23 @@ def test_reference_logprobs_are_empty_or_one_per_token_and_default_to_empty(tmp_
         check_group(b)
 
 
+def test_the_teachers_top_k_travel_k_per_token_and_default_to_empty(tmp_path):
+    """rl.teacher_top_k: k = 2 ids and log-probs per completion token, flattened; rows without them get []."""
+    top = expected_group("w0", 1)
+    for r in top:
+        n = len(r["completion_token_ids"])
+        r["teacher_top_ids"] = [(t * 2 + j) % 15 for t in range(n) for j in range(2)]
+        r["teacher_top_logprobs"] = [-(t + j) / 4 for t in range(n) for j in range(2)]
+    with StreamWriter(tmp_path, TOPIC, "w0", cfg_()) as w:
+        w.write_group(top)
+        w.write_group(expected_group("w0", 2))
+    got = read_all(StreamReader(tmp_path, TOPIC, cfg_()))
+    for row, want in zip(got[0].to_pylist(), top, strict=True):
+        assert (row["teacher_top_ids"], row["teacher_top_logprobs"]) == (want["teacher_top_ids"],
+                                                                          want["teacher_top_logprobs"])
+    assert [(r["teacher_top_ids"], r["teacher_top_logprobs"]) for r in got[1].to_pylist()] == [([], [])] * G
+
+
 def _mutate(key, value):
     """Set a field of the second row; `value` may be a function of the field's old value."""
     return lambda rows: rows[1].__setitem__(key, value(rows[1][key]) if callable(value) else value)
@@ -143,6 +164,10 @@ BAD_ROWS = [
     (_mutate("behaviour_logprobs", lambda v: [float("nan")] * len(v)), "contains NaN"),
     (_mutate("reference_logprobs", [-0.5]), "`reference_logprobs` has 1 entries but the completion has 9 tokens"),
     (_mutate("reference_logprobs", lambda v: [float("nan")] * len(v)), "`reference_logprobs` contains NaN"),
+    (_mutate("teacher_top_ids", [4, 5]), "`teacher_top_ids` has 2 entries and `teacher_top_logprobs` 0; they must"),
+    (lambda rows: rows[1].update(teacher_top_ids=[4] * 10, teacher_top_logprobs=[-0.5] * 10),
+     "`teacher_top_ids` has 10 entries and `teacher_top_logprobs` 10; they must hold the same k entries per "
+     "completion token, 9 tokens here"),
     (_mutate("sample_id", ""), "`sample_id` must be a non-empty string"),
     (_mutate("finished", 1), "`finished` must be a bool"),
     (_mutate("metadata", "{not json"), "`metadata` must be a dict or JSON"),
@@ -355,19 +380,19 @@ def test_a_segment_from_another_schema_version_is_an_error_not_corruption(tmp_pa
 
 
 def test_a_segment_of_the_previous_schema_version_is_refused_naming_both_versions(tmp_path):
-    """A version-2 segment (no loss mask, no episode columns) is an error that says what was found and what
-    this reader expects, not data read with guessed defaults, nor corruption."""
+    """A version-3 segment (no teacher top-k columns) is an error that says what was found and what this reader
+    expects, not data read with guessed defaults, nor corruption."""
     wdir = tmp_path / "streams" / TOPIC / "w0"
     wdir.mkdir(parents=True)
-    v3_only = ("loss_mask", "turns", "tool_calls", "tool_errors", "end_reason")
-    v2 = pa.schema([f for f in ROLLOUT_SCHEMA if f.name not in v3_only], metadata={SCHEMA_VERSION_KEY: b"2"})
-    rows = [{k: v for k, v in r.items() if k not in v3_only} for r in expected_group("w0", 0)]
+    v4_only = ("teacher_top_ids", "teacher_top_logprobs")
+    v3 = pa.schema([f for f in ROLLOUT_SCHEMA if f.name not in v4_only], metadata={SCHEMA_VERSION_KEY: b"3"})
+    rows = [{k: v for k, v in r.items() if k not in v4_only} for r in expected_group("w0", 0)]
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, v2) as f:
-        f.write_batch(pa.RecordBatch.from_pylist([dict(r, written_at=0.0) for r in rows], v2))
+    with pa.ipc.new_file(sink, v3) as f:
+        f.write_batch(pa.RecordBatch.from_pylist([dict(r, written_at=0.0) for r in rows], v3))
     _publish_bytes(wdir, 0, sink.getvalue().to_pybytes())
-    assert SCHEMA_VERSION == 3
-    expected = "has rollout schema version 2; this reader expects version 3 .*older pipelinerl"
+    assert SCHEMA_VERSION == 4
+    expected = "has rollout schema version 3; this reader expects version 4 .*older pipelinerl"
     with pytest.raises(ValueError, match=expected):
         StreamReader(tmp_path, TOPIC, cfg_()).read_groups(1, 1.0)
     assert not list(wdir.glob("*.corrupt"))

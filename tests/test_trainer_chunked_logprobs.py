@@ -156,3 +156,58 @@ def test_logprob_chunk_tokens_must_be_positive_or_null():
     assert TrainerConfig(logprob_chunk_tokens=None).logprob_chunk_tokens is None
     with pytest.raises(ValueError, match="trainer.logprob_chunk_tokens"):
         TrainerConfig(logprob_chunk_tokens=0)
+
+
+def test_chunked_head_scores_several_targets_per_row_like_float64():
+    """Targets [N, K] (rl.teacher_top_k: the sampled token and the teacher's top-k, which may repeat it): [N, K]
+    log-probs and the gradients of hidden states, weight and bias, against float64 log_softmax gathered."""
+    from pipelinerl.trainer.model import LogprobHead, chunked_logprobs, token_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    N, H, V, K = 11, 8, 20, 4
+    head = LogprobHead(H, V)
+    hidden_NH = torch.randn(N, H, generator=g)
+    targets_NK = torch.randint(V, (N, K), generator=g)
+    targets_NK[:, 2] = targets_NK[:, 0]  # a repeated target: both gradients add
+    weights_NK = torch.randn(N, K, generator=g, dtype=torch.float64)
+
+    def run(module, hidden, score):
+        hidden = hidden.clone().requires_grad_(True)
+        logprobs_NK = score(module, hidden)
+        (logprobs_NK.double() * weights_NK).sum().backward()
+        return logprobs_NK.detach(), [hidden.grad, module.weight.grad, module.bias.grad]
+
+    want, want_grads = run(copy.deepcopy(head).double(), hidden_NH.double(),
+                           lambda m, h: (m(h) / 0.7).log_softmax(-1).gather(-1, targets_NK))
+    for score in [lambda m, h: token_logprobs(m(h), targets_NK, 0.7)] + [
+            lambda m, h, c=c: chunked_logprobs(m, h, targets_NK, 0.7, c) for c in (1, 3, 1000)]:
+        got, got_grads = run(copy.deepcopy(head), hidden_NH, score)
+        assert got.shape == (N, K)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        for name, a, b in zip(("hidden", "weight", "bias"), got_grads, want_grads, strict=True):
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=f"d/d{name}")
+
+
+def test_completion_forward_scores_the_teachers_top_k_beside_each_token(tiny_model_dir):
+    """A micro-batch with a `teacher_top_ids` field (k per token): [N, 1 + k] log-probs, column 0 the completion
+    token's (as without the field), the others those of the listed tokens, chunked or not."""
+    from pipelinerl.trainer.model import completion_forward
+
+    model = _perturbed_model(tiny_model_dir, value_head=False)
+    samples = _samples()
+    g = torch.Generator().manual_seed(4)
+    for s in samples:
+        s.token_fields["teacher_top_ids"] = torch.randint(15, (len(s.completion_ids), 3), generator=g).tolist()
+    (mb,) = pack(samples, 64)
+    (plain,) = pack(_samples(), 64)
+    want, _ = _reference64(copy.deepcopy(model).double(), mb, 1.0)
+    with torch.no_grad():
+        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.target_pos_N - 1,
+                       use_cache=False).logits[0].double()
+        top_want = logits.log_softmax(-1).gather(-1, mb.fields_N["teacher_top_ids"].long())
+        for chunk in (None, 5):
+            got = completion_forward(model, mb, CPU, 1.0, chunk)[0]
+            assert got.shape == (17, 4)
+            torch.testing.assert_close(got[:, 0], completion_forward(model, plain, CPU, 1.0, chunk)[0])
+            torch.testing.assert_close(got[:, 0].double(), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got[:, 1:].double(), top_want, rtol=1e-5, atol=1e-5)

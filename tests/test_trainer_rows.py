@@ -92,6 +92,31 @@ def test_distillation_rows_carry_the_teachers_logprobs_and_their_groups_mean_gap
     assert "distill_baseline" not in plain[0].seq_fields
 
 
+def test_teacher_top_k_rows_become_k_values_per_token_packed_as_columns():
+    """rl.teacher_top_k=2: each token's 2 teacher ids and log-probs (flattened in the row) become [N, 2] fields of
+    the micro-batch; the loss reads the student's log-probs of those ids from columns 1.. of the forward's output;
+    a padding micro-batch has the same shapes; rows without the top-k are refused, naming the sample."""
+    cfg = load_config(None, ["run_dir=x", "model.path=m", "actor.attempts=2", "rl.teacher=t", "rl.teacher_top_k=2"])
+    rows = [{"run_id": "r", "group_id": "a", "sample_id": f"a-{i}", "prompt_token_ids": [1, 5],
+             "completion_token_ids": [4] * n, "behaviour_logprobs": [-0.5] * n, "versions": [0] * n,
+             "reference_logprobs": [-0.5] * n, "teacher_top_ids": [3, 7] * n,
+             "teacher_top_logprobs": [-0.25, -1.5] * n, "reward": 0.0, "finished": True, "truncated": False,
+             "task": "t", "actor_id": "a"} for i, n in enumerate([2, 1])]
+    samples = rows_to_samples([group_batch(rows)], version=0, first_index=0, cfg=cfg)
+    assert samples[0].token_fields["teacher_top_ids"] == [[3, 7], [3, 7]]
+    mb = _micro_batch(samples, cfg)
+    assert mb.fields_N["teacher_top_logprobs"].tolist() == [[-0.25, -1.5]] * 3
+    new = torch.tensor([[-0.5, -0.25, -1.5]] * 3, dtype=torch.float64)  # student = teacher at every position
+    loss, stats = _loss_fn(cfg, 2, 0, torch.device("cpu"), [])(mb, new, None)
+    assert loss.item() == 0.0 and float(stats["distill_top_k_kl_sum"]) == 0.0
+    pad = padding_micro_batch(*_field_names(cfg))
+    assert pad.fields_N["teacher_top_ids"].shape == (1, 2)
+    assert padding_micro_batch(mb.fields_N, mb.seq_fields_S).fields_N["teacher_top_logprobs"].shape == (1, 2)
+    bare = [{k: v for k, v in r.items() if not k.startswith("teacher_top")} for r in rows]
+    with pytest.raises(ValueError, match="a-0 has 0 teacher top-k entries for 2 completion tokens"):
+        rows_to_samples([group_batch(bare)], version=0, first_index=0, cfg=cfg)
+
+
 def test_rows_without_reference_logprobs_are_refused_when_the_kl_needs_them():
     cfg = load_config(None, ["run_dir=x", "model.path=m", "actor.attempts=2", "rl.kl_coef=0.1"])
     with pytest.raises(ValueError, match="a-0 has 0 reference log-probs for 2 completion tokens.*reference servers"):
@@ -146,7 +171,8 @@ def test_loss_fn_feeds_gae_advantages_and_returns_to_the_loss():
 def test_padding_micro_batch_adds_zero_loss_and_the_same_statistics_keys():
     cfg, samples = _dpo_samples(["rl.kl_coef=0.1", "rl.dpo_reference=reference"])
     mb = _micro_batch(samples, cfg)
-    assert (list(mb.fields_N), list(mb.seq_fields_S)) == _field_names(cfg)
+    token_fields, seq_fields = _field_names(cfg)
+    assert (list(mb.fields_N), list(mb.seq_fields_S)) == (list(token_fields), seq_fields)
     pad = padding_micro_batch(*_field_names(cfg))
     loss_fn = _loss_fn(cfg, 6, 1, torch.device("cpu"), [])
     new = torch.full((pad.target_pos_N.numel(),), -0.3, dtype=torch.float64, requires_grad=True)

@@ -34,6 +34,8 @@ class Completion:
     text: str
     finished: bool  # ended by EOS (or a stop string), not by the length limit
     reference_logprobs: list[float] = field(default_factory=list)  # per token; empty: no reference model
+    teacher_top_ids: list[int] = field(default_factory=list)  # rl.teacher_top_k: k per token, flattened; else empty
+    teacher_top_logprobs: list[float] = field(default_factory=list)  # their log-probs under the teacher, aligned
 
 
 class ServerPool:
@@ -253,19 +255,23 @@ class CompletionsClient:
         except (KeyError, IndexError, TypeError):
             raise ValueError(f"a judge answered {json.dumps(reply)[:300]}: expected one chat choice") from None
 
-    async def score_reference(self, http: httpx.AsyncClient, prompt_ids: list[int],
-                              completions: list[Completion]) -> None:
+    async def score_reference(self, http: httpx.AsyncClient, prompt_ids: list[int], completions: list[Completion],
+                              top_k: int = 0) -> None:
         """Fill each completion's `reference_logprobs`: one request of G prompts (prompt + completion) to a
         reference server, asking for the log-prob of every prompt token given those before it
-        (`prompt_logprobs: 0` returns just the token's own); the one generated token is discarded."""
+        (`prompt_logprobs: 0` returns just the token's own); the one generated token is discarded. top_k > 0
+        (rl.teacher_top_k) also fills `teacher_top_ids` / `teacher_top_logprobs` with the k likeliest tokens at
+        each completion position (vLLM returns them with `prompt_logprobs: k`, beside the token's own)."""
         assert self.reference_pool is not None, "score_reference needs a client built with reference=True"
         body = {"prompt": [prompt_ids + c.token_ids for c in completions], "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": 0}
+                "prompt_logprobs": top_k}
         choices = await self._post_completions(http, self.reference_pool, body)
         if len(choices) != len(completions):
             raise ValueError(f"a reference server answered {len(choices)} choices to {len(completions)} prompts")
         for c, choice in zip(completions, choices):
             c.reference_logprobs = _completion_logprobs(choice, len(prompt_ids), c.token_ids)
+            if top_k:
+                c.teacher_top_ids, c.teacher_top_logprobs = _top_k(choice["prompt_logprobs"][len(prompt_ids):], top_k)
 
     def has_servers(self) -> bool:
         """Whether any policy server is announced (and not set aside after a failure)."""
@@ -415,3 +421,18 @@ def _completion_logprobs(choice: dict, prompt_len: int, token_ids: list[int]) ->
         raise ValueError(f"a reference server returned {len(positions)} prompt log-probs for a sequence of "
                          f"{prompt_len + len(token_ids)} tokens")
     return [float(positions[prompt_len + i][str(t)]["logprob"]) for i, t in enumerate(token_ids)]
+
+
+def _top_k(positions: list[dict], k: int) -> tuple[list[int], list[float]]:
+    """The k likeliest tokens of each of `positions` (a choice's `prompt_logprobs` entries: {token id: {"logprob",
+    "rank"}}; vLLM's ranks 1..k, the sampled token's own entry left out when it is not among them), flattened
+    position by position, with their log-probs."""
+    ids, logprobs = [], []
+    for i, pos in enumerate(positions):
+        top = sorted((v["rank"], int(t), float(v["logprob"])) for t, v in pos.items() if v.get("rank", k + 1) <= k)
+        if len(top) != k:
+            raise ValueError(f"a reference server returned {len(top)} top tokens at completion position {i}, "
+                             f"expected rl.teacher_top_k={k} (above its --max-logprobs, or the vocabulary's size?)")
+        ids += [t for _, t, _ in top]
+        logprobs += [lp for _, _, lp in top]
+    return ids, logprobs

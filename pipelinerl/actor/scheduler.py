@@ -142,7 +142,7 @@ class Actor:
         completions = await self.client.complete(http, prompt_ids, greedy=False, n=self.cfg.actor.attempts,
                                                  min_version=min_version)
         if self.client.reference_pool is not None:
-            await self.client.score_reference(http, prompt_ids, completions)
+            await self.client.score_reference(http, prompt_ids, completions, self.cfg.rl.teacher_top_k)
         return await self.score(f"{self.actor_id}/{index}", item, prompt_ids, completions, {"prompt_index": index},
                                 http)
 
@@ -167,8 +167,9 @@ class Actor:
         the first turn)."""
         async def one(row: Rollout) -> None:
             c = Completion(list(row.completion_token_ids), [], [], "", row.finished)
-            await self.client.score_reference(http, list(row.prompt_token_ids), [c])
+            await self.client.score_reference(http, list(row.prompt_token_ids), [c], self.cfg.rl.teacher_top_k)
             row.reference_logprobs = c.reference_logprobs
+            row.teacher_top_ids, row.teacher_top_logprobs = c.teacher_top_ids, c.teacher_top_logprobs
 
         await asyncio.gather(*map(one, rows))
 
@@ -260,7 +261,8 @@ class Actor:
         """Stream rows of one group of graded completions."""
         return [Rollout(run_id=self.cfg.run_dir, group_id=group_id, sample_id=f"{group_id}/{k}/{uuid.uuid4().hex[:12]}",
                         prompt_token_ids=prompt_ids, completion_token_ids=c.token_ids, behaviour_logprobs=c.logprobs,
-                        versions=c.versions, reference_logprobs=c.reference_logprobs, reward=reward,
+                        versions=c.versions, reference_logprobs=c.reference_logprobs,
+                        teacher_top_ids=c.teacher_top_ids, teacher_top_logprobs=c.teacher_top_logprobs, reward=reward,
                         finished=c.finished, truncated=not c.finished, task=self.task.name, actor_id=self.actor_id,
                         metadata={"prompt_id": item.id, **metadata})
                 for k, (c, reward) in enumerate(zip(completions, rewards))]

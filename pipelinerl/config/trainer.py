@@ -189,6 +189,13 @@ class RLConfig:
     teacher_coef: float = doc(1.0, "weight of the per-token distillation advantage (rl.teacher only)")
     teacher_task_weight: float = doc(0.0, "weight of the task reward's group advantage mixed into the distillation "
                                           "advantage (rl.teacher only); 0 = pure distillation")
+    teacher_top_k: int = doc(0, "rl.teacher only. 0: the sampled token's teacher - student gap is its advantage (one "
+                                "sample of the reverse KL per position). k > 0: the reference servers also return the "
+                                "teacher's k likeliest tokens at every position of the student's samples, and each "
+                                "kept token adds teacher_coef x KL(teacher top-k || student) of its position to the "
+                                "loss (exact over those k tokens; the teacher's mass outside them is left out) "
+                                "instead of the sampled-token advantage; the task advantage still weighs "
+                                "teacher_task_weight. k above 20 raises the reference servers' --max-logprobs")
 
     def __post_init__(self) -> None:
         check_choice(self.algorithm, ("grpo", "dpo"), "rl.algorithm")
@@ -215,6 +222,9 @@ class RLConfig:
               "value_function")
         check(self.teacher_coef > 0, "rl.teacher_coef", "must be > 0")
         check(self.teacher_task_weight >= 0, "rl.teacher_task_weight", "must be >= 0")
+        check(self.teacher_top_k >= 0, "rl.teacher_top_k", "must be >= 0 (0: the sampled token's gap alone)")
+        check(self.teacher_top_k == 0 or self.teacher is not None, "rl.teacher_top_k",
+              "needs rl.teacher (the teacher's top-k tokens are the distillation target)")
 
     @property
     def needs_reference_logprobs(self) -> bool:

@@ -5,7 +5,7 @@ micro-batches, all ranks), so summing the micro-batch losses of a step gives the
 gradient whatever the packing. The normalisation is mixed:
 
 - policy gradient (with rl.teacher: per-token distillation advantages, advantages.distill_advantages), KL to the
-  reference, value loss: per-token sums over ``num_sequences``, the step's
+  reference, the teacher top-k KL (rl.teacher_top_k), value loss: per-token sums over ``num_sequences``, the step's
   sequences (seed 000: loss normalised by the number of sequences, every token weighs the same);
 - online DPO: the sum over pairs over ``num_pairs``, the step's (chosen, rejected) pairs, i.e. the mean
   pair loss (seed 004). With a KL term a DPO step mixes both: mean pair loss + kl_coef * KL per sequence.
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pipelinerl.config import RLConfig
-from pipelinerl.rl.advantages import distill_advantages
+from pipelinerl.rl.advantages import distill_advantages, teacher_top_k_kl
 from pipelinerl.rl.stats import k3_kl, token_stats
 
 # |log(ref / new)| bound inside the k3 KL term. A token the current policy has moved far from the
@@ -120,6 +120,8 @@ class LossInputs:
     group_index_T: torch.Tensor | None = None  # [T] int: any id of each token's prompt group; dpo only
     num_pairs: int | None = None  # DPO pairs in the whole optimizer step, all ranks; dpo only (0: no pair term)
     distill_baseline_T: torch.Tensor | None = None  # [T] float: rl.teacher, the token's group baseline (None: 0)
+    teacher_top_logprobs_TK: torch.Tensor | None = None  # [T, k] float: rl.teacher_top_k, the teacher's top-k
+    student_top_logprobs_TK: torch.Tensor | None = None  # [T, k] float, with gradient: the student's of those tokens
 
 
 def compute_loss(inputs: LossInputs, cfg: RLConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -145,8 +147,9 @@ def compute_loss(inputs: LossInputs, cfg: RLConfig) -> tuple[torch.Tensor, dict[
     if cfg.teacher is not None:  # the reference log-probs are the teacher's
         baseline_T = inputs.distill_baseline_T
         baseline_T = torch.zeros_like(advantages_T) if baseline_T is None else baseline_T.to(advantages_T.dtype)
+        coef = 0.0 if cfg.teacher_top_k else cfg.teacher_coef  # top-k: the KL term below replaces the gap's
         advantages_T, reverse_kl_sum = distill_advantages(ref_logprobs_T, behaviour_T, baseline_T, advantages_T,
-                                                          keep_T, cfg.teacher_coef, cfg.teacher_task_weight)
+                                                          keep_T, coef, cfg.teacher_task_weight)
         stats["distill_reverse_kl_sum"] = reverse_kl_sum.detach().double()
     if cfg.algorithm == "dpo":
         assert num_pairs is not None, "algorithm=dpo needs num_pairs (the step's pairs, all ranks)"
@@ -160,6 +163,14 @@ def compute_loss(inputs: LossInputs, cfg: RLConfig) -> tuple[torch.Tensor, dict[
         loss = main / num_sequences
     stats.update(counts)
     stats[f"{cfg.algorithm}_loss"] = loss.detach().double()
+    if cfg.teacher_top_k:
+        teacher_TK, student_TK = inputs.teacher_top_logprobs_TK, inputs.student_top_logprobs_TK
+        assert teacher_TK is not None and student_TK is not None, "rl.teacher_top_k needs both top-k log-probs"
+        kl_T = teacher_top_k_kl(teacher_TK.detach().to(new_logprobs_T.dtype), student_TK) * keep_T
+        top_k_loss = cfg.teacher_coef * kl_T.sum() / num_sequences
+        stats.update(distill_top_k_loss=top_k_loss.detach().double(),
+                     distill_top_k_kl_sum=kl_T.detach().sum().double())
+        loss = loss + top_k_loss
     if cfg.kl_coef > 0:
         kl_loss, kl_stats = _kl_to_reference(new_logprobs_T, ref_logprobs_T, keep_T, num_sequences, cfg.kl_coef)
         stats.update(kl_stats)

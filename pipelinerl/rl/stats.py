@@ -7,8 +7,8 @@ then turns them into the logged numbers. ``lag_hist`` has a fixed length so it a
 
 Keys: tokens, kept_tokens, sequences, ratio_sum, ratio_sq_sum, kl_k1_sum, kl_k3_sum, neg_logprob_sum,
 lag_sum, max_lag, lag_hist; from `compute_loss` also grpo_loss or dpo_loss, and kl_loss, kl_ref_sum, value_loss,
-ppo_clipped_tokens, tis_capped_tokens, dpo_pairs, dpo_correct_pairs, dpo_margin_sum, distill_reverse_kl_sum when
-those are on.
+ppo_clipped_tokens, tis_capped_tokens, dpo_pairs, dpo_correct_pairs, dpo_margin_sum, distill_reverse_kl_sum,
+distill_top_k_loss, distill_top_k_kl_sum when those are on.
 """
 
 from __future__ import annotations
@@ -97,6 +97,8 @@ def summarize_stats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
             out[key.replace("_tokens", "_frac")] = _ratio(stats[key], kept)
     if "distill_reverse_kl_sum" in stats:  # rl.teacher: log student - log teacher per kept token
         out["distill_reverse_kl"] = _ratio(stats["distill_reverse_kl_sum"], kept)
+    if "distill_top_k_kl_sum" in stats:  # rl.teacher_top_k: KL(teacher top-k || student) per kept token
+        out["distill_top_k_kl"] = _ratio(stats["distill_top_k_kl_sum"], kept)
     if "kl_ref_sum" in stats:  # k3 estimate of KL(current || reference) per kept token, clamped as in the loss
         out["kl_ref"] = _ratio(stats["kl_ref_sum"], kept)
     if "dpo_pairs" in stats:

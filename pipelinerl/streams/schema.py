@@ -5,7 +5,9 @@ Token-level columns are Arrow lists; `behaviour_logprobs[i]` and `versions[i]` d
 `completion_token_ids[i]` (the policy version is the trainer step whose weights produced that token).
 `reference_logprobs[i]` is that token's log-prob under the run's initial (reference) model, from a
 reference server; the list is empty when the run has no reference model (rl.kl_coef = 0 and no
-dpo_reference=reference), and rows written without the key get an empty list.
+dpo_reference=reference), and rows written without the key get an empty list. With rl.teacher_top_k = k,
+`teacher_top_ids` and `teacher_top_logprobs` hold the teacher's k likeliest tokens at each completion position
+and their log-probs, flattened token by token (token i's are entries i*k .. i*k + k - 1); empty otherwise.
 
 A multi-turn episode is one row: `completion_token_ids` hold everything after the prompt, the model's
 tokens and the environment's (tool results, the chat template's turn markers) in order. `loss_mask[i]` is 1
@@ -28,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 3  # bump on any incompatible change; readers refuse versions they do not know
+SCHEMA_VERSION = 4  # bump on any incompatible change; readers refuse versions they do not know
 SCHEMA_VERSION_KEY = b"pipelinerl.rollout_schema_version"
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -42,6 +44,8 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("versions", pa.list_(pa.int32()), nullable=False),  # policy version per completion token
         pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),  # per completion token: 1 model, 0 environment
         pa.field("reference_logprobs", pa.list_(pa.float32()), nullable=False),  # one per token, or none
+        pa.field("teacher_top_ids", pa.list_(pa.int32()), nullable=False),  # k per token, or none
+        pa.field("teacher_top_logprobs", pa.list_(pa.float32()), nullable=False),  # k per token, or none
         pa.field("reward", pa.float64(), nullable=False),
         pa.field("finished", pa.bool_(), nullable=False),  # ended with EOS / a stop string
         pa.field("truncated", pa.bool_(), nullable=False),  # hit the max_new_tokens limit
@@ -62,10 +66,10 @@ _STRING_COLUMNS = ("run_id", "group_id", "sample_id", "task", "actor_id")
 _COUNT_COLUMNS = {"turns": 1, "tool_calls": 0, "tool_errors": 0}  # episode counts and their single-turn defaults
 NO_VERSION = -1  # the version of an environment token (loss_mask 0): no policy produced it
 # Fields a row may leave out, and their defaults: metadata "{}", created_at now, written_at (always set by
-# the writer), reference_logprobs [] (no reference model), loss_mask all ones (every token sampled), the
+# the writer), reference_logprobs and the teacher's top-k [] (none), loss_mask all ones (every token sampled), the
 # counts as in _COUNT_COLUMNS, end_reason "finished" or "truncated" (from `finished`).
-_OPTIONAL_FIELDS = ("metadata", "created_at", "written_at", "reference_logprobs", "loss_mask", *_COUNT_COLUMNS,
-                    "end_reason")
+_OPTIONAL_FIELDS = ("metadata", "created_at", "written_at", "reference_logprobs", "teacher_top_ids",
+                    "teacher_top_logprobs", "loss_mask", *_COUNT_COLUMNS, "end_reason")
 
 TokenSeq = Sequence[int]  # a list, or a 1-D numpy array (converted without per-element Python work)
 
@@ -89,6 +93,8 @@ class Rollout:
     metadata: str | dict = "{}"  # a dict is serialised to JSON; a string must already be JSON
     reference_logprobs: TokenSeq = field(default_factory=list)  # one per completion token, or empty: no
     #                                                               reference model in this run
+    teacher_top_ids: TokenSeq = field(default_factory=list)  # rl.teacher_top_k: k per completion token, or empty
+    teacher_top_logprobs: TokenSeq = field(default_factory=list)  # their teacher log-probs, aligned
     created_at: float = field(default_factory=time.time)
     loss_mask: TokenSeq | None = None  # one per completion token: 1 sampled by the model, 0 environment token;
     #                                    None: all ones (a single-turn completion)
@@ -125,6 +131,11 @@ def _check_row(row: Mapping[str, Any]) -> None:
     if n_ref not in (0, n):
         raise ValueError(f"{where}: `reference_logprobs` has {n_ref} entries but the completion has {n} tokens; "
                          "give one per completion token, or none when the run has no reference model")
+    n_top = len(row.get("teacher_top_ids", ()))
+    if n_top != len(row.get("teacher_top_logprobs", ())) or (n_top and (n == 0 or n_top % n)):
+        raise ValueError(f"{where}: `teacher_top_ids` has {n_top} entries and `teacher_top_logprobs` "
+                         f"{len(row.get('teacher_top_logprobs', ()))}; they must hold the same k entries per "
+                         f"completion token, {n} tokens here, or none")
     for name in ("finished", "truncated"):
         if not isinstance(row[name], bool):
             raise ValueError(f"{where}: `{name}` must be a bool, got {row[name]!r}")  # noqa: TRY004 - one error type for bad rows
@@ -218,7 +229,7 @@ def _group_columns(rows: list[Mapping[str, Any]], written_at: float) -> list[pa.
             columns.append(pa.array([float(r.get("created_at", written_at)) for r in rows], pa.float64()))
         elif f.name == "loss_mask":
             columns.append(_list_column([_loss_mask(r) for r in rows], f.name, f.type.value_type))
-        elif pa.types.is_list(f.type):  # only reference_logprobs may be absent (_check_row): empty
+        elif pa.types.is_list(f.type):  # only reference_logprobs and the top-k may be absent (_check_row): empty
             columns.append(_list_column([r.get(f.name, []) for r in rows], f.name, f.type.value_type))
         elif f.name in _COUNT_COLUMNS:
             columns.append(pa.array([r.get(f.name, _COUNT_COLUMNS[f.name]) for r in rows], f.type))

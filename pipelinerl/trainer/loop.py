@@ -94,6 +94,8 @@ def rows_to_samples(batches, version: int, first_index: int, cfg: Config, resume
             tokens = {"behaviour": rows["behaviour_logprobs"][i], "lag": lags, "loss_mask": mask}
             if cfg.rl.needs_reference_logprobs:
                 tokens["reference"] = _reference_logprobs(rows, i, n)
+            if cfg.rl.teacher_top_k:
+                tokens.update(_teacher_top_k(rows, i, n, cfg.rl.teacher_top_k))
             seq = {"advantage": float(adv[i]), "group": float(g)}
             if cfg.rl.value_function:
                 seq["reward"] = float(rewards[i])
@@ -103,9 +105,13 @@ def rows_to_samples(batches, version: int, first_index: int, cfg: Config, resume
     return samples
 
 
-def _field_names(cfg: Config) -> tuple[list[str], list[str]]:
-    """The per-token and per-sequence fields `rows_to_samples` gives every sample under this config."""
-    return (["behaviour", "lag", "loss_mask"] + ["reference"] * cfg.rl.needs_reference_logprobs,
+def _field_names(cfg: Config) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """The per-token fields `rows_to_samples` gives every sample under this config, each with its shape per token
+    (() one value, (k,) the teacher's top-k), and the per-sequence fields."""
+    k = cfg.rl.teacher_top_k
+    token = ["behaviour", "lag", "loss_mask"] + ["reference"] * cfg.rl.needs_reference_logprobs
+    top = ["teacher_top_ids", "teacher_top_logprobs"] if k else []
+    return ({**{n: () for n in token}, **{n: (k,) for n in top}},
             ["advantage", "group"] + ["reward"] * cfg.rl.value_function
             + ["distill_baseline"] * (cfg.rl.teacher is not None))
 
@@ -128,6 +134,17 @@ def _reference_logprobs(rows: dict, i: int, n: int) -> list[float]:
     return values
 
 
+def _teacher_top_k(rows: dict, i: int, n: int, k: int) -> dict[str, list[list[float]]]:
+    """rl.teacher_top_k: row i's teacher top-k ids and log-probs, k per completion token."""
+    ids, logprobs = rows["teacher_top_ids"][i], rows["teacher_top_logprobs"][i]
+    if len(ids) != n * k:
+        raise ValueError(f"rollout {rows['sample_id'][i]} has {len(ids)} teacher top-k entries for {n} completion "
+                         f"tokens, expected rl.teacher_top_k={k} per token: the actor must run with the same "
+                         "rl.teacher_top_k")
+    return {"teacher_top_ids": [ids[t * k:(t + 1) * k] for t in range(n)],
+            "teacher_top_logprobs": [logprobs[t * k:(t + 1) * k] for t in range(n)]}
+
+
 def step_samples(batches, cfg: Config, dist: DistInfo, version: int,
                  resumed: int) -> tuple[list[Sample], list[float], int]:
     """This rank's share of a step as Samples, the rewards of those samples and how many were truncated."""
@@ -145,6 +162,9 @@ def _loss_fn(cfg: Config, num_sequences: int, num_pairs: int, device: torch.devi
     from pipelinerl.rl import LossInputs, compute_loss
 
     def loss_fn(mb: MicroBatch, new_N: torch.Tensor, values_N: torch.Tensor | None):
+        student_top_NK = None
+        if new_N.dim() == 2:  # rl.teacher_top_k: the completion token's log-prob, then the teacher's top-k's
+            new_N, student_top_NK = new_N[:, 0], new_N[:, 1:]
         f = {k: v.to(device) for k, v in mb.fields_N.items()}
         per_seq = {k: v.to(device) for k, v in mb.seq_fields_S.items()}
         lag_N = f["lag"].long()
@@ -156,7 +176,9 @@ def _loss_fn(cfg: Config, num_sequences: int, num_pairs: int, device: torch.devi
         inputs = LossInputs(new_N, f["behaviour"], advantages_N, mask_N, lag_N, seq_N, num_sequences,
                             ref_logprobs_T=f.get("reference"), values_T=values_N, returns_T=returns_N,
                             group_index_T=per_seq["group"][seq_N].long(), num_pairs=num_pairs,
-                            distill_baseline_T=per_seq["distill_baseline"][seq_N] if cfg.rl.teacher else None)
+                            distill_baseline_T=per_seq["distill_baseline"][seq_N] if cfg.rl.teacher else None,
+                            teacher_top_logprobs_TK=f.get("teacher_top_logprobs"),
+                            student_top_logprobs_TK=student_top_NK)
         loss, stats = compute_loss(inputs, cfg.rl)
         if not mb.is_padding:
             token_log.append((lag_N[mask_N].cpu(), f["behaviour"][mask_N].cpu(), new_N.detach()[mask_N].cpu()))
@@ -220,7 +242,8 @@ def train_step(trainer: Trainer, samples: list[Sample], cfg: Config, dist: DistI
     if not mb_stats:  # nothing to train on this rank (e.g. only tied DPO groups): zero statistics, same keys
         pad = padding_micro_batch(*_field_names(cfg))
         no_values = torch.zeros(1, device=trainer.device) if cfg.rl.value_function else None
-        mb_stats = [loss_fn(pad, torch.zeros(1, device=trainer.device), no_values)[1]]
+        no_logprobs = torch.zeros((1, 1 + cfg.rl.teacher_top_k) if cfg.rl.teacher_top_k else 1, device=trainer.device)
+        mb_stats = [loss_fn(pad, no_logprobs, no_values)[1]]
     stats = _reduce_stats(mb_stats)
     stats.update(trainer.optimizer_step())
     stats.update(sequences=num_sequences, completion_tokens=tokens,

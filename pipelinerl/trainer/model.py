@@ -76,18 +76,26 @@ class ValueHeadLM(torch.nn.Module):
 
 
 def token_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[N] float32 log softmax(logits / temperature) at the targets."""
+    """[N] float32 log softmax(logits / temperature) at the targets ([N, K] at targets [N, K]: K per row)."""
     logits_NV = logits_NV.float()
     if temperature != 1.0:
         logits_NV = logits_NV / temperature
-    return logits_NV.gather(-1, targets_N[:, None])[:, 0] - logits_NV.logsumexp(-1)
+    logprobs_NK = logits_NV.gather(-1, _per_row(targets_N)) - logits_NV.logsumexp(-1, keepdim=True)
+    return logprobs_NK if targets_N.dim() == 2 else logprobs_NK[:, 0]
+
+
+def _per_row(targets: torch.Tensor) -> torch.Tensor:
+    """Targets as [N, K]: [N] ones become [N, 1]."""
+    return targets if targets.dim() == 2 else targets[:, None]
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     """token_logprobs(linear(hidden_NH, weight, bias), ...) over chunk_tokens rows at a time. Forward keeps
-    only [N] log-sum-exps; backward recomputes each chunk's logits for its gradient. One autograd node, so the
-    head's weight receives one gradient per backward (ZeRO-1/2 reduce a parameter's gradient once; reentrant
-    checkpointing per chunk would accumulate it once per chunk).
+    only [N] log-sum-exps; backward recomputes each chunk's logits for its gradient. Targets [N, K] (K per row,
+    e.g. the sampled token and a teacher's top-k) give [N, K] log-probs from the same logits: the gradient of
+    log-prob k of a row is onehot_k - softmax, so a chunk's gradient is scatter_add(grad) - softmax x sum(grad).
+    One autograd node, so the head's weight receives one gradient per backward (ZeRO-1/2 reduce a parameter's
+    gradient once; reentrant checkpointing per chunk would accumulate it once per chunk).
 
     Numerics as the unchunked path: logits in the weight's dtype (float32 with fp32), softmax in float32, its
     gradient g cast back to the weight's dtype before the matmuls; the weight's gradient is summed over chunks
@@ -104,15 +112,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for rows in _chunks(len(hidden_NH), chunk_tokens):
             logits_CV = _tempered_logits(hidden_NH[rows], w_VH, bias_V, temperature, fp32)
             lse.append(logits_CV.logsumexp(-1))
-            logprobs.append(logits_CV.gather(-1, targets_N[rows, None])[:, 0] - lse[-1])
+            logprobs.append(logits_CV.gather(-1, _per_row(targets_N)[rows]) - lse[-1][:, None])
             del logits_CV  # before the next chunk's
-        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N, torch.cat(lse))
+        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, _per_row(targets_N), torch.cat(lse))
         ctx.temperature, ctx.chunk_tokens, ctx.fp32 = temperature, chunk_tokens, fp32
-        return torch.cat(logprobs)
+        logprobs_NK = torch.cat(logprobs)
+        return logprobs_NK if targets_N.dim() == 2 else logprobs_NK[:, 0]
 
     @staticmethod
     def backward(ctx, grad_N):
-        hidden_NH, weight_VH, bias_V, targets_N, lse_N = ctx.saved_tensors
+        hidden_NH, weight_VH, bias_V, targets_NK, lse_N = ctx.saved_tensors
+        grad_NK = _per_row(grad_N).float()
         split = ctx.fp32 and weight_VH.dtype != torch.float32
         w_gemm = _gemm_operand(weight_VH)
         grad_hidden_NH = torch.empty_like(hidden_NH)
@@ -120,11 +130,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_bias_V = None if bias_V is None else torch.zeros(bias_V.shape, dtype=torch.float32,
                                                               device=bias_V.device)
         for rows in _chunks(len(hidden_NH), ctx.chunk_tokens):
-            # d logprob_i / d logits_ij = (onehot_ij - softmax_ij) / T, in place over the recomputed logits
+            # d logprob_ik / d logits_ij = (onehot_kj - softmax_ij) / T, in place over the recomputed logits
             g_CV = _tempered_logits(hidden_NH[rows], w_gemm if ctx.fp32 else weight_VH, bias_V, ctx.temperature,
                                     ctx.fp32)
-            g_CV.sub_(lse_N[rows, None]).exp_().mul_(-grad_N[rows, None].float())
-            g_CV.scatter_add_(-1, targets_N[rows, None], grad_N[rows, None].float())
+            g_CV.sub_(lse_N[rows, None]).exp_().mul_(-grad_NK[rows].sum(-1, keepdim=True))
+            g_CV.scatter_add_(-1, targets_NK[rows], grad_NK[rows])
             if ctx.temperature != 1.0:
                 g_CV.div_(ctx.temperature)
             if grad_bias_V is not None:
@@ -257,7 +267,9 @@ def chunked_logprobs(head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: 
 
 def completion_forward(model, micro_batch: MicroBatch, device: torch.device, temperature: float = 1.0,
                        chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One forward pass over a packed micro-batch: [N] float32 log-probs of its completion tokens and, when
+    """One forward pass over a packed micro-batch: [N] float32 log-probs of its completion tokens (with a
+    `teacher_top_ids` field of k per token, rl.teacher_top_k: [N, 1 + k], column 0 the completion token's,
+    then those of the teacher's top-k) and, when
     `model` is a ValueHeadLM, [N] float32 values (else None). model: an HF causal LM, a ValueHeadLM, or the
     backend engine wrapping either (DeepSpeed's, which exposes it as `.module`). values_N[i] is the value of
     the state in which token i was chosen: the head on row target_pos_N[i] - 1, the same row whose logits
@@ -274,6 +286,8 @@ def completion_forward(model, micro_batch: MicroBatch, device: torch.device, tem
     target_pos = micro_batch.target_pos_N.to(device)
     rows_K = target_pos - 1  # only rows that predict a completion token go through the LM head
     targets_N = input_ids[0, target_pos]
+    if "teacher_top_ids" in micro_batch.fields_N:  # rl.teacher_top_k: the student's log-probs of those tokens too
+        targets_N = torch.cat([targets_N[:, None], micro_batch.fields_N["teacher_top_ids"].to(device).long()], 1)
     unwrapped = getattr(model, "module", model)
     value_head = isinstance(unwrapped, ValueHeadLM)
     lm = unwrapped.lm if value_head else unwrapped

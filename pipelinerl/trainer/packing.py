@@ -12,6 +12,7 @@ ranks to equal micro-batch counts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +25,7 @@ class Sample:
     prompt_ids: list[int]
     completion_ids: list[int]
     index: int  # position of the sample in its optimizer step (0..N-1), the same on every rank
-    token_fields: dict[str, list[float]] = field(default_factory=dict)  # one value per completion token
+    token_fields: dict[str, list] = field(default_factory=dict)  # one value (or list of k) per completion token
     seq_fields: dict[str, float] = field(default_factory=dict)  # one value for the whole sequence
 
     def __post_init__(self) -> None:
@@ -46,7 +47,7 @@ class MicroBatch:
     target_pos_N: torch.Tensor  # [N] long: row position of each completion token (predicted from pos - 1)
     seq_index_N: torch.Tensor  # [N] long: the token's Sample.index (step-wide, independent of packing)
     row_seq_N: torch.Tensor  # [N] long: the token's sequence among the row's S (0..S-1): indexes seq_fields_S
-    fields_N: dict[str, torch.Tensor]  # [N] float64 per token field
+    fields_N: dict[str, torch.Tensor]  # [N] float64 per token field ([N, k]: k values per token)
     seq_fields_S: dict[str, torch.Tensor]  # [S] float64 per sequence field, the row's sequences in row order
     num_sequences: int
     is_padding: bool = False  # an empty stand-in that keeps ranks' collectives in step; its loss is 0
@@ -104,10 +105,15 @@ def pack(samples: list[Sample], micro_batch_tokens: int, together: list | None =
 
 def padding_micro_batch(token_fields=(), seq_fields=()) -> MicroBatch:
     """Two pad tokens and one target: enough for a forward/backward that touches every parameter. Its
-    fields (names as given) are zeros: one token of one (uncounted) sequence."""
+    fields (names as given) are zeros: one token of one (uncounted) sequence. token_fields: names (one value
+    per token), or a mapping of names to each token's shape (() or (k,)) or to a real batch's [N, ...] tensors."""
+    def shape(name: str) -> tuple[int, ...]:
+        per_token = token_fields[name] if isinstance(token_fields, Mapping) else ()
+        return tuple(per_token.shape[1:]) if isinstance(per_token, torch.Tensor) else tuple(per_token)
+
     return MicroBatch(
         input_ids=torch.zeros((1, 2), dtype=torch.long), position_ids=torch.tensor([[0, 1]]),
         target_pos_N=torch.tensor([1]), seq_index_N=torch.tensor([0]), row_seq_N=torch.tensor([0]),
-        fields_N={n: torch.zeros(1, dtype=torch.float64) for n in token_fields},
+        fields_N={n: torch.zeros((1, *shape(n)), dtype=torch.float64) for n in token_fields},
         seq_fields_S={n: torch.zeros(1, dtype=torch.float64) for n in seq_fields}, num_sequences=0,
         is_padding=True)

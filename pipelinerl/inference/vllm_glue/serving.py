@@ -30,6 +30,7 @@ OWN_ENGINE_ARGS = {"generation_config": "vllm", "logprobs_mode": "processed_logp
 # Requests carry a priority (evaluation: actor.eval_priority, training 0), which vLLM refuses (HTTP 400) unless the
 # engine schedules by priority; with every priority equal it is first come, first served.
 SCHEDULING_POLICY = "priority"
+VLLM_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: the most (prompt) log-probs a request may ask for
 
 
 def vllm_argv(cfg: Config, host: str, port: int, kind: str = "policy") -> list[str]:
@@ -66,6 +67,8 @@ def vllm_argv(cfg: Config, host: str, port: int, kind: str = "policy") -> list[s
                               "max_model_len + 1 to score completions that fill max_model_len); set it at "
                               "least one below the model's max_position_embeddings")
         argv += ["--max-model-len", str(inf.max_model_len + 1)]
+        if cfg.rl.teacher_top_k > VLLM_MAX_LOGPROBS:  # the teacher's top-k come back as prompt log-probs
+            argv += ["--max-logprobs", str(cfg.rl.teacher_top_k)]
     elif kind == "reward":
         argv += ["--runner", "pooling"] if cfg.reward.kind == "model" else []  # a judge generates
     else:
