@@ -60,17 +60,15 @@ reward        the same as a reference server of the reward model's shape (reward
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import math
 import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pipelinerl.config import Config, ConfigError
+from pipelinerl.plan_shapes import ModelShape, load_shape, reward_shape, shape_at
 
 log = logging.getLogger(__name__)
 
@@ -82,92 +80,6 @@ UPDATE_GROUP_GB = 0.5  # the weight-update group's NCCL buffers, allocated after
 VLLM_BATCHED_TOKENS = 8192  # vLLM's default max_num_batched_tokens for its OpenAI server on large GPUs
 SAMPLER_COPIES = 4  # float32 [max_num_seqs, V] buffers of vLLM's sampler (logits, tempered, probs, logprobs)
 ZERO_DEFAULTS = {"stage3_max_live_parameters": 1e9, "reduce_bucket_size": 5e8, "sub_group_size": 1e9}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the plan needs of a decoder-only transformer (Qwen2 / Llama layout: q/k/v biases, SwiGLU MLP)."""
-
-    hidden: int
-    layers: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool = False
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
-    def params(self) -> int:
-        h = self.hidden
-        attention = h * self.q_dim + self.q_dim + 2 * (h * self.kv_dim + self.kv_dim) + self.q_dim * h
-        layer = attention + 3 * h * self.intermediate + 2 * h
-        return self.layers * layer + self.vocab * h * (1 if self.tied else 2) + h
-
-
-# The shipped configs' models, for planning where the model folder is not at hand (e.g. on a laptop).
-_LLAMA_31_8B = ModelShape(4096, 32, 14336, 32, 8, 128, 128256)  # no q/k/v biases: 0.01 % fewer than counted
-BUILTIN_SHAPES = {
-    "Qwen2.5-7B": ModelShape(3584, 28, 18944, 28, 4, 128, 152064),
-    "Qwen2.5-32B": ModelShape(5120, 64, 27648, 40, 8, 128, 152064),
-    "Llama-3.1-8B-Instruct": _LLAMA_31_8B,
-    "Skywork-Reward-Llama-3.1-8B-v0.2": _LLAMA_31_8B,  # a reward model: reward_shape drops the LM head
-}
-
-
-def shape_from_hf_config(hf: dict) -> ModelShape:
-    """The shape of an HF config.json (its dict)."""
-    heads = hf["num_attention_heads"]
-    return ModelShape(hf["hidden_size"], hf["num_hidden_layers"], hf["intermediate_size"], heads,
-                      hf.get("num_key_value_heads", heads), hf.get("head_dim") or hf["hidden_size"] // heads,
-                      hf["vocab_size"], bool(hf.get("tie_word_embeddings", False)))
-
-
-def load_shape(cfg: Config) -> tuple[ModelShape, str]:
-    """(shape, where it came from): model.path/config.json, else the built-in table by folder name, else the
-    tiny model's config section when `run` would build it."""
-    return shape_at(cfg.model.path, cfg.model.build_tiny_if_missing, cfg, "model.path")
-
-
-def shape_at(path: str, tiny: bool, cfg: Config, key: str) -> tuple[ModelShape, str]:
-    """load_shape for the model at `path` (`tiny`: built from model.tiny when missing; `key` names the field)."""
-    config_json = Path(path) / "config.json"
-    if config_json.is_file():
-        return shape_from_hf_config(json.loads(config_json.read_text())), str(config_json)
-    name = Path(path).name
-    if name in BUILTIN_SHAPES:
-        return BUILTIN_SHAPES[name], f"built-in shape of {name} ({config_json} not found)"
-    if tiny:
-        from pipelinerl.tiny_model import ALPHABET
-
-        t = cfg.model.tiny
-        vocab = 3 + len(ALPHABET)  # pad, bos, eos + one token per symbol (tiny_model.build_tokenizer)
-        return (ModelShape(t.hidden_size, t.num_layers, t.intermediate_size, t.num_attention_heads,
-                           t.num_key_value_heads, t.hidden_size // t.num_attention_heads, vocab),
-                "model.tiny (to be built)")
-    raise ConfigError(f"config `{key}`: {config_json} not found and {name!r} has no built-in shape "
-                      f"({', '.join(BUILTIN_SHAPES)}); point {key} at the HF model folder")
-
-
-def reward_shape(cfg: Config, policy: ModelShape) -> tuple[ModelShape, str]:
-    """The reward model's shape (reward.model_path, as load_shape), its one-logit head in place of the LM head;
-    the policy's shape where the folder is not at hand (a reward model of the policy's family and size, as in
-    seed 004), said in the note."""
-    try:
-        shape, source = shape_at(cfg.reward.model_path, cfg.reward.build_tiny_if_missing, cfg, "reward.model_path")
-    except ConfigError:
-        shape, source = policy, f"the policy's shape ({cfg.reward.model_path}/config.json not found)"
-    if cfg.reward.kind == "judge":  # a judge is a whole language model
-        return shape, source
-    return dataclasses.replace(shape, tied=True), source  # a head of H x 1, not a second V x H matrix
 
 
 @dataclass

@@ -15,7 +15,13 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS))
 
-from bench_pipeline_vs_conventional import ENGINE_CORE, RoleCpuSampler, _stream_stats, cpu_per_role  # noqa: E402
+from bench_pipeline_vs_conventional import (  # noqa: E402
+    ENGINE_CORE,
+    RoleCpuSampler,
+    _stream_stats,
+    cpu_per_role,
+    role_of,
+)
 
 # burns `cpu_s` of its own CPU time, then waits for the file `stop`
 BURN = """
@@ -59,11 +65,13 @@ def sampling(argv: list[str], stop: Path):
 def test_cpu_time_is_split_by_role(tmp_path):
     stop = tmp_path / "stop"
     with sampling([sys.executable, "-c", LAUNCHER, BURN, str(stop), "pipelinerl.cli", "run"], stop) as sampler:
-        # every role has burnt its CPU time once the sampler has seen it (bounded: a loaded machine is slower)
+        # every role sampled, and each burner's CPU time burnt, before its processes are let go (bounded: a
+        # loaded machine is slower)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             latest = sampler.samples[-1][1] if sampler.samples else {}
-            if latest.get("actor", 0) >= 1.0 and latest.get(ENGINE_CORE, 0) >= 0.6:
+            if ("server API" in latest and "launcher" in latest and latest.get("actor", 0) >= 1.0
+                    and latest.get(ENGINE_CORE, 0) >= 0.6):
                 break
             time.sleep(0.1)
     first, last = sampler.samples[0], sampler.samples[-1]
@@ -80,6 +88,36 @@ def test_cpu_time_is_split_by_role(tmp_path):
     window = cpu_per_role(sampler.samples, first[0], last[0])
     assert window == {role: cpu_s - first[1].get(role, 0.0) for role, cpu_s in totals.items()}
     assert cpu_per_role([], 0, 1) == {}
+
+
+class FakeProc:
+    """A psutil.Process stand-in: its command line reads, one per call (the last repeats), and its parent."""
+
+    def __init__(self, *reads: list[str], parent: FakeProc | None = None):
+        self.reads, self._parent = list(reads), parent
+
+    def cmdline(self) -> list[str]:
+        return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
+
+    def name(self) -> str:
+        return "python"
+
+    def parent(self) -> FakeProc | None:
+        return self._parent
+
+
+def test_a_role_exiting_between_reads_is_not_passed_to_its_parent():
+    """A process whose command line is gone by a second read (it is exiting) keeps its own role, or none:
+    never its parent's (the launcher's, which replaced a role the sampler had seen, and lost it)."""
+    launcher = FakeProc(["python", "-c", "...", "pipelinerl.cli", "run"])
+    actor = FakeProc(["python", "-c", "...", "pipelinerl.cli", "actor"], [], parent=launcher)
+    assert role_of(actor) == "actor"
+    assert role_of(actor) is None  # exiting by now
+    # a child of an exiting role: its parent's role can't be told, and the grandparent's isn't its own
+    server = FakeProc([], parent=launcher)
+    assert role_of(FakeProc(["python", "-c", "..."], parent=server)) is None
+    assert role_of(FakeProc(["python", "-c", "..."], parent=launcher)) == "launcher"
+    assert role_of(FakeProc(["python", "-c", "..."])) is None  # outside the run
 
 
 def test_processes_outside_the_roles_are_not_counted(tmp_path):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pipelinerl"
 ROLE_PACKAGES = ("actor", "inference", "launch", "trainer", "weights", "streams", "tasks", "rl", "evaluate",
-                 "plan", "cli")
+                 "plan", "plan_shapes", "cli")
 
 
 def _graph() -> dict[str, set[str]]:

@@ -20,7 +20,8 @@ from helpers import worker_port
 from pipelinerl import cli
 from pipelinerl.config import ConfigError, load_config
 from pipelinerl.launch.procs import free_port
-from pipelinerl.plan import BUILTIN_SHAPES, check_before_start, load_shape, plan_for
+from pipelinerl.plan import check_before_start, plan_for
+from pipelinerl.plan_shapes import BUILTIN_SHAPES, load_shape
 from pipelinerl.weights import (
     InitRequest,
     TensorMeta,

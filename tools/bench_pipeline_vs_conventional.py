@@ -89,13 +89,19 @@ def role_of(proc) -> str | None:
         # vLLM's engine core (and, with several ranks, its workers): vLLM retitles them (command line, name)
         if proc.name().startswith("VLLM::") or argv[0].startswith("VLLM::"):
             return ENGINE_CORE
-        for p in (proc, *proc.parents()):
-            argv = p.cmdline()
-            if "pipelinerl.cli" in argv[:-1]:
-                return ROLE_COMMANDS.get(argv[argv.index("pipelinerl.cli") + 1])
+        # the process, then its ancestors, nearest first; each command line read once: a process can exit
+        # between two reads, and an empty second read would pass it on to its parent (an exiting role
+        # counted as the launcher's, its own role gone from the samples)
+        while "pipelinerl.cli" not in argv[:-1]:
+            proc = proc.parent()
+            if proc is None:
+                return None
+            argv = proc.cmdline()
+            if not argv:  # that ancestor is exiting: the role it had can't be told now
+                return None
+        return ROLE_COMMANDS.get(argv[argv.index("pipelinerl.cli") + 1])
     except psutil.Error:
         return None
-    return None
 
 
 class RoleCpuSampler(threading.Thread):
