@@ -37,3 +37,17 @@ def test_reward_servers_parse_with_vllms_own_parser_pooling_for_a_model_generati
     for args in (model, judge):
         assert args.scheduling_policy == "priority" and args.worker_extension_cls in ("", None)
         assert args.logprobs_mode != "processed_logprobs"
+
+
+def test_a_teacher_server_serves_rl_teacher_and_returns_the_top_k_it_is_asked_for(tmp_path):
+    """rl.teacher_top_k above vLLM's default --max-logprobs (VLLM_MAX_LOGPROBS, checked against vLLM's own
+    parser) raises it on the reference servers, which serve the teacher; within it the default stands."""
+    from pipelinerl.inference.vllm_glue.serving import VLLM_MAX_LOGPROBS, parse_vllm_args, vllm_argv
+
+    def parsed(k):
+        cfg = load_config(None, [f"run_dir={tmp_path}", "model.path=m", "inference.max_model_len=64",
+                                 "rl.teacher=/teacher", f"rl.teacher_top_k={k}"])
+        return parse_vllm_args(vllm_argv(cfg, "127.0.0.1", 1, "reference"))
+
+    assert parsed(8).max_logprobs == VLLM_MAX_LOGPROBS
+    assert (parsed(32).model, parsed(32).max_logprobs) == ("/teacher", 32)

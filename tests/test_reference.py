@@ -119,18 +119,56 @@ def test_the_actor_writes_the_initial_models_logprobs_for_every_completion_token
         torch.testing.assert_close(torch.tensor(r["reference_logprobs"]), torch.tensor(want), rtol=0, atol=ATOL)
 
 
+def _probe(cfg, servers, run_dir: Path) -> Actor:
+    """An actor of `cfg` whose run directory announces the module's reference server."""
+    (run_dir / REFERENCE_SERVERS_DIR).mkdir()
+    for url in servers["reference"]:
+        (run_dir / REFERENCE_SERVERS_DIR / url.split("//")[1].replace(":", "_")).write_text(url + "\n")
+    return Actor(cfg, "probe")
+
+
+def test_the_teachers_top_k_are_the_reference_models_k_likeliest_tokens(servers, tmp_path):
+    """rl.teacher_top_k=5 against the real reference server: at every completion position the 5 tokens and
+    log-probs it returns are transformers' top 5 of log_softmax (ids compared where the 5th and 6th are not tied
+    within tolerance), likeliest first; the sampled tokens' own log-probs are unchanged."""
+    model_dir = servers["cfg"].model.path  # the module's reference server serves it: the teacher here
+    cfg = _config(tmp_path / "run", model_dir, f"rl.teacher={model_dir}", "rl.teacher_top_k=5")
+    prompt = [5, 6, 7, 8, 9]
+    completions = [Completion([(7 * k + 2) % 16 for k in range(n)], [], [], "", False) for n in (6, 1)]
+    actor = _probe(cfg, servers, Path(cfg.run_dir))
+    try:
+        async def score():
+            async with httpx.AsyncClient() as http:
+                await actor.client.score_reference(http, prompt, completions, top_k=5)
+
+        asyncio.run(score())
+    finally:
+        actor.close()
+    for c in completions:
+        torch.testing.assert_close(torch.tensor(c.reference_logprobs),
+                                   torch.tensor(hf_logprobs(servers["model"], prompt, c.token_ids)), rtol=0, atol=ATOL)
+        with torch.no_grad():
+            logits = servers["model"](torch.tensor([prompt + c.token_ids])).logits[0].float()
+        want = torch.log_softmax(logits, -1)[len(prompt) - 1:len(prompt) - 1 + len(c.token_ids)].topk(6)
+        got_ids = torch.tensor(c.teacher_top_ids).view(-1, 5)
+        got = torch.tensor(c.teacher_top_logprobs).view(-1, 5)
+        torch.testing.assert_close(got, want.values[:, :5], rtol=0, atol=ATOL)
+        clear = (want.values[:, 4] - want.values[:, 5]) > 10 * ATOL
+        assert clear.any()
+        for t in range(len(c.token_ids)):
+            if clear[t]:
+                assert set(got_ids[t].tolist()) == set(want.indices[t, :5].tolist())
+
+
 @pytest.mark.slow
 def test_a_sequence_filling_max_model_len_is_scored(servers, tmp_path):
     """prompt + completion == max_model_len: vLLM refuses such a prompt on a server of that length (no
     room for the token it must generate); the reference server's max_model_len + 1 leaves that room."""
     cfg = _config(tmp_path / "run", servers["cfg"].model.path)
-    (Path(cfg.run_dir) / REFERENCE_SERVERS_DIR).mkdir()
-    for url in servers["reference"]:  # announce the module's reference server in this run directory
-        (Path(cfg.run_dir) / REFERENCE_SERVERS_DIR / url.split("//")[1].replace(":", "_")).write_text(url + "\n")
     prompt = [5, 6, 7, 8, 9]
     lengths = [MAX_MODEL_LEN - len(prompt), 3]
     completions = [Completion([(11 * k + 3) % 16 for k in range(n)], [], [], "", False) for n in lengths]
-    actor = Actor(cfg, "probe")
+    actor = _probe(cfg, servers, Path(cfg.run_dir))
     try:
         async def score():
             async with httpx.AsyncClient() as http:
