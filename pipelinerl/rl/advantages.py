@@ -124,13 +124,3 @@ def distill_advantages(teacher_T: torch.Tensor, student_T: torch.Tensor, baselin
     gap_T = (teacher_T - student_T) * keep_T
     return coef * (gap_T - baseline_T * keep_T) + task_weight * task_T * keep_T, -gap_T.sum()
 
-
-def teacher_top_k_kl(teacher_TK: torch.Tensor, student_TK: torch.Tensor) -> torch.Tensor:
-    """[T] KL(teacher top-k || student) at each position: sum over the teacher's k likeliest tokens of
-    q (log q - log p), q their teacher probabilities, log p the student's log-probs of the same tokens. The
-    teacher's mass outside its top-k is left out (q is not renormalised), so with k = the vocabulary it is the
-    exact forward KL. Its gradient, -sum_k q_k grad log p_k, is the cross-entropy's toward the teacher at every
-    position of the student's own samples (on-policy distillation with a dense target, as in GKD), with no
-    sampling noise per position, unlike the sampled token's gap (distill_advantages)."""
-    q_TK = teacher_TK.exp()
-    return (q_TK * (teacher_TK - student_TK)).sum(-1)

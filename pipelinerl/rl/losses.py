@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pipelinerl.config import RLConfig
-from pipelinerl.rl.advantages import distill_advantages, teacher_top_k_kl
+from pipelinerl.rl.advantages import distill_advantages
 from pipelinerl.rl.stats import k3_kl, token_stats
 
 # |log(ref / new)| bound inside the k3 KL term. A token the current policy has moved far from the
@@ -100,6 +100,19 @@ def _kl_to_reference(new_T, ref_T, keep_T, num_sequences: int, kl_coef: float):
     return kl_loss, {"kl_loss": kl_loss.detach().double(), "kl_ref_sum": kl_sum.detach().double()}
 
 
+def _kl_to_teacher_top_k(teacher_TK, student_TK, keep_T, num_sequences: int, coef: float):
+    """rl.teacher_top_k: coef * KL(teacher top-k || student) summed over kept tokens / num_sequences, and its
+    statistics. At each position the KL is the sum over the teacher's k likeliest tokens of q (log q - log p), q
+    their teacher probabilities, log p the student's log-probs of the same tokens; the teacher's mass outside its
+    top-k is left out (q is not renormalised), so with k = the vocabulary it is the exact forward KL. Its gradient,
+    -sum_k q_k grad log p_k, is the cross-entropy's toward the teacher at every position of the student's own
+    samples (on-policy distillation with a dense target, as in GKD), with no sampling noise per position, unlike
+    the sampled token's gap (advantages.distill_advantages)."""
+    kl_T = (teacher_TK.exp() * (teacher_TK - student_TK)).sum(-1) * keep_T
+    loss = coef * kl_T.sum() / num_sequences
+    return loss, {"distill_top_k_loss": loss.detach().double(), "distill_top_k_kl_sum": kl_T.detach().sum().double()}
+
+
 @dataclass
 class LossInputs:
     """One packed micro-batch's tensors for `compute_loss`. T = packed completion tokens of several sequences.
@@ -166,10 +179,9 @@ def compute_loss(inputs: LossInputs, cfg: RLConfig) -> tuple[torch.Tensor, dict[
     if cfg.teacher_top_k:
         teacher_TK, student_TK = inputs.teacher_top_logprobs_TK, inputs.student_top_logprobs_TK
         assert teacher_TK is not None and student_TK is not None, "rl.teacher_top_k needs both top-k log-probs"
-        kl_T = teacher_top_k_kl(teacher_TK.detach().to(new_logprobs_T.dtype), student_TK) * keep_T
-        top_k_loss = cfg.teacher_coef * kl_T.sum() / num_sequences
-        stats.update(distill_top_k_loss=top_k_loss.detach().double(),
-                     distill_top_k_kl_sum=kl_T.detach().sum().double())
+        top_k_loss, top_k_stats = _kl_to_teacher_top_k(teacher_TK.detach().to(new_logprobs_T.dtype), student_TK,
+                                                       keep_T, num_sequences, cfg.teacher_coef)
+        stats.update(top_k_stats)
         loss = loss + top_k_loss
     if cfg.kl_coef > 0:
         kl_loss, kl_stats = _kl_to_reference(new_logprobs_T, ref_logprobs_T, keep_T, num_sequences, cfg.kl_coef)
