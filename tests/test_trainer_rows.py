@@ -109,6 +109,10 @@ def test_teacher_top_k_rows_become_k_values_per_token_packed_as_columns():
     new = torch.tensor([[-0.5, -0.25, -1.5]] * 3, dtype=torch.float64)  # student = teacher at every position
     loss, stats = _loss_fn(cfg, 2, 0, torch.device("cpu"), [])(mb, new, None)
     assert loss.item() == 0.0 and float(stats["distill_top_k_kl_sum"]) == 0.0
+    apart = torch.tensor([[-0.5, -1.0, -1.0]] * 3, dtype=torch.float64)  # columns 1.. are the student's top-k
+    loss, _ = _loss_fn(cfg, 2, 0, torch.device("cpu"), [])(mb, apart, None)
+    per_token = math.exp(-0.25) * (-0.25 + 1.0) + math.exp(-1.5) * (-1.5 + 1.0)
+    assert loss.item() == pytest.approx(3 * per_token / 2, rel=1e-12)  # 3 tokens over the step's 2 sequences
     pad = padding_micro_batch(*_field_names(cfg))
     assert pad.fields_N["teacher_top_ids"].shape == (1, 2)
     assert padding_micro_batch(mb.fields_N, mb.seq_fields_S).fields_N["teacher_top_logprobs"].shape == (1, 2)
@@ -265,6 +269,19 @@ def test_dpo_step_loss_is_the_mean_over_the_pairs_of_every_rank(tmp_path):
         assert stats["dpo_loss"] == pytest.approx(sum(PAIR_LOSSES) / 2, rel=1e-12)
         assert stats["dpo_accuracy"] == 1.0 and stats["dpo_margin"] == pytest.approx(sum(MARGINS) / 2)
     assert sum(ranks[0]["losses"]) == pytest.approx(sum(PAIR_LOSSES) / 2, rel=1e-12) and ranks[1]["losses"] == []
+
+
+def test_a_rank_with_nothing_to_train_logs_the_teacher_top_k_keys_as_zeros():
+    """rl.teacher_top_k: a rank whose share holds only empty completions trains nothing, yet its statistics have
+    the same keys as the other ranks' (the all-reduce needs them), from a padding pass shaped [1, 1 + k]; its
+    per-token mean is NaN (no token), as every per-token mean of an empty step."""
+    cfg = load_config(None, ["run_dir=x", "model.path=m", "actor.attempts=2", "rl.teacher=t", "rl.teacher_top_k=3"])
+    batches = [_group("a", [1.0, 0.0], [[], []])]
+    samples = rows_to_samples(batches, version=0, first_index=0, cfg=cfg)
+    trainer = ShiftedScores()
+    stats = train_step(trainer, samples, cfg, DistInfo(0, 1, 0, "gloo"), LoopState(), [])
+    assert trainer.losses == [] and stats["distill_top_k_loss"] == 0.0 and stats["kept_tokens"] == 0.0
+    assert math.isnan(stats["distill_top_k_kl"]) and math.isnan(stats["distill_reverse_kl"])
 
 
 def test_tokens_of_a_discarded_lineage_lag_from_the_resume_point_never_negative():
