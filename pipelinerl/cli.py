@@ -79,14 +79,15 @@ def cmd_streams_inspect(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from pipelinerl.inference.server import serve
+    from pipelinerl.rundir import POLICY_KINDS
 
     overrides = list(args.overrides)
     if args.model is not None:
         overrides.append(f"model.path={args.model}")
     if args.run_dir is not None:
         overrides.append(f"run_dir={args.run_dir}")
-    kind = "reference" if args.reference else "reward" if args.reward else "policy"
-    if kind != "policy" and args.version != 0:
+    kind = "reference" if args.reference else "reward" if args.reward else "eval" if args.eval else "policy"
+    if kind not in POLICY_KINDS and args.version != 0:
         raise ConfigError(f"--version is the policy version of a policy server's weights; a {kind} server serves "
                           "a frozen model: drop --version")
     cfg = load_config(args.config, overrides)
@@ -220,13 +221,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="TCP port (default: inference.base_port)")
     p.add_argument("--run-dir", default=None, help="run directory: auth token + discovery (or run_dir=)")
     p.add_argument("--version", type=int, default=0, help="policy version of the weights loaded (default 0)")
-    frozen = p.add_mutually_exclusive_group()
-    frozen.add_argument("--reference", action="store_true",
-                        help="a frozen reference server for reference log-probs: announced in "
-                             "RUN_DIR/reference_servers/, refuses weight updates")
-    frozen.add_argument("--reward", action="store_true",
-                        help="a reward server of reward.model_path (vLLM's pooling runner, POST /classify): announced "
-                             "in RUN_DIR/reward_servers/, refuses weight updates")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--reference", action="store_true",
+                      help="a frozen reference server for reference log-probs: announced in "
+                           "RUN_DIR/reference_servers/, refuses weight updates")
+    kind.add_argument("--reward", action="store_true",
+                      help="a reward server of reward.model_path (vLLM's pooling runner, POST /classify): announced "
+                           "in RUN_DIR/reward_servers/, refuses weight updates")
+    kind.add_argument("--eval", action="store_true",
+                      help="an eval server (inference.eval_servers): a policy server that only evaluates, announced in "
+                           "RUN_DIR/eval_servers/ (the trainer updates it over a weight group of its own)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("train", help="run one trainer rank (RANK, WORLD_SIZE, ... from torchrun or srun), or "

@@ -25,8 +25,9 @@ trainer rank  params: b x P, sharded over N by ZeRO-3; grads: the float32 accumu
               two counts. cuda_runtime: CUDA context, NCCL communicators, allocator fragmentation (a fixed
               2 GB). The plan is rank 0's, the fullest: with NCCL weight updates its two send buffers,
               2 x max(bucket, largest tensor x b), stay on its GPU from one round to the next.
-              Host RAM of rank 0's node: the published versions, 2 x b x P (weights/publish.py), and with
-              delta updates the encoder's base, b x P more.
+              Host RAM of rank 0's node: the published versions, 2 x b x P (weights/publish.py; 3 x b x P
+              with evaluation servers, whose delivery leases a version of its own), and with delta updates
+              each delivery's encoder base, b x P more each.
               trainer.backend=fsdp2: float32 master params, float32 grads and Adam m and v, all sharded over
               N: 16 B x P / N; fsdp_buffers: the root module's gathered params (embeddings, final norm, LM
               head: R = V x H x (1 or 2 untied) + H), which stay gathered from forward to backward, and two
@@ -339,7 +340,9 @@ def _nccl(cfg: Config) -> bool:
 def trainer_host_bytes(cfg: Config, shape: ModelShape) -> dict[str, float]:
     """Host RAM in GB of trainer rank 0 (module docstring)."""
     model = DTYPE_BYTES[cfg.model.dtype] * shape.params / GB
-    return {"published_versions": 2 * model, **({"delta_base": model} if cfg.trainer.broadcast_delta == "auto" else {})}
+    deliveries = 1 + (cfg.inference.eval_servers > 0)  # the evaluation servers' delivery: a reader and a base more
+    return {"published_versions": (1 + deliveries) * model,
+            **({"delta_base": deliveries * model} if cfg.trainer.broadcast_delta == "auto" else {})}
 
 
 def host_nodes(cfg: Config, roles: dict[str, RolePlan]) -> dict[str, float]:

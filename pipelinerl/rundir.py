@@ -9,6 +9,9 @@ RUN_DIR/reference_servers/*   the same for the frozen reference-model servers (`
                               a folder of their own, so the trainer never broadcasts weights to them
                               and the actor never samples from them
 RUN_DIR/reward_servers/*      the same for the reward-model servers (`serve --reward`, reward.kind=model)
+RUN_DIR/eval_servers/*        the same for the evaluation servers (`serve --eval`): policy servers that
+                              only evaluate (the actor's training requests never reach them) and take
+                              weight updates over a group of their own
 
 Files are published whole by rename/link: parallel filesystems (Lustre, GPFS, NFS) give no reliable locks,
 inotify or append visibility, so writers publish whole files and readers poll.
@@ -29,6 +32,11 @@ TOKEN_FILE = "auth_token"
 SERVERS_DIR = "servers"
 REFERENCE_SERVERS_DIR = "reference_servers"
 REWARD_SERVERS_DIR = "reward_servers"
+EVAL_SERVERS_DIR = "eval_servers"
+# Each kind of server (`pipelinerl serve`, `serve --reference` / `--reward` / `--eval`) -> the folder it announces in.
+SERVER_FOLDERS = {"policy": SERVERS_DIR, "reference": REFERENCE_SERVERS_DIR, "reward": REWARD_SERVERS_DIR,
+                  "eval": EVAL_SERVERS_DIR}
+POLICY_KINDS = ("policy", "eval")  # the kinds that serve the policy: they take weight updates, report versions
 
 
 def run_fingerprint(token: str) -> str:

@@ -406,15 +406,16 @@ def _scalars(folder: Path) -> dict[str, float]:
     return {tag: acc.Scalars(tag)[-1].value for tag in acc.Tags()["scalars"]}
 
 
-def _choice(k: int, text: str, length: int, finished: bool) -> dict:
+def _choice(k: int, text: str, length: int, finished: bool, version: int = 3) -> dict:
     return {"index": k, "text": text, "token_ids": [5] * length, "logprobs": {"token_logprobs": [-0.5] * length},
-            "policy_versions": [3] * length, "finish_reason": "stop" if finished else "length"}
+            "policy_versions": [version] * length, "finish_reason": "stop" if finished else "length"}
 
 
 def test_the_actor_evaluates_every_set_and_logs_pass_at_k(tmp_path, tiny_model_dir):
     """The held-out split (greedy, 2 items) and a named set (3 items x 4 samples at T = 1) against a fake
     server whose answers are scripted per prompt: the scalars equal the hand-computed pass@1, pass@4, mean
-    length and truncation rate, and every completion reaches the `eval` topic tagged with its set."""
+    length and truncation rate, and every completion reaches the `eval` topic tagged with its set. One item's
+    completion comes from version 5 (an update landed mid-evaluation on a training server): the version spread is 2."""
     sums = tmp_path / "sums.jsonl"
     sums.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n"
                             for q, a in (("12+34=", "64"), ("25+25=", "05"), ("99+99=", "891"))))
@@ -439,7 +440,8 @@ def test_the_actor_evaluates_every_set_and_logs_pass_at_k(tmp_path, tiny_model_d
         body = json.loads(request.content)
         item = by_prompt[tuple(body["prompt"])]
         requests.append((item.id, body["n"], body["temperature"], body["priority"]))
-        return httpx.Response(200, json={"choices": [_choice(k, item.answer if ok else "0", length, finished)
+        version = 5 if item.id == "sums.jsonl:2" else 3
+        return httpx.Response(200, json={"choices": [_choice(k, item.answer if ok else "0", length, finished, version)
                                                      for k, (ok, length, finished) in enumerate(script[item.id])]})
 
     async def evaluate() -> dict:
@@ -458,7 +460,8 @@ def test_the_actor_evaluates_every_set_and_logs_pass_at_k(tmp_path, tiny_model_d
                 "eval/default/truncation_rate": 0.5,
                 "eval/sums/pass@1": (0 / 4 + 1 / 4 + 3 / 4) / 3,  # mean success
                 "eval/sums/pass@4": (0 + 1 + 1) / 3,  # 1 - C(4 - c, 4) / C(4, 4): a prompt with any success
-                "eval/sums/mean_length": sum(lengths[2:]) / 12, "eval/sums/truncation_rate": 3 / 12}
+                "eval/sums/mean_length": sum(lengths[2:]) / 12, "eval/sums/truncation_rate": 3 / 12,
+                "eval/version_spread": 2.0}
     assert returned == pytest.approx(expected)
     assert _scalars(tmp_path / "run" / "tb" / "probe") == pytest.approx(expected)
     reader = StreamReader(cfg.run_dir, "eval", cfg.streams)
@@ -738,7 +741,7 @@ def test_a_multi_turn_task_is_evaluated_in_episodes(tmp_path, tiny_model_dir):
     assert len(requests) == 3 and all(t == 0.0 and p == 1 for _, _, t, p in requests)  # every turn at eval priority
     model_tokens = [len(call) + 1 + len(first.answer) + 1, 1 + 1]
     expected = {"eval/default/pass@1": 0.5, "eval/success": 0.5, "eval/default/mean_length": sum(model_tokens) / 2,
-                "eval/default/truncation_rate": 0.0}
+                "eval/default/truncation_rate": 0.0, "eval/version_spread": 0.0}  # every model turn of version 3
     assert returned == pytest.approx(expected)
     groups = [g.to_pylist() for g in StreamReader(cfg.run_dir, "eval", cfg.streams).read_groups(2, timeout_s=5.0)]
     rows = {json.loads(g[0]["metadata"])["prompt_id"]: g[0] for g in groups}

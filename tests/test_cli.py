@@ -62,6 +62,27 @@ def test_overrides_before_and_after_options():
     assert args.nproc == 2 and args.overrides == ["a=1", "b=2"]
 
 
+def test_serve_kinds_are_exclusive_and_only_policy_kinds_take_a_version(monkeypatch, capsys):
+    """`serve --eval` is a policy server that only evaluates: it takes --version like `serve`; a frozen kind
+    (--reference, --reward) refuses it, and two kinds at once are refused by the parser."""
+    import pipelinerl.inference.server
+    from pipelinerl.config import ConfigError
+
+    served = []
+    monkeypatch.setattr(pipelinerl.inference.server, "serve",
+                        lambda cfg, port, version, kind: served.append((cfg.run_dir, port, version, kind)))
+    for flags, kind in (([], "policy"), (["--eval"], "eval")):
+        args = parse_args(["serve", str(TINY), *flags, "--model", "m", "--version", "3", "--port", "9001", "run_dir=r"])
+        args.func(args)
+        assert served.pop() == ("r", 9001, 3, kind)
+    args = parse_args(["serve", str(TINY), "--reward", "--version", "3"])
+    with pytest.raises(ConfigError, match="a reward server serves a frozen model: drop --version"):
+        args.func(args)
+    with pytest.raises(SystemExit) as err:
+        parse_args(["serve", str(TINY), "--eval", "--reference"])
+    assert err.value.code == 2 and "not allowed with argument --eval" in capsys.readouterr().err
+
+
 def test_slurm_takes_its_own_command_line_options_first_too():
     assert parse_args(["slurm", "--help"]).slurm_args == ["--help"]
     args = parse_args(["slurm", "script", "--job-name", "x", str(TINY), "a=1"])

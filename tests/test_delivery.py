@@ -184,6 +184,40 @@ def test_a_process_whose_delivery_is_stuck_closes_and_exits_in_bounded_time(tmp_
     assert hung.updater.version == 0
 
 
+def test_a_held_server_is_left_alone_until_released_then_catches_up_without_a_new_version(tmp_path):
+    """The evaluation servers' delivery (trainer/loop.py start_delivery(evaluation=True)): a server held for an
+    evaluation (POST /hold) keeps its version while the other moves on, with no failed round and no backoff; once
+    released it is brought to the newest version with no further publish."""
+    from pipelinerl.trainer.loop import held_servers
+
+    trainer = Trainer()
+    servers = [Server(trainer.wire()), Server(trainer.wire())]
+    for s in servers:
+        publish_server(tmp_path, "127.0.0.1", s.port)
+    control = ControlClient(TOKEN, 5.0)
+    assert control.hold(servers[1].url, 60)["version"] == 0
+    publication = Publication()
+    d = _delivery(tmp_path, publication, held=lambda urls: held_servers(control, urls))
+    try:
+        for version in (1, 2):
+            trainer.step(lr=1e-5)
+            _publish(publication, version, trainer)
+            _wait_until(f"the free server at version {version}", lambda v=version: servers[0].updater.version == v)
+        _wait_until("a round that saw the hold", lambda: servers[1].url in d.describe() and "(held)" in d.describe())
+        assert servers[1].updater.version == 0 and servers[1].updater.updates == 0
+        assert all(r.ok and r.servers == (servers[0].url,) for r in d.reports())
+        assert d.servers[servers[1].url].failures == 0
+        assert control.release(servers[1].url) == {"version": 0, "held": True}
+        _wait_until("the released server at version 2", lambda: servers[1].updater.version == 2)
+        for s in servers:
+            assert_serving(s, trainer.wire())
+        assert d.failure is None
+    finally:
+        d.close()
+        for s in servers:
+            s.stop()
+
+
 def test_publishing_never_waits_for_a_delivery_and_never_overwrites_a_leased_version():
     publication = Publication()
     meta = [TensorMeta("w", "float32", [4])]
@@ -199,6 +233,25 @@ def test_publishing_never_waits_for_a_delivery_and_never_overwrites_a_leased_ver
     with publication.lease() as snap:
         assert snap.version == 4 and snap.tensors[0].tolist() == [4.0] * 4
     assert publication.wait_newer(4, 0.01) == 4  # nothing newer: returns at the timeout
+
+
+def test_two_readers_each_keep_their_lease_intact_while_publishing_goes_on():
+    """With the evaluation servers' delivery beside the training servers' (Publication(readers=2)), both may hold
+    a lease, of one version or of two, and publishing still never waits and never writes a leased buffer."""
+    publication = Publication(readers=2)
+    meta = [TensorMeta("w", "float32", [4])]
+    publication.publish(1, meta, [torch.full((4,), 1.0)])
+    with publication.lease() as first, publication.lease() as same:
+        assert first is same and first.leases == 2
+        publication.publish(2, meta, [torch.full((4,), 2.0)])
+        with publication.lease() as second:
+            assert second.version == 2
+            for v in (3, 4, 5):  # both older buffers are leased: the third takes every new version
+                publication.publish(v, meta, [torch.full((4,), float(v))])
+            assert first.tensors[0].tolist() == [1.0] * 4 and second.tensors[0].tolist() == [2.0] * 4
+        assert first.leases == 2 and second.leases == 0
+    with publication.lease() as snap:
+        assert snap.version == 5 and snap.tensors[0].tolist() == [5.0] * 4
 
 
 def test_servers_all_restarted_on_their_addresses_get_a_new_group(tmp_path):

@@ -51,3 +51,18 @@ def test_a_teacher_server_serves_rl_teacher_and_returns_the_top_k_it_is_asked_fo
 
     assert parsed(8).max_logprobs == VLLM_MAX_LOGPROBS
     assert (parsed(32).model, parsed(32).max_logprobs) == ("/teacher", 32)
+
+
+def test_an_eval_servers_command_line_is_the_policy_servers(tmp_path):
+    """`serve --eval` runs vLLM exactly as a policy server does, read by vLLM's own parser: the policy's model, its
+    weight-transfer engine and worker extension, its processed log-probs."""
+    from pipelinerl.inference.vllm_glue import ENGINE_NAME, WORKER_EXTENSION
+    from pipelinerl.inference.vllm_glue.serving import parse_vllm_args, vllm_argv
+
+    cfg = load_config(None, [f"run_dir={tmp_path}", "model.path=m", "inference.max_model_len=64",
+                             "inference.eval_servers=1", "rl.teacher=/teacher", "reward.kind=model",
+                             "reward.model_path=/rm"])
+    assert vllm_argv(cfg, "127.0.0.1", 1, "eval") == vllm_argv(cfg, "127.0.0.1", 1, "policy")
+    args = parse_vllm_args(vllm_argv(cfg, "127.0.0.1", 1, "eval"))
+    assert (args.model, args.max_model_len, args.logprobs_mode) == ("m", 64, "processed_logprobs")
+    assert args.worker_extension_cls == WORKER_EXTENSION and args.weight_transfer_config.backend == ENGINE_NAME

@@ -60,6 +60,46 @@ def test_local_roles_get_disjoint_gpus_in_the_launchers_own_ids(tmp_path):
     assert trainer.argv[trainer.argv.index("--nproc") + 1] == "3"
 
 
+def test_eval_servers_take_gpu_slots_and_their_own_cores_and_restart_from_the_latest_checkpoint(tmp_path):
+    """inference.eval_servers: after the policy and frozen servers, each on the next server GPUs; on
+    launch.eval_cpus (affinity and vLLM's OMP binding; outside the inference_cpus split, and allowed to share the
+    trainer's cores); announced in RUN_DIR/eval_servers; restarted like a policy server, from the latest
+    checkpoint pinned under local_eval<i>."""
+    cfg = load_config(TINY, [f"run_dir={tmp_path}", "inference.num_servers=2", "inference.eval_servers=1",
+                             "rl.kl_coef=0.1", "inference.base_port=18200"])
+    servers, _, _ = _roles(cfg, tmp_path / "config.yaml", placement(cfg, [str(i) for i in range(8)]))
+    assert [(r.name, r.env["CUDA_VISIBLE_DEVICES"]) for r in servers] == [
+        ("server0", "0"), ("server1", "1"), ("reference0", "2"), ("eval0", "3")]  # the first half of the GPUs
+    with pytest.raises(ConfigError, match="needs 4 GPUs; the servers have 3"):
+        placement(cfg, [str(i) for i in range(6)])  # the eval server's slot is the fourth
+    pinned = load_config(TINY, [f"run_dir={tmp_path}", "inference.num_servers=2", "inference.eval_servers=1",
+                                "launch.inference_cpus=0-1", "launch.training_cpus=2", "launch.eval_cpus=2"])
+    servers, trainer, _ = _roles(pinned, tmp_path / "config.yaml", placement(pinned, [], cores=[0, 1, 2]))
+    assert [(r.name, r.cpus) for r in servers] == [("server0", [0]), ("server1", [1]), ("eval0", [2])]
+    assert trainer.cpus == [2]  # shared with the eval server, which mostly waits
+    cfg = load_config(TINY, [f"run_dir={tmp_path}", "inference.eval_servers=1", "launch.eval_cpus=1"])
+    servers, _, _ = _roles(cfg, tmp_path / "config.yaml", placement(cfg, [], cores=[0, 1]))
+    server, evaluator = servers
+    assert server.cpus is None and server.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # the others float
+    assert evaluator.cpus == [1] and evaluator.env == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert evaluator.log_path == tmp_path / "logs" / "eval0.log"
+    assert evaluator.discovery == tmp_path / "eval_servers" / f"127.0.0.1_{cfg.inference.base_port + 2}"
+    checkpoint = tmp_path / "checkpoints" / "step_00000005"
+    (checkpoint / "hf").mkdir(parents=True)
+    (checkpoint / "hf" / "model.safetensors").write_text("weights of step 5")
+    (checkpoint / "meta.json").write_text('{"step": 5, "version": 5}')
+    argv = evaluator.restart_argv()
+    changed = [(old, new) for old, new in zip(evaluator.argv, argv) if old != new]
+    assert changed == [(cfg.model.path, str(tmp_path / "serving" / "local_eval0")), ("0", "5")]
+    assert (tmp_path / "serving" / "local_eval0" / "model.safetensors").read_text() == "weights of step 5"
+    assert "--eval" in argv and len(argv) == len(evaluator.argv)
+    with pytest.raises(ConfigError, match="launch.eval_cpus = 5 names core.s. 5 that this launcher may not use"):
+        placement(load_config(TINY, ["inference.eval_servers=1", "launch.eval_cpus=5"]), [], cores=[0, 1])
+    with pytest.raises(ConfigError, match="launch.eval_cpus gives 1 core.s. .1.; it needs at least 2"):
+        placement(load_config(TINY, ["inference.eval_servers=1", "launch.eval_cpus=1",
+                                     "inference.tensor_parallel_size=2"]), [], cores=[0, 1])
+
+
 def test_dry_run_prints_every_roles_gpus(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", "--dry-run", str(TINY), f"run_dir={tmp_path}",
                           "inference.num_servers=2", "inference.tensor_parallel_size=2"], capture_output=True,
@@ -71,6 +111,18 @@ def test_dry_run_prints_every_roles_gpus(tmp_path):
     assert any("CUDA_VISIBLE_DEVICES=2,3 " in line and " serve " in line for line in lines)
     assert any(" train " in line and "--nproc 4" in line and "--gpus 4,5,6,7" in line for line in lines)
     assert not (tmp_path / "config.yaml").exists()  # started nothing, wrote nothing
+
+
+def test_dry_run_shows_the_eval_servers_and_their_cores(tmp_path):
+    from pipelinerl.launch.local import render
+
+    cfg = load_config(TINY, [f"run_dir={tmp_path}", "inference.eval_servers=1", "launch.eval_cpus=1"])
+    lines = render(cfg, tmp_path / "config.yaml", []).splitlines()
+    assert lines[:4] == ["# GPUs on this machine: none (CPU)", "# server0: CPU", "# eval0: CPU",
+                         "# eval servers: CPU cores 1 (shared)"]
+    header = lines.index(f"# eval0 (log {tmp_path / 'logs' / 'eval0.log'})")
+    assert "VLLM_CPU_OMP_THREADS_BIND=1 taskset -c 1 " in lines[header + 1] and " serve " in lines[header + 1]
+    assert " --eval --model " in lines[header + 1]
 
 
 RANK_SCRIPT = """

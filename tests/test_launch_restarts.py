@@ -213,7 +213,7 @@ def test_a_restarted_policy_server_starts_from_the_latest_checkpoint(tmp_path):
     cfg = _config(tmp_path, "inference.num_servers=2", "rl.kl_coef=0.1", "inference.reference_servers=1")
     config, run_dir = str(tmp_path / "run" / "config.yaml"), tmp_path / "run"
     local, trainer, actor = _roles(cfg, Path(config), placement(cfg, []))
-    node = node_server_roles(cfg, config, cfg.model.path, 0, "n0", frozen=True)
+    node = node_server_roles(cfg, config, cfg.model.path, 0, "n0", side=True)
     assert _model_and_version(local[0].argv) == (cfg.model.path, "0")
     _fake_checkpoint(run_dir, 3)
     latest = _fake_checkpoint(run_dir, 7)

@@ -223,20 +223,56 @@ def test_reference_servers_take_the_first_slots_of_the_first_inference_node(monk
     cfg = load_config(REPO / "configs/qwen32b_orz.yaml", ["rl.kl_coef=0.05"])
     check_config(cfg)
     path = Path(cfg.run_dir) / "config.yaml"
-    assert "--frozen-node" not in plan_roles(plain, dry_run_allocation(plain), path)["servers@inference0"].argv
+    assert "--side-node" not in plan_roles(plain, dry_run_allocation(plain), path)["servers@inference0"].argv
     for node in ("inference0", "inference1"):
-        assert plan_roles(cfg, dry_run_allocation(cfg), path)[f"servers@{node}"].argv[-2:] == ["--frozen-node",
+        assert plan_roles(cfg, dry_run_allocation(cfg), path)[f"servers@{node}"].argv[-2:] == ["--side-node",
                                                                                               "inference0"]
     base, n = cfg.inference.base_port, cfg.inference.num_servers
-    reference, policy = node_server_roles(cfg, str(path), "/ckpt/hf", 7, "inference0", frozen=True)
+    reference, policy = node_server_roles(cfg, str(path), "/ckpt/hf", 7, "inference0", side=True)
     assert (reference.name, reference.env["CUDA_VISIBLE_DEVICES"]) == ("reference0", "0,1,2,3")
     assert reference.argv[reference.argv.index("serve") + 1:] == [str(path), "--reference", "--port",
                                                                   str(base + n)]
     assert (policy.name, policy.env["CUDA_VISIBLE_DEVICES"]) == ("server1", "4,5,6,7")
     assert policy.argv[policy.argv.index("--model"):][:6] == ["--model", "/ckpt/hf", "--port", str(base + 1),
                                                               "--version", "7"]
-    assert [r.name for r in node_server_roles(cfg, str(path), "/ckpt/hf", 7, "inference1", frozen=False)] == [
+    assert [r.name for r in node_server_roles(cfg, str(path), "/ckpt/hf", 7, "inference1", side=False)] == [
         "server0", "server1"]
+
+
+def test_eval_servers_take_slots_of_the_first_inference_node_after_the_frozen_ones(monkeypatch, tmp_path):
+    """inference.eval_servers on Slurm: server slots of the first inference node after the reference (and reward)
+    servers, each a policy server with --eval on its own port, announced in RUN_DIR/eval_servers and restarted by
+    its node's agent from the latest checkpoint; the other node serves the policy only."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    monkeypatch.setenv("PIPELINERL_ADVERTISE_HOST", "gpu0")  # what the launcher gives the first node's agent
+    run_dir = tmp_path / "run"
+    cfg = load_config(REPO / "configs/qwen32b_orz.yaml", [f"run_dir={run_dir}", "rl.kl_coef=0.05",
+                                                          "inference.eval_servers=1"])
+    check_config(cfg)
+    path, base = str(run_dir / "config.yaml"), cfg.inference.base_port
+    reference, evaluator = node_server_roles(cfg, path, "/ckpt/hf", 7, "inference0", side=True)
+    assert (evaluator.name, evaluator.env["CUDA_VISIBLE_DEVICES"]) == ("eval0", "4,5,6,7")
+    assert evaluator.argv[evaluator.argv.index("serve") + 1:] == [
+        path, "--eval", "--model", "/ckpt/hf", "--port", str(base + 3), "--version", "7",
+        f"inference.engine_args.served_model_name={cfg.model.path}"]
+    assert evaluator.discovery == run_dir / "eval_servers" / f"gpu0_{base + 3}"
+    assert reference.restart_argv is None and evaluator.log_path == run_dir / "logs" / "inference0_eval0.log"
+    (run_dir / "checkpoints" / "step_00000009" / "hf").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000009" / "meta.json").write_text(json.dumps({"step": 9, "version": 9}))
+    restarted = evaluator.restart_argv()
+    assert restarted[restarted.index("--model") + 1] == str(run_dir / "serving" / "inference0_eval0")
+    assert restarted[restarted.index("--version") + 1] == "9"
+    assert [r.name for r in node_server_roles(cfg, path, "/ckpt/hf", 7, "inference1", side=False)] == [
+        "server0", "server1"]
+    alloc = dataclasses.replace(dry_run_allocation(cfg), addresses={"inference0": "gpu0", "inference1": "gpu1"})
+    roles = plan_roles(cfg, alloc, Path(path))
+    assert roles["servers@inference0"].discovery.paths == (run_dir / "reference_servers" / f"gpu0_{base + 2}",
+                                                           run_dir / "eval_servers" / f"gpu0_{base + 3}")
+    assert roles["servers@inference1"].argv[-2:] == ["--side-node", "inference0"]
+    assert "#   eval0: GPUs 4,5,6,7" in render(cfg, alloc).splitlines()
+    only_eval = load_config(REPO / "configs/qwen32b_orz.yaml", ["inference.eval_servers=1"])
+    assert plan_roles(only_eval, dry_run_allocation(only_eval), Path(path))["servers@inference0"].argv[-2:] == [
+        "--side-node", "inference0"]  # a side node with no frozen server: eval servers need it too
 
 
 def test_each_server_node_is_a_step_run_again_from_the_latest_checkpoint(tmp_path):
@@ -316,6 +352,12 @@ def test_reference_servers_must_fit_the_first_node_and_leave_a_policy_server():
     check_config(load_config(REPO / "configs/tiny_cpu.yaml", ["rl.kl_coef=0.1", "inference.num_servers=2"]))
     with pytest.raises(ValueError, match="which has inference.num_servers=8"):
         check_config(load_config(REPO / "configs/qwen7b_orz.yaml", ["rl.kl_coef=0.1", "inference.reference_servers=9"]))
+    # eval servers take slots too
+    with pytest.raises(ValueError, match="2 reference, reward and eval servers would take all 2 server slots"):
+        check_config(load_config(REPO / "configs/tiny_cpu.yaml", ["rl.kl_coef=0.1", "inference.num_servers=2",
+                                                                  "inference.eval_servers=1"]))
+    with pytest.raises(ValueError, match=r"9 reference, reward and eval servers \(reference, eval, eval, "):
+        check_config(load_config(REPO / "configs/qwen7b_orz.yaml", ["rl.kl_coef=0.1", "inference.eval_servers=8"]))
 
 
 # -- real jobs on the local cluster (slow) ------------------------------------------------------------------

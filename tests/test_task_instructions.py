@@ -57,11 +57,11 @@ def test_the_8b_rlhf_config_places_its_reference_and_reward_servers_and_fits_80g
     assert (cfg.task.name, cfg.reward.kind, cfg.rl.algorithm, cfg.rl.dpo_reference) == (
         "instructions", "model", "dpo", "reference")
     check_config(cfg)
-    roles = node_server_roles(cfg, "c.yaml", cfg.model.path, 0, "inference0", frozen=True)
+    roles = node_server_roles(cfg, "c.yaml", cfg.model.path, 0, "inference0", side=True)
     assert [(r.name, r.env["CUDA_VISIBLE_DEVICES"]) for r in roles[:3]] == [
         ("reference0", "0"), ("reward0", "1"), ("server2", "2")]
     assert plan_roles(cfg, dry_run_allocation(cfg), Path("c.yaml"))["servers@inference0"].argv[-2:] == [
-        "--frozen-node", "inference0"]
+        "--side-node", "inference0"]
     plan = plan_for(cfg, cli.trainer_ranks(cfg))
     assert plan.fits, plan.problems
     assert set(plan.roles) == {"trainer", "server", "reference", "reward"}

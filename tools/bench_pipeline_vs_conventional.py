@@ -9,8 +9,10 @@ inference.max_num_seqs: mean, and per quarter of the window), trainer idle fract
 / step time), token lag mean and max next to tools/lag_model.py's prediction from the measured occupancy and
 rates, mean ESS and KL(behaviour||current) (k3) of the steps, the completion lengths (model tokens), for
 multi-turn tasks (configs/tiny_tools.yaml) the turns per sample, the share of samples straddling a weight
-update (model tokens of more than one version) and the model turns' lengths, and the wall time from
-the first held-out evaluation (version 0) to the first one at or above --target; then where the time goes:
+update (model tokens of more than one version) and the model turns' lengths, the wall time from the end of
+the first optimizer step to the end of the step that made the first version evaluated at or above --target
+(the config's evaluation servers evaluate beside the run: inference.eval_servers), and the longest weight
+delivery to the training servers (goal: none over 1 s); then where the time goes:
 the trainer's mean seconds per step waiting for data, training and broadcasting, and each role's CPU time
 per trained sample (vLLM's engine core apart from its API server) with the cores all roles kept busy, from the
 run's process tree sampled every 0.5 s; then pipeline / conventional ratios (goal: >= 1.5 in samples/s and
@@ -202,14 +204,14 @@ def _scalars(run_dir: Path, role: str) -> dict[str, list]:
     return {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
 
 
-def _time_to_target(evals: list, target: float) -> tuple[float | None, int | None]:
-    """(seconds from the version-0 evaluation to the first at >= target, that version), or Nones."""
-    if not evals:
-        return None, None
-    start = min(evals, key=lambda e: e.step).wall_time
+def _time_to_target(evals: list, steps: dict[int, float], target: float) -> tuple[float | None, int | None]:
+    """(seconds from the end of the first optimizer step to the end of the step that made the first version
+    evaluated at >= target, that version), or Nones. Timed by the step, not by when its evaluation ended: with
+    evaluation servers (inference.eval_servers) that may come later, without delaying training."""
+    first = min(steps.values())
     for e in sorted(evals, key=lambda e: e.step):
         if e.value >= target:
-            return e.wall_time - start, e.step
+            return (steps[e.step] - first if e.step in steps else 0.0), e.step
     return None, None
 
 
@@ -267,7 +269,9 @@ def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float,
     quarters = [[v for t, v in gauge if t0 + q * window_s / 4 <= t < t0 + (q + 1) * window_s / 4] for q in range(4)]
     lag = read_token_stats(run_dir)["lag"]
     cpu = cpu_per_role(cpu_samples, t0, t1)
-    to_target_s, at_version = _time_to_target(_scalars(run_dir, "actor0").get("eval/success", []), target)
+    to_target_s, at_version = _time_to_target(_scalars(run_dir, "actor0").get("eval/success", []),
+                                              {e.step: e.wall_time for e in steps}, target)
+    broadcasts = [e.value for e in trainer.get("broadcast_s", [])]
     return {"mode": cfg.mode, "samples_per_s": (len(steps) - 1) * cfg.trainer.samples_per_step / window_s,
             "tokens_per_s": tokens / window_s, "running_mean": float(np.mean(running)) if running else 0.0,
             "occupancy": (float(np.mean(running)) if running else 0.0) / slots,
@@ -276,6 +280,7 @@ def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float,
             "length_median": float(np.median(lengths)), "length_p99": float(np.percentile(lengths, 99)),
             "trainer_idle": busy[0] / sum(busy), "lag_mean": float(lag.mean()), "lag_max": int(lag.max()),
             "time_to_target_s": to_target_s, "target_version": at_version, "wall_s": wall_s,
+            "broadcast_max_s": max(broadcasts, default=0.0), "broadcasts_over_1s": sum(b > 1.0 for b in broadcasts),
             "mean_length": float(np.mean(lengths)), "lengths": lengths,
             "turns_mean": float(np.mean(stream["turns"])),
             "multi_turn": float(np.mean(np.asarray(stream["turns"]) > 1)),
@@ -326,6 +331,8 @@ ROWS = [("samples trained / s", "samples_per_s", "{:.1f}"), ("generated tokens /
         ("wall s (whole run)", "wall_s", "{:.0f}"),
         ("trainer s/step: waiting", "step_read_s", "{:.3f}"), ("trainer s/step: training", "step_train_s", "{:.3f}"),
         ("trainer s/step: broadcast", "step_broadcast_s", "{:.3f}"),
+        ("weight delivery: longest s", "broadcast_max_s", "{:.3f}"),
+        ("  steps with one > 1 s", "broadcasts_over_1s", "{}"),
         *[(f"CPU ms/sample: {role}", f"cpu_ms_{role}", "{:.2f}") for role in (ENGINE_CORE, *ROLE_COMMANDS.values())],
         ("cores busy (of all roles)", "cores_busy", "{:.2f}")]
 
@@ -345,7 +352,8 @@ def print_table(results: dict[str, dict], target: float) -> None:
 
 
 def write_summary(results: dict[str, dict], target: float, path: Path | None) -> None:
-    """The ratios with their goals (tools/bench_summary.py), and each mode's samples/s."""
+    """The ratios with their goals (tools/bench_summary.py), and each run's samples/s and time to the target (the
+    variants' beside the plain pipeline's)."""
     pipe, conv = results["pipeline"], results["conventional"]
     summary = Summary("pipeline_vs_conventional")
     summary.add("samples/s, pipeline / conventional", pipe["samples_per_s"] / conv["samples_per_s"], "ratio",
@@ -354,10 +362,12 @@ def write_summary(results: dict[str, dict], target: float, path: Path | None) ->
     if pipe["time_to_target_s"] is not None and conv["time_to_target_s"] is not None:
         speedup = conv["time_to_target_s"] / pipe["time_to_target_s"]
     summary.add(f"time to held-out {target:.2f}, conventional / pipeline", speedup, "ratio", ">= 1.5")
+    summary.add("pipeline: longest weight delivery", pipe["broadcast_max_s"], "s", "<= 1")
     for mode, r in results.items():
         summary.add(f"{mode}: samples trained/s", r["samples_per_s"], "samples/s")
         summary.add(f"{mode}: inference batch occupancy", r["occupancy"], "fraction")
         summary.add(f"{mode}: trainer idle fraction", r["trainer_idle"], "fraction")
+        summary.add(f"{mode}: s to held-out {target:.2f}", r["time_to_target_s"], "s")
     summary.write(path)
 
 

@@ -18,7 +18,7 @@ import httpx
 
 from pipelinerl.config import ActorConfig
 from pipelinerl.control import ControlError, read_status
-from pipelinerl.rundir import REFERENCE_SERVERS_DIR, REWARD_SERVERS_DIR, SERVERS_DIR, list_servers
+from pipelinerl.rundir import EVAL_SERVERS_DIR, REFERENCE_SERVERS_DIR, REWARD_SERVERS_DIR, SERVERS_DIR, list_servers
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,14 @@ class ServerPool:
     With a lag bound (`max_lag` not None) only eligible servers take requests: those whose last reported
     version (`versions`, filled by CompletionsClient.serving_version) is at least the newest one reported
     minus `max_lag`. A server with no report yet, e.g. just restarted on an old checkpoint or back from
-    being set aside, is not eligible until it reports a recent version. None: every announced server."""
+    being set aside, is not eligible until it reports a recent version. None: every announced server.
+
+    `only`: the one server of the folder it takes (an evaluation server held for one evaluation); None: all."""
 
     def __init__(self, run_dir: str, retry_after_s: float = 10.0, folder: str = SERVERS_DIR,
-                 max_lag: int | None = None, readmit_on_status: bool = False):
+                 max_lag: int | None = None, readmit_on_status: bool = False, only: str | None = None):
         self.run_dir, self.retry_after_s, self.folder, self.max_lag = run_dir, retry_after_s, folder, max_lag
+        self.only = only
         self.readmit_on_status = readmit_on_status
         self.load: dict[str, int] = {}
         self.aside: dict[str, tuple[float, str]] = {}  # url -> (when, why) it was set aside; gone once heard
@@ -64,10 +67,11 @@ class ServerPool:
 
     @property
     def kind(self) -> str:
-        return {SERVERS_DIR: "policy", REFERENCE_SERVERS_DIR: "reference", REWARD_SERVERS_DIR: "reward"}[self.folder]
+        return {SERVERS_DIR: "policy", REFERENCE_SERVERS_DIR: "reference", REWARD_SERVERS_DIR: "reward",
+                EVAL_SERVERS_DIR: "evaluation"}[self.folder]
 
     def refresh(self) -> list[str]:
-        listed = list_servers(self.run_dir, self.folder)
+        listed = [u for u in list_servers(self.run_dir, self.folder) if self.only in (None, u)]
         for url in self.busy():
             if url not in listed:
                 self.set_aside(url, "its discovery file is gone")
@@ -203,9 +207,11 @@ class CompletionsClient:
     have no /status: they are not probed (a failed or timed-out request moves to another one)."""
 
     def __init__(self, cfg: ActorConfig, run_dir: str, reference: bool, max_lag: int | None = None,
-                 reward: bool = False, run: str = ""):
+                 reward: bool = False, run: str = "", only: str | None = None):
         self.cfg, self.run = cfg, run  # run: this run's public id (rundir.run_fingerprint); "": not checked
-        self.pool = ServerPool(run_dir, max_lag=max_lag, readmit_on_status=True)
+        # only: a client of that one evaluation server (RUN_DIR/eval_servers) instead of the policy servers
+        self.pool = (ServerPool(run_dir, max_lag=max_lag, readmit_on_status=True) if only is None else
+                     ServerPool(run_dir, folder=EVAL_SERVERS_DIR, readmit_on_status=True, only=only))
         self.reference_pool = ServerPool(run_dir, folder=REFERENCE_SERVERS_DIR) if reference else None
         self.reward_pool = ServerPool(run_dir, folder=REWARD_SERVERS_DIR) if reward else None
         # The probe's period, and its timeout: a few probes fit in the silence that sets a server aside.

@@ -20,6 +20,7 @@ from pipelinerl.actor.client import Completion, CompletionsClient
 from pipelinerl.actor.episodes import episode_outcome, sample_episodes
 from pipelinerl.config import Config
 from pipelinerl.config.actor import DEFAULT_EVAL_SET
+from pipelinerl.envs.episode import NO_VERSION
 from pipelinerl.envs.runner import EpisodeResult
 from pipelinerl.eval_metrics import ItemOutcome
 from pipelinerl.tasks import PromptItem, Task
@@ -54,6 +55,12 @@ class SampledItem:
     completions: list[Completion]
     outcome: ItemOutcome
     episodes: list[EpisodeResult] = field(default_factory=list)
+
+
+def token_versions(s: SampledItem) -> set[int]:
+    """The policy versions that generated the item's model tokens."""
+    return ({v for c in s.completions for v in c.versions}
+            | {v for e in s.episodes for v in e.episode.versions if v != NO_VERSION})
 
 
 def held_out_suite(cfg: Config, task: Task, samples: int, temperature: float) -> EvalSuite:

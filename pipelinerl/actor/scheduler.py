@@ -40,7 +40,8 @@ from pipelinerl import rundir
 from pipelinerl.actor.client import Completion, CompletionsClient
 from pipelinerl.actor.curriculum import Curriculum
 from pipelinerl.actor.episodes import EpisodeStats, episode_rollout, sample_episodes
-from pipelinerl.actor.evals import actor_suites, sample_suite
+from pipelinerl.actor.eval_servers import EvalServers
+from pipelinerl.actor.evals import SampledItem, actor_suites, sample_suite, token_versions
 from pipelinerl.actor.judge import judge_messages, parse_verdict
 from pipelinerl.actor.resume import record_started, resume_position
 from pipelinerl.actor.rewards import RewardModelInputs, check_same_tokenizer
@@ -97,6 +98,8 @@ class Actor:
         self._record_started()  # at once, so that the next death counts only its own losses
         self.in_flight: dict[asyncio.Task, int] = {}  # group task -> its prompt number
         self.evals: set[asyncio.Task] = set()
+        self.next_eval = 0  # the next version due for evaluation (actor.eval_every_steps)
+        self.eval_servers = EvalServers(cfg, self.client.run) if cfg.inference.eval_servers else None
         self.finished: dict[int, list[Rollout]] = {}  # prompt number -> rows waiting for earlier groups
         self.next_write = self.next_prompt  # the next group to write when writes are ordered
         self.window = self._new_window()
@@ -292,12 +295,21 @@ class Actor:
             return self.started_samples // c.batch_size * c.steps_per_batch
         return None if a.max_lag is None else self.started_samples // self.cfg.trainer.samples_per_step - a.max_lag
 
+    async def sample_suites(self, http: httpx.AsyncClient, client: CompletionsClient) -> list[list[SampledItem]]:
+        """Every eval suite (actor_suites) sampled and graded through `client`, in suite order."""
+        return list(await asyncio.gather(*[sample_suite(client, http, self.task, self.tokenizer, suite, self.cfg)
+                                           for suite in self.eval_suites]))
+
     async def evaluate(self, http: httpx.AsyncClient, version: int) -> dict[str, float]:
-        """Every eval suite (actor_suites) on the servers' weights of `version`: each item's completions go to the
-        `eval` topic as one group tagged with its set; per set, pass@1, pass@<samples>, mean length and
-        truncation rate go to TensorBoard (and the `default` set's pass@1 as `eval/success` too)."""
-        results = await asyncio.gather(*[sample_suite(self.client, http, self.task, self.tokenizer, suite, self.cfg)
-                                         for suite in self.eval_suites])
+        """Every eval suite on the training servers (inference.eval_servers = 0), at actor.eval_priority, recorded
+        as `version`'s: the version they served when it started; updates may land meanwhile, and
+        eval/version_spread says by how many versions its tokens differ. Returns the scalars logged."""
+        return self.record_eval(version, await self.sample_suites(http, self.client))
+
+    def record_eval(self, version: int, results: list[list[SampledItem]]) -> dict[str, float]:
+        """Each item's completions to the `eval` topic as one group tagged with its set and `version`; per set,
+        pass@1, pass@<samples>, mean length and truncation rate to TensorBoard (and the `default` set's pass@1 as
+        `eval/success` too), with eval/version_spread: the newest minus the oldest version of its tokens."""
         scalars = {}
         for suite, sampled in zip(self.eval_suites, results):
             for s in sampled:
@@ -311,10 +323,41 @@ class Actor:
         self.eval_writer.flush()
         if f"eval/{DEFAULT_EVAL_SET}/pass@1" in scalars:  # read by launch/summary.py and tools/report.py
             scalars["eval/success"] = scalars[f"eval/{DEFAULT_EVAL_SET}/pass@1"]
+        versions = set().union(*(token_versions(s) for sampled in results for s in sampled))
+        scalars["eval/version_spread"] = float(max(versions) - min(versions)) if versions else 0.0
         self.tb.log(version, scalars)
         passes = (f"{suite.name} {scalars[f'eval/{suite.name}/pass@1']:.3f}" for suite in self.eval_suites)
-        log.info("version %d: eval pass@1 %s", version, ", ".join(passes))
+        log.info("version %d: eval pass@1 %s (tokens of versions %s)", version, ", ".join(passes),
+                 f"{min(versions)}..{max(versions)}" if len(versions) > 1 else ", ".join(map(str, versions)))
         return scalars
+
+    def _start_eval(self, http: httpx.AsyncClient) -> None:
+        """Start the evaluation due (every actor.eval_every_steps versions, from the first version seen): on the
+        training servers at their version, or with inference.eval_servers on one of those serving a due version,
+        one evaluation at a time (a task of self.evals that first looks for one)."""
+        if not self.eval_suites or self.version < self.next_eval:
+            return
+        if self.eval_servers is None:
+            if self.client.has_servers():
+                self.evals.add(asyncio.create_task(self.evaluate(http, self.version)))
+                self.next_eval = (self.version // self.cfg.actor.eval_every_steps + 1) * self.cfg.actor.eval_every_steps
+        elif not self.evals:
+            self.evals.add(asyncio.create_task(self._evaluate_on_eval_server(http)))
+
+    async def _evaluate_on_eval_server(self, http: httpx.AsyncClient) -> None:
+        """An evaluation server serving the due version or a newer one, held at it for every suite
+        (eval_servers.py); an evaluation that failed or was dropped is due again at once."""
+        picked = await self.eval_servers.pick(http, self.next_eval)
+        if picked is None:
+            return
+        url, version = picked
+        due, every = self.next_eval, self.cfg.actor.eval_every_steps
+        self.next_eval = (version // every + 1) * every
+        done = await self.eval_servers.evaluate(http, url, self.sample_suites)
+        if done is None:
+            self.next_eval = due
+        else:
+            self.record_eval(*done)
 
     def log_window(self) -> None:
         w = self.window
@@ -353,15 +396,12 @@ class Actor:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(limits=limits) as http:
             prompts = (self.curriculum or self.task).iter_train(self.next_prompt)
-            evaluated, last_log = -1, time.monotonic()
+            last_log = time.monotonic()
             self.version = await self.client.serving_version(http)
             poll = None
             while True:
                 poll = await self._poll_version(http, poll)
-                every = self.cfg.actor.eval_every_steps
-                if self.eval_suites and self.version // every > evaluated and self.client.has_servers():
-                    evaluated = self.version // every
-                    self.evals.add(asyncio.create_task(self.evaluate(http, self.version)))
+                self._start_eval(http)
                 self._start_groups(http, prompts)
                 await self._reap(timeout=self.cfg.streams.poll_interval_s)
                 if time.monotonic() - last_log > 5.0:

@@ -51,14 +51,23 @@ class InferenceConfig:
            "rl.algorithm=dpo (with dpo_reference=reference, the default); locally on base_port + num_servers "
            "+ i, on Slurm in the first server slots of the first inference node. They run with max_model_len "
            "+ 1 (so it must be set): scoring a sequence that fills max_model_len takes one more token of room")
+    eval_servers: int = doc(
+        0, "policy servers that only evaluate (actor.eval_every_steps; `serve --eval`): each evaluation holds one at "
+           "a single policy version, so a score is that version's. Weights reach them over a weight group of their "
+           "own on trainer.broadcast_port + 1. Locally on base_port + num_servers + reference servers + reward "
+           "servers + i, each on GPUs of its own like a server slot (launch.inference_gpus), its cores "
+           "launch.eval_cpus; on Slurm in server slots of the first inference node after the reference and reward "
+           "servers'. 0: evaluation runs on the training servers, at actor.eval_priority")
     engine_args: dict = doc({}, "extra vLLM engine arguments, passed through as-is")
 
     def __post_init__(self) -> None:
         for name in ("num_servers", "tensor_parallel_size", "max_num_seqs", "weight_update_timeout_s",
                      "startup_timeout_s", "reference_servers"):
             check_positive(getattr(self, name), f"inference.{name}")
-        check(1 <= self.base_port <= 65535 - self.num_servers - self.reference_servers, "inference.base_port",
-              "must be a free TCP port")
+        check(self.eval_servers >= 0, "inference.eval_servers",
+              f"got {self.eval_servers}; must be >= 0 (0: evaluation runs on the training servers)")
+        check(1 <= self.base_port <= 65535 - self.num_servers - self.reference_servers - self.eval_servers,
+              "inference.base_port", "must be a free TCP port")
         check_positive(self.max_model_len, "inference.max_model_len", allow_null=True)
         check(0.0 < self.gpu_memory_utilization <= 1.0, "inference.gpu_memory_utilization", "must be in (0, 1]")
         check_positive(self.cpu_kv_cache_gb, "inference.cpu_kv_cache_gb", allow_null=True)

@@ -65,9 +65,9 @@ class LaunchConfig:
                                      "a size, else not checked")
     inference_cpus: str | None = doc(
         None, "CPU cores the servers own, e.g. \"0-7\": equal contiguous blocks, one per server slot (policy, then "
-              "reference), set as each server's CPU affinity and as vLLM-CPU's OMP binding "
-              "(VLLM_CPU_OMP_THREADS_BIND, one list per tensor-parallel worker). Local launcher only (on Slurm, "
-              "Slurm places cores: --cpus-per-task)",
+              "reference and reward; the eval servers have eval_cpus), set as each server's CPU affinity and as "
+              "vLLM-CPU's OMP binding (VLLM_CPU_OMP_THREADS_BIND, one list per tensor-parallel worker). Local "
+              "launcher only (on Slurm, Slurm places cores: --cpus-per-task)",
         null="with training_cpus set: the cores no other list names; with neither set: no pinning (every role "
              "floats over every core)")
     training_cpus: str | None = doc(
@@ -76,6 +76,12 @@ class LaunchConfig:
     actor_cpus: str | None = doc(None, "CPU cores of the actor, e.g. \"15\"; may share cores with the other roles "
                                        "(it mostly waits on HTTP)",
                                  null="the cores neither servers nor trainer own; none left: not pinned")
+    eval_cpus: str | None = doc(
+        None, "CPU cores of the eval servers (inference.eval_servers), e.g. \"1\", shared by all of them: set as "
+              "their CPU affinity and vLLM-CPU's OMP binding like inference_cpus (at least tensor_parallel_size "
+              "cores). May overlap the trainer's or any other role's cores (an eval server mostly waits); not part "
+              "of the inference_cpus split. Local launcher only",
+        null="not pinned: the eval servers float over every core")
     max_restarts: int = doc(
         3, "restarts of one role that died (a server, the actor, the trainer; on Slurm a server is restarted by its "
            "node's agent, the trainer and actor steps by the job) within any restart_window_s; one more death stops "
@@ -84,10 +90,10 @@ class LaunchConfig:
     restart_window_s: float = doc(3600.0, "the sliding window max_restarts counts a role's restarts in; older "
                                           "restarts are forgotten", unit="s")
     server_health_timeout_s: float | None = doc(
-        60.0, "a server that has announced itself (RUN_DIR/servers, RUN_DIR/reference_servers) and then does not "
-              "answer GET /health for this long is dead: the launcher (on Slurm, its node's agent) logs it, SIGKILLs "
-              "its process group and restarts it as after any death (max_restarts). A server still starting is "
-              "left to inference.startup_timeout_s", unit="s",
+        60.0, "a server that has announced itself (RUN_DIR/servers, reference_servers, eval_servers, ...) and then "
+              "does not answer GET /health for this long is dead: the launcher (on Slurm, its node's agent) logs it, "
+              "SIGKILLs its process group and restarts it as after any death (max_restarts). A server still "
+              "starting is left to inference.startup_timeout_s", unit="s",
         null="no health check: only a server's exit is its death")
     network_interface: str | None = doc(
         None, "the network interface (e.g. ib0, eth0) gloo and NCCL use between nodes on Slurm: the launcher sets "
@@ -119,7 +125,7 @@ class LaunchConfig:
         from pipelinerl.config.ids import parse_cpu_ids
 
         cores = {}
-        for name in ("inference_cpus", "training_cpus", "actor_cpus"):
+        for name in ("inference_cpus", "training_cpus", "actor_cpus", "eval_cpus"):
             if getattr(self, name) is None:
                 continue
             check(self.backend == "local", f"launch.{name}", "is for the local launcher; on Slurm, Slurm places the "

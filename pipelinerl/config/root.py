@@ -75,10 +75,14 @@ class Config:
         check(self.task.name != "instructions" or self.actor.eval_every_steps == 0, "actor.eval_every_steps",
               "evaluation grades held-out prompts with the task's check, which the instructions task has none "
               "of: set it to 0 (actor/reward, the reward model's mean score, measures the run)")
-        ports = self.inference.num_servers + self.inference.reference_servers + self.reward.servers_started
-        check(self.inference.base_port + ports <= 65535, "inference.base_port",
-              f"got {self.inference.base_port}: its {ports} server ports (policy, reference and reward servers) "
+        inf = self.inference
+        ports = inf.num_servers + inf.reference_servers + self.reward.servers_started + inf.eval_servers
+        check(inf.base_port + ports <= 65535, "inference.base_port",
+              f"got {inf.base_port}: its {ports} server ports (policy, reference, reward and eval servers) "
               "must fit below 65536")
+        check(inf.eval_servers == 0 or self.trainer.broadcast_port < 65535, "trainer.broadcast_port",
+              f"got {self.trainer.broadcast_port}; the eval servers' weight group listens on broadcast_port + 1, "
+              "which must be a TCP port: lower it (or set inference.eval_servers=0)")
         check_choice(self.mode, ("pipeline", "conventional"), "mode")
         if self.mode == "conventional":
             self._check_conventional()

@@ -6,6 +6,8 @@ module adds:
 
     POST /init_process_group      (bearer token)  join the trainer's weight-update group
     POST /request_weight_update   (bearer token)  pause, receive, load, set version, resume
+    POST /hold                    (bearer token)  {"seconds": s}: updates answer 423 for s seconds (evaluation)
+    POST /release                 (bearer token)  end the hold early
     GET  /status                                  version, ranks, update counters, the run's public id
                                                   (rundir.run_fingerprint; read-only)
 
@@ -27,6 +29,11 @@ and no `policy_versions`.
 `serve --reward` runs a *reward server*: reward.model_path (a one-logit sequence classifier) on vLLM's
 pooling runner, whose `POST /classify` the actor asks for the score of each prompt + completion text
 (reward.kind=model). It announces itself in RUN_DIR/reward_servers/ and refuses weight updates alike.
+
+`serve --eval` runs an *eval server* (inference.eval_servers): a policy server in every respect (weight
+updates, `policy_versions`, the same vLLM command line) that only evaluates. It announces itself in
+RUN_DIR/eval_servers/, so the actor's training requests never reach it and the trainer delivers its weights
+over a weight-update group of its own.
 
 Everything that touches vLLM itself (command line, launcher, engine calls) is in `vllm_glue/`; this
 module and `updates.py` only see `vllm_glue.serving.open_server` and the `UpdatableEngine` steps.
@@ -111,6 +118,14 @@ def control_router(updater: WeightUpdater, token: str) -> APIRouter:
     async def request_weight_update(request: Request) -> JSONResponse:
         return await _answer(updater.update(await _json_body(request)))
 
+    @router.post("/hold", dependencies=auth)
+    async def hold(request: Request) -> JSONResponse:
+        return await _answer(updater.hold(await _json_body(request)))
+
+    @router.post("/release", dependencies=auth)
+    async def release() -> JSONResponse:  # any body, or none
+        return await _answer(updater.release())
+
     @router.get("/status")
     async def status() -> JSONResponse:
         return JSONResponse(updater.status())
@@ -185,7 +200,7 @@ class Updates:
 
 
 async def run(cfg: Config, args, updates: Updates | None, kind: str = "policy") -> None:
-    """Serve until SIGINT/SIGTERM: a policy server with `updates`, a reference or reward server without."""
+    """Serve until SIGINT/SIGTERM: a policy or eval server with `updates`, a reference or reward server without."""
     from pipelinerl.inference.vllm_glue.serving import open_server
 
     published: list[Path] = []
@@ -200,10 +215,8 @@ async def run(cfg: Config, args, updates: Updates | None, kind: str = "policy") 
                                         run=rundir.run_fingerprint(updates.token))
                 server.app.include_router(control_router(updater, updates.token))
                 await updater.start()
-            folder = {"policy": rundir.SERVERS_DIR, "reference": rundir.REFERENCE_SERVERS_DIR,
-                      "reward": rundir.REWARD_SERVERS_DIR}[kind]
-            announce = asyncio.create_task(announce_when_healthy(cfg.run_dir, args.host, args.port, folder,
-                                                                 published))
+            announce = asyncio.create_task(announce_when_healthy(cfg.run_dir, args.host, args.port,
+                                                                 rundir.SERVER_FOLDERS[kind], published))
             announce.add_done_callback(lambda t: stop_if_unannounced(t, lambda: os.kill(os.getpid(), signal.SIGTERM)))
             await server.serve()
             if announce.done() and not announce.cancelled() and announce.exception() is not None:
@@ -217,13 +230,13 @@ async def run(cfg: Config, args, updates: Updates | None, kind: str = "policy") 
 
 
 def serve(cfg: Config, port: int, version: int, kind: str = "policy") -> None:
-    """Entry point of `pipelinerl serve` (blocks until SIGINT/SIGTERM); `kind`: policy, reference (a frozen
-    server of `cfg.model.path`) or reward (reward.model_path); only a policy server takes updates, so only it
-    needs the token and the untied-model check."""
+    """Entry point of `pipelinerl serve` (blocks until SIGINT/SIGTERM); `kind`: policy, eval (a policy server
+    that only evaluates), reference (a frozen server of `cfg.model.path`) or reward (reward.model_path); only
+    policy and eval servers take updates, so only they need the token and the untied-model check."""
     # config errors before the heavy imports
     argv = vllm_argv(cfg, rundir.bind_host(cfg.inference.host), port, kind)
     updates = None
-    if kind == "policy":
+    if kind in rundir.POLICY_KINDS:
         updates = Updates(check_model(cfg.model.path), rundir.run_token(cfg.run_dir, cfg.inference.auth_token),
                           version)
 

@@ -5,11 +5,17 @@ resume. The engine does each step behind `UpdatableEngine` (vLLM's: `vllm_glue/c
 module has no engine imports. `kv_on_update` picks what running sequences do afterwards: `keep`
 continues on their stale KV cache (the prefix cache must be off, since vLLM cannot reset it while
 those requests hold blocks), `recompute` re-prefills them under the new weights.
+
+A hold (`POST /hold`, ended by its deadline or `POST /release`) keeps the served weights on one version
+while the actor evaluates on the server: updates answer 423 meanwhile, so an evaluation never mixes
+policies. Joining a group stays allowed: it changes no weights.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -71,7 +77,8 @@ class WeightUpdater:
 
     def __init__(self, engine: UpdatableEngine, expected: dict[str, list[int]], dtype: str, kv_on_update: str,
                  version: int, registry: CollectorRegistry = REGISTRY, staging: str = "host",
-                 on_broken: Callable[[], None] = lambda: None, run: str = ""):
+                 on_broken: Callable[[], None] = lambda: None, run: str = "",
+                 clock: Callable[[], float] = time.monotonic):
         self.engine, self.expected, self.dtype, self.staging = engine, expected, dtype, staging
         self.run = run  # the run's public id (rundir.run_fingerprint), reported on /status
         # A load that fails part-way leaves the model half-updated: the server must stop rather than serve
@@ -80,11 +87,19 @@ class WeightUpdater:
         self.kv_on_update, self.num_ranks, self.version = kv_on_update, engine.num_ranks, version
         self.group_ready = False
         self.delta_base: int | None = None  # the version the workers keep as the base of delta updates
-        self.busy = False  # one control operation at a time; the routes answer 409 meanwhile
+        self._idle = asyncio.Event()  # set while no control operation runs (see `busy`); a hold waits on it
+        self._idle.set()
+        self.clock = clock  # of hold deadlines (tests pass a fake one)
+        self.held_until = -math.inf  # clock time the hold ends (past or -inf: not held)
         self.updates = 0
         self.pause_total_s = 0.0
         self.last_pause_s = 0.0
         self.metrics = _Metrics(registry)
+
+    @property
+    def busy(self) -> bool:
+        """A control operation (update or init) is running: one at a time, the routes answer 409 meanwhile."""
+        return not self._idle.is_set()
 
     async def start(self) -> None:
         await self.engine.set_version(self.version)
@@ -94,7 +109,8 @@ class WeightUpdater:
         return {"version": self.version, "num_ranks": self.num_ranks, "group_ready": self.group_ready,
                 "updating": self.busy, "updates": self.updates, "pause_total_s": self.pause_total_s,
                 "last_pause_s": self.last_pause_s, "kv_on_update": self.kv_on_update, "delta_base": self.delta_base,
-                "update_staging": self.staging, "dtype": self.dtype, "tensors": self.expected, "run": self.run}
+                "update_staging": self.staging, "dtype": self.dtype, "tensors": self.expected, "run": self.run,
+                "held_s": self._held_s()}
 
     async def init_group(self, body: object) -> dict:
         """Join the group a trainer opens. A new group replaces the current one once joined (the trainer
@@ -109,7 +125,7 @@ class WeightUpdater:
             raise UpdateError(504, f"joining the weight group of {req.master_addr}:{req.master_port} "
                                    f"failed: {err}", group_ready=self.group_ready) from err
         finally:
-            self.busy = False
+            self._idle.set()
         replaced, self.group_ready = self.group_ready, True
         log.info("joined weight-update group %s of %s:%d as rank(s) %d..%d%s", req.group, req.master_addr,
                  req.master_port, req.rank_offset, req.rank_offset + self.num_ranks - 1,
@@ -124,16 +140,43 @@ class WeightUpdater:
                                    f"delta base is {self.delta_base}: send it dense")
         if not self.group_ready:
             raise UpdateError(409, "no weight-update group: POST /init_process_group first")
+        held_s = self._held_s()
+        if held_s > 0:  # checked before claiming: a held server's weights never change
+            raise UpdateError(423, f"cannot update: this server is held for evaluation at version {self.version} "
+                                   f"for {held_s:.1f} more s (POST /release ends it)",
+                              version=self.version, held_s=held_s)
         self._claim("start a weight update")
         try:
             return await self._run(req)
         finally:
-            self.busy = False
+            self._idle.set()
+
+    async def hold(self, body: object) -> dict:
+        """Keep the served version for `body["seconds"]` (or until `release`): updates answer 423 meanwhile. A
+        running update or join is waited for, not refused (it is bounded by the group's timeout), so the
+        version returned is the one served throughout. A hold while held replaces the deadline."""
+        seconds = _hold_seconds(body)
+        while self.busy:
+            await self._idle.wait()
+        self.held_until = self.clock() + seconds
+        log.info("held at version %d for %.1f s", self.version, seconds)
+        return {"version": self.version, "held_s": seconds}
+
+    async def release(self) -> dict:
+        """End the hold; "held": whether one was still in force (not an error when none was)."""
+        held = self._held_s() > 0
+        self.held_until = -math.inf
+        if held:
+            log.info("released at version %d", self.version)
+        return {"version": self.version, "held": held}
+
+    def _held_s(self) -> float:
+        return max(0.0, self.held_until - self.clock())
 
     def _claim(self, what: str) -> None:
         if self.busy:
             raise UpdateError(409, f"cannot {what}: another control operation (update or init) is running")
-        self.busy = True
+        self._idle.clear()
 
     def _check_tensors(self, req: UpdateRequest) -> None:
         names = {m.name for m in req.tensors}
@@ -206,6 +249,14 @@ class WeightUpdater:
         self.metrics.pause_total.inc(paused_s)
         self.metrics.last_pause.set(paused_s)
         log.info("weight update: serving version %d (paused %.3f s)", version, paused_s)
+
+
+def _hold_seconds(body: object) -> float:
+    seconds = body.get("seconds") if isinstance(body, dict) else None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+        raise UpdateError(400, 'bad request body: a hold takes {"seconds": <a finite number > 0>}, got '
+                               f"{str(body)[:200]}")
+    return float(seconds)
 
 
 def _parsed(parse, body: object):

@@ -3,7 +3,9 @@ on this machine, the Slurm node agent in slurm_node.py and the job launcher in s
 
 Server slots and ports: policy server i listens on inference.base_port + i, reference server i on
 inference.base_port + inference.num_servers + i (after every policy slot), reward server i on
-inference.base_port + inference.num_servers + inference.reference_servers + i: no two kinds collide.
+inference.base_port + inference.num_servers + inference.reference_servers + i, eval server i on
+inference.base_port + inference.num_servers + inference.reference_servers + reward.servers_started + i
+(after every other kind): no two kinds collide.
 """
 
 from __future__ import annotations
@@ -12,14 +14,7 @@ import sys
 from pathlib import Path
 
 from pipelinerl.config import Config
-from pipelinerl.rundir import (
-    REFERENCE_SERVERS_DIR,
-    REWARD_SERVERS_DIR,
-    SERVERS_DIR,
-    advertised_host,
-    bind_host,
-    server_file,
-)
+from pipelinerl.rundir import POLICY_KINDS, SERVER_FOLDERS, advertised_host, bind_host, server_file
 
 
 def cli(python: str = sys.executable) -> list[str]:
@@ -56,25 +51,27 @@ def reference_server_count(cfg: Config) -> int:
     return cfg.inference.reference_servers if cfg.rl.needs_reference_logprobs else 0
 
 
-# The servers that never take weight updates, in slot order after the policy servers: kind -> discovery folder.
-FROZEN_FOLDERS = {"reference": REFERENCE_SERVERS_DIR, "reward": REWARD_SERVERS_DIR}
-
-
 def frozen_server_counts(cfg: Config) -> dict[str, int]:
-    """How many servers of each frozen kind the run starts (FROZEN_FOLDERS' order)."""
+    """How many servers of each frozen kind (never updated) the run starts: reference, then reward servers."""
     return {"reference": reference_server_count(cfg), "reward": cfg.reward.servers_started}
 
 
-def frozen_server_kinds(cfg: Config) -> list[str]:
-    """The kind of each frozen server the run starts, in slot order: reference servers, then reward servers."""
-    return [kind for kind, n in frozen_server_counts(cfg).items() for _ in range(n)]
+def side_server_counts(cfg: Config) -> dict[str, int]:
+    """How many servers of each kind beside the policy servers the run starts, in slot order: the frozen kinds,
+    then the eval servers (policy servers that only evaluate)."""
+    return {**frozen_server_counts(cfg), "eval": cfg.inference.eval_servers}
 
 
-def node_slots(cfg: Config, frozen: bool) -> list[tuple[str, int]]:
-    """(kind, index) of each server slot of a Slurm inference node: on the node that hosts them (`frozen`), the
-    first slots serve the frozen kinds (reference servers, then reward servers; index counted within the kind);
+def side_server_kinds(cfg: Config) -> list[str]:
+    """The kind of each server beside the policy servers, in slot order: reference, reward, then eval servers."""
+    return [kind for kind, n in side_server_counts(cfg).items() for _ in range(n)]
+
+
+def node_slots(cfg: Config, side: bool) -> list[tuple[str, int]]:
+    """(kind, index) of each server slot of a Slurm inference node: on the node that hosts them (`side`), the
+    first slots serve the side kinds (reference, reward, then eval servers; index counted within the kind);
     every other slot i serves the policy (index i)."""
-    kinds = frozen_server_kinds(cfg) if frozen else []
+    kinds = side_server_kinds(cfg) if side else []
     slots = []
     for i in range(cfg.inference.num_servers):
         kind = kinds[i] if i < len(kinds) else "policy"
@@ -82,33 +79,62 @@ def node_slots(cfg: Config, frozen: bool) -> list[tuple[str, int]]:
     return slots
 
 
-def slot_names(cfg: Config, frozen: bool) -> list[str]:
-    """The role name of each server slot of a Slurm inference node (node_slots): server<i>, reference<j>, reward<j>."""
-    return [f"server{index}" if kind == "policy" else f"{kind}{index}" for kind, index in node_slots(cfg, frozen)]
+def server_name(kind: str, i: int) -> str:
+    """The role name of server i of `kind`: server<i> for a policy server, else <kind><i> (reference0, eval1)."""
+    return f"server{i}" if kind == "policy" else f"{kind}{i}"
+
+
+def slot_names(cfg: Config, side: bool) -> list[str]:
+    """The role name of each server slot of a Slurm inference node (node_slots)."""
+    return [server_name(kind, index) for kind, index in node_slots(cfg, side)]
 
 
 def policy_server(cfg: Config, config_path: str, i: int, model: str, version: int) -> tuple[str, list[str]]:
     """(name, argv) of policy server slot i, serving `model` (the base model or a checkpoint's HF folder)
     at policy `version`. Served under the base model's name, whichever folder it loads."""
-    argv = [*cli(), "serve", str(config_path), "--model", model, "--port", str(server_port(cfg, i)),
+    return _updated_server(cfg, config_path, "policy", i, model, version)
+
+
+def eval_server(cfg: Config, config_path: str, i: int, model: str, version: int) -> tuple[str, list[str]]:
+    """(name, argv) of eval server i (`serve --eval`): a policy server on its own port that announces itself in
+    RUN_DIR/eval_servers, serving `model` at `version` like policy_server."""
+    return _updated_server(cfg, config_path, "eval", i, model, version)
+
+
+def _updated_server(cfg: Config, config_path: str, kind: str, i: int, model: str,
+                    version: int) -> tuple[str, list[str]]:
+    """(name, argv) of a server that takes weight updates: policy server slot i, or eval server i."""
+    flag = ["--eval"] if kind == "eval" else []
+    argv = [*cli(), "serve", str(config_path), *flag, "--model", model, "--port", str(server_port(cfg, i, kind)),
             "--version", str(version), f"inference.engine_args.served_model_name={cfg.model.path}"]
-    return f"server{i}", argv
+    return server_name(kind, i), argv
 
 
 def frozen_server(cfg: Config, config_path: str, kind: str, i: int) -> tuple[str, list[str]]:
     """(name, argv) of reference server i (the run's initial model) or reward server i (reward.model_path)."""
-    return f"{kind}{i}", [*cli(), "serve", str(config_path), f"--{kind}", "--port", str(server_port(cfg, i, kind))]
+    return server_name(kind, i), [*cli(), "serve", str(config_path), f"--{kind}", "--port",
+                                  str(server_port(cfg, i, kind))]
+
+
+def server_command(cfg: Config, config_path: str, kind: str, i: int, model: str,
+                   version: int) -> tuple[str, list[str]]:
+    """(name, argv) of server i of any `kind`: a policy or eval server serves `model` at `version`, a frozen one
+    its own model."""
+    if kind in POLICY_KINDS:
+        return _updated_server(cfg, config_path, kind, i, model, version)
+    return frozen_server(cfg, config_path, kind, i)
 
 
 def server_port(cfg: Config, i: int, kind: str = "policy") -> int:
-    """The port of policy server slot i, or of reference / reward server i."""
+    """The port of policy server slot i, or of reference / reward / eval server i (the module's docstring)."""
     inf = cfg.inference
-    offset = {"policy": 0, "reference": inf.num_servers, "reward": inf.num_servers + inf.reference_servers}[kind]
-    return inf.base_port + offset + i
+    offsets = {"policy": 0, "reference": inf.num_servers}  # each kind after every slot of the kinds before it
+    offsets["reward"] = offsets["reference"] + inf.reference_servers
+    offsets["eval"] = offsets["reward"] + cfg.reward.servers_started
+    return inf.base_port + offsets[kind] + i
 
 
 def discovery_file(cfg: Config, i: int, kind: str = "policy") -> Path:
-    """Where policy server i (or reference / reward server i) on this host announces itself once healthy."""
-    folder = FROZEN_FOLDERS.get(kind, SERVERS_DIR)
+    """Where server i of `kind` on this host announces itself once healthy (rundir.SERVER_FOLDERS)."""
     host = advertised_host(bind_host(cfg.inference.host))
-    return server_file(cfg.run_dir, host, server_port(cfg, i, kind), folder)
+    return server_file(cfg.run_dir, host, server_port(cfg, i, kind), SERVER_FOLDERS[kind])

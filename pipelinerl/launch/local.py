@@ -1,25 +1,28 @@
 """`pipelinerl run CONFIG`: the whole pipeline as child processes of one launcher on this machine.
 
 Order: run directory + resolved config -> (tiny model, built and warm-started if missing) -> inference
-servers, the reference servers when the RL objective needs reference log-probs and the reward servers with
-reward.kind=model, healthy -> trainer
-(opens the weight-update group) -> actor. The launcher then follows the trainer's progress through the
+servers, the reference servers when the RL objective needs reference log-probs, the reward servers with
+reward.kind=model and the eval servers (inference.eval_servers), healthy -> trainer (opens the
+weight-update groups) -> actor. The launcher then follows the trainer's progress through the
 servers' policy version until the trainer exits. Ctrl-C, SIGTERM or any child's failure stops every role
 (newest first) and names the role that failed and its log, unless launch.max_restarts allows starting it
-again (launch/restarts.py): a server restarts on its port, cores and environment from the latest
-checkpoint, the trainer resumes from it by itself, the actor continues its stream. A server that stops
-answering /health once announced counts as dead (launch.server_health_timeout_s, launch/health.py).
-Re-running with the same run directory resumes: the servers start from the latest checkpoint's weights
-at its version, and the trainer restores its state and stream cursor from the same checkpoint; reference
-servers always serve the initial model (`model.path`), reward servers reward.model_path.
+again (launch/restarts.py): a server restarts on its port, cores and environment (a policy or eval server
+from the latest checkpoint), the trainer resumes from it by itself, the actor continues its stream. A
+server that stops answering /health once announced counts as dead (launch.server_health_timeout_s,
+launch/health.py). Re-running with the same run directory resumes: the servers start from the latest
+checkpoint's weights at its version, and the trainer restores its state and stream cursor from the same
+checkpoint; reference servers always serve the initial model (`model.path`), reward servers
+reward.model_path.
 
-Placement (launch/placement.py): on a GPU machine the servers take launch.inference_gpus (tensor-parallel
-groups of contiguous GPUs) and the trainer ranks launch.training_gpus, disjoint; by default the first
-half of the GPUs serve and the second half train. The trainer role is `pipelinerl train --nproc N`: N
-ranks (trainer.num_gpus; gloo processes on CPU) that receive every stop signal together.
+Placement (launch/placement.py): on a GPU machine the servers, eval servers included, take
+launch.inference_gpus (tensor-parallel groups of contiguous GPUs) and the trainer ranks
+launch.training_gpus, disjoint; by default the first half of the GPUs serve and the second half train.
+The trainer role is `pipelinerl train --nproc N`: N ranks (trainer.num_gpus; gloo processes on CPU) that
+receive every stop signal together.
 On any machine, launch.inference_cpus / training_cpus / actor_cpus give the roles CPU cores of their own
 (placement.split_cpus; applied as CPU affinity by procs.Supervisor, with vLLM's OMP binding and torch
-thread counts to match). `pipelinerl run --dry-run` prints the placement and every command.
+thread counts to match); the eval servers share launch.eval_cpus, which may overlap any role's.
+`pipelinerl run --dry-run` prints the placement and every command.
 """
 
 from __future__ import annotations
@@ -36,20 +39,19 @@ from pathlib import Path
 
 from pipelinerl.config import Config, ConfigError, save_config
 from pipelinerl.launch.commands import (
-    FROZEN_FOLDERS,
     cli,
     discovery_file,
-    frozen_server,
     frozen_server_counts,
-    frozen_server_kinds,
-    policy_server,
+    server_command,
     server_env,
+    server_name,
+    side_server_counts,
     threads_env,
 )
-from pipelinerl.launch.placement import CpuPlacement, Placement, format_ids, split_cpus, split_node
+from pipelinerl.launch.placement import CpuPlacement, Placement, eval_cores, format_ids, split_cpus, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
 from pipelinerl.plan import check_before_start
-from pipelinerl.rundir import SERVERS_DIR, list_servers
+from pipelinerl.rundir import POLICY_KINDS, SERVER_FOLDERS, SERVERS_DIR, list_servers
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,7 @@ def prepare_run_dir(cfg: Config) -> Path:
     """Create the run directory, write the resolved config, and forget servers of an earlier launch."""
     run_dir = Path(cfg.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    for folder in (SERVERS_DIR, *FROZEN_FOLDERS.values()):
+    for folder in SERVER_FOLDERS.values():
         for stale in (run_dir / folder).glob("*"):  # their processes are gone with the old launcher
             stale.unlink()
     save_config(cfg, run_dir / "config.yaml")
@@ -179,10 +181,12 @@ def _pinned(src: Path, dest: Path) -> Path:
     return dest
 
 
-def policy_restart(cfg: Config, config_path: str, i: int, where: str = "local") -> Callable[[], list[str]]:
-    """Policy server i's command at a restart (on host `where`): from the latest checkpoint then, at its
-    version, pinned (serving_weights) under `<where>_server<i>`."""
-    return lambda: policy_server(cfg, config_path, i, *serving_weights(cfg, pin=f"{where}_server{i}"))[1]
+def policy_restart(cfg: Config, config_path: str, i: int, where: str = "local",
+                   kind: str = "policy") -> Callable[[], list[str]]:
+    """Policy server i's (kind "eval": eval server i's) command at a restart (on host `where`): from the latest
+    checkpoint then, at its version, pinned (serving_weights) under `<where>_<its role name>` (server<i>, eval<i>)."""
+    pin = f"{where}_{server_name(kind, i)}"
+    return lambda: server_command(cfg, config_path, kind, i, *serving_weights(cfg, pin=pin))[1]
 
 
 def machine_gpus() -> list[str]:
@@ -201,39 +205,42 @@ def machine_gpus() -> list[str]:
 
 
 def placement(cfg: Config, gpus: list[str], cores: list[int] | None = None) -> Placement:
-    """This machine's split between the servers (policy, then reference and reward) and the trainer ranks, in the
-    ids of `gpus` (so a launcher started under CUDA_VISIBLE_DEVICES=2,3 hands out 2 and 3), and of the
-    `cores` the launcher may use (default: its own CPU affinity) when launch.*_cpus ask for it."""
-    launch, slots = cfg.launch, cfg.inference.num_servers + len(frozen_server_kinds(cfg))
+    """This machine's split between the servers (policy, then reference, reward and eval) and the trainer ranks, in
+    the ids of `gpus` (so a launcher started under CUDA_VISIBLE_DEVICES=2,3 hands out 2 and 3), and of the
+    `cores` the launcher may use (default: its own CPU affinity) when launch.*_cpus ask for it. Every server takes
+    a GPU slot; the eval servers take no share of launch.inference_cpus (launch.eval_cpus are theirs)."""
+    launch, inf, tp, sides = cfg.launch, cfg.inference, cfg.inference.tensor_parallel_size, side_server_counts(cfg)
+    machine = sorted(os.sched_getaffinity(0)) if cores is None else cores
     try:
-        plan = split_node(len(gpus), launch.inference_gpus, launch.training_gpus, slots,
-                          cfg.inference.tensor_parallel_size, cfg.trainer.num_gpus)
-        cpus = split_cpus(sorted(os.sched_getaffinity(0)) if cores is None else cores, launch.inference_cpus,
-                          launch.training_cpus, launch.actor_cpus, slots, cfg.inference.tensor_parallel_size)
+        plan = split_node(len(gpus), launch.inference_gpus, launch.training_gpus,
+                          inf.num_servers + sum(sides.values()), tp, cfg.trainer.num_gpus)
+        cpus = split_cpus(machine, launch.inference_cpus, launch.training_cpus, launch.actor_cpus,
+                          inf.num_servers + sum(frozen_server_counts(cfg).values()), tp)
+        evals = eval_cores(machine, launch.eval_cpus, tp)
     except ValueError as err:
         raise ConfigError(f"config `launch`: {err}") from None
     if plan.server_gpus is None:
-        return dataclasses.replace(plan, cpus=cpus)
+        return dataclasses.replace(plan, cpus=cpus, eval_cpus=evals)
     return Placement([[gpus[int(i)] for i in group] for group in plan.server_gpus],
-                     [gpus[int(i)] for i in plan.trainer_gpus], plan.trainer_ranks, cpus)
+                     [gpus[int(i)] for i in plan.trainer_gpus], plan.trainer_ranks, cpus, evals)
 
 
 def _roles(cfg: Config, config_path: Path, where: Placement) -> tuple[list[Role], Role, Role]:
-    """(servers: the policy servers, then any reference and reward servers; trainer; actor)."""
+    """(servers: the policy servers, then any reference, reward and eval servers; trainer; actor)."""
     logs, cpus = Path(cfg.run_dir) / "logs", where.cpus or CpuPlacement([], [], None)
     model, version, path = *serving_weights(cfg), str(config_path)
-    servers = [(*policy_server(cfg, path, i, model, version), policy_restart(cfg, path, i), discovery_file(cfg, i))
-               for i in range(cfg.inference.num_servers)]
-    servers += [(*frozen_server(cfg, path, kind, i), None, discovery_file(cfg, i, kind))
-                for kind, n in frozen_server_counts(cfg).items() for i in range(n)]
+    slots = [("policy", i) for i in range(cfg.inference.num_servers)]
+    slots += [(kind, i) for kind, n in side_server_counts(cfg).items() for i in range(n)]
     server_roles = []
-    for slot, (name, argv, restart_argv, discovery) in enumerate(servers):
-        cores = cpus.servers[slot] if cpus.servers else None
+    for slot, (kind, i) in enumerate(slots):
+        name, argv = server_command(cfg, path, kind, i, model, version)
+        cores = where.eval_cpus if kind == "eval" else cpus.servers[slot] if cpus.servers else None
         env = server_env(cfg, cores)
         if where.server_gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(where.server_gpus[slot])
+        restart_argv = policy_restart(cfg, path, i, kind=kind) if kind in POLICY_KINDS else None
         server_roles.append(Role(name, argv, logs / f"{name}.log", env, cores, restart_argv=restart_argv,
-                                 discovery=discovery))
+                                 discovery=discovery_file(cfg, i, kind)))
     ranks = ["--nproc", str(where.trainer_ranks)]  # its port is picked when the ranks start, not minutes before
     if where.trainer_gpus is not None:
         ranks += ["--gpus", ",".join(where.trainer_gpus)]
@@ -264,7 +271,7 @@ def render(cfg: Config, config_path: Path, gpus: list[str]) -> str:
 def wait_for_servers(cfg: Config, sup: Supervisor, expected: int | None = None,
                      folder: str = SERVERS_DIR) -> list[str]:
     """Wait until `expected` servers (default inference.num_servers) announce themselves in RUN_DIR/<folder>
-    (the policy servers', or a frozen kind's: commands.FROZEN_FOLDERS)."""
+    (the policy servers', or another kind's: rundir.SERVER_FOLDERS)."""
     expected = cfg.inference.num_servers if expected is None else expected
     deadline = time.monotonic() + cfg.inference.startup_timeout_s
     while len(urls := list_servers(cfg.run_dir, folder)) < expected:
@@ -276,19 +283,19 @@ def wait_for_servers(cfg: Config, sup: Supervisor, expected: int | None = None,
     return urls
 
 
-def start_servers(cfg: Config, sup: Supervisor, roles: list[Role], frozen: dict[str, int] | None = None,
+def start_servers(cfg: Config, sup: Supervisor, roles: list[Role], side: dict[str, int] | None = None,
                   policy: int | None = None) -> list[str]:
     """Start the server `roles` under `sup`, then wait until `policy` policy servers (default
-    inference.num_servers) and `frozen[kind]` servers of each frozen kind (reference, reward) have announced
-    themselves: the policy servers' URLs. Every launcher starts its servers with it: `pipelinerl run`, the
-    Slurm job (its servers steps) and `pipelinerl eval`."""
+    inference.num_servers) and `side[kind]` servers of each other kind (reference, reward, eval:
+    commands.side_server_counts) have announced themselves: the policy servers' URLs. Every launcher starts its
+    servers with it: `pipelinerl run`, the Slurm job (its servers steps) and `pipelinerl eval`."""
     for role in roles:
         sup.start(role)
     urls = wait_for_servers(cfg, sup, policy)
     log.info("servers healthy: %s", ", ".join(urls))
-    for kind, n in (frozen or {}).items():
+    for kind, n in (side or {}).items():
         if n:
-            log.info("%s servers healthy: %s", kind, ", ".join(wait_for_servers(cfg, sup, n, FROZEN_FOLDERS[kind])))
+            log.info("%s servers healthy: %s", kind, ", ".join(wait_for_servers(cfg, sup, n, SERVER_FOLDERS[kind])))
     return urls
 
 
@@ -356,7 +363,7 @@ def _run_roles(cfg: Config, config_path: Path, where: Placement) -> None:
     sup = Supervisor.from_config(cfg)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally below
     try:
-        urls = start_servers(cfg, sup, servers, frozen_server_counts(cfg))
+        urls = start_servers(cfg, sup, servers, side_server_counts(cfg))
         sup.start(trainer)
         sup.start(actor)
         follow_trainer(cfg, sup, urls)

@@ -5,7 +5,8 @@ The original PipelineRL's everyday shape is one 8-GPU node split between inferen
 cluster job with separate inference and training nodes is the same split with one side empty.
 
 CPU cores (the local launcher only; on Slurm, Slurm places cores): `split_cpus` is the same split for
-the cores, the analogue of the seeds' inference/training GPU split on a CPU machine.
+the cores, the analogue of the seeds' inference/training GPU split on a CPU machine; the eval servers'
+cores (`eval_cores`) stand apart from it.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class CpuPlacement:
     """CPU cores of the roles on this machine, applied as CPU affinity (inherited by every process a role
     starts). Servers and trainer own disjoint cores; the actor's cores may be shared."""
 
-    servers: list[list[int]]  # per server slot (policy, then reference): its cores
+    servers: list[list[int]]  # per server slot (policy, then reference and reward; not eval): its cores
     trainer: list[int]  # shared by the trainer ranks (each gets len // ranks torch threads)
     actor: list[int] | None  # None: not pinned, it floats over every core (no core was left for it)
 
@@ -66,11 +67,14 @@ class Placement:
     trainer_gpus: list[str] | None  # the trainer ranks' GPUs; rank r uses trainer_gpus[r] (LOCAL_RANK r)
     trainer_ranks: int  # trainer processes on this node
     cpus: CpuPlacement | None = None  # the roles' CPU cores (local launcher); None = not pinned
+    eval_cpus: list[int] | None = None  # shared by the eval servers (launch.eval_cpus); None = not pinned
 
     def describe(self, servers: list[str]) -> list[str]:
         """One line per role, for --dry-run; `servers` names the server slots' roles in order."""
         lines = [f"{name}: GPUs {','.join(self.server_gpus[i])}" if self.server_gpus else f"{name}: CPU"
                  for i, name in enumerate(servers)]
+        if self.eval_cpus is not None:
+            lines.append(f"eval servers: CPU cores {format_ids(self.eval_cpus)} (shared)")
         where = f"GPUs {','.join(self.trainer_gpus)}" if self.trainer_gpus else "CPU (gloo)"
         return lines + [f"trainer: {self.trainer_ranks} rank(s) on {where}"]
 
@@ -110,11 +114,7 @@ def split_cpus(machine: list[int], inference: str | None, training: str | None, 
                              "set those too (CPU placement splits the machine between all roles)")
         return None
     named = {"launch.inference_cpus": inference, "launch.training_cpus": training, "launch.actor_cpus": actor}
-    lists = {key: parse_cpu_ids(spec) for key, spec in named.items() if spec is not None}
-    for key, ids in lists.items():
-        if missing := [i for i in ids if i not in machine]:
-            raise ValueError(f"{key} = {named[key]} names core(s) {format_ids(missing)} that this launcher may not "
-                             f"use; it has cores {format_ids(machine)}")
+    lists = {key: machine_cores(machine, key, spec) for key, spec in named.items() if spec is not None}
     named_cores = {i for ids in lists.values() for i in ids}
     rest = [i for i in machine if i not in named_cores]
     serving = lists.get("launch.inference_cpus", rest)
@@ -130,3 +130,24 @@ def split_cpus(machine: list[int], inference: str | None, training: str | None, 
     free = [i for i in machine if i not in serving and i not in training_cores]
     actor_cores = lists.get("launch.actor_cpus", free or None)
     return CpuPlacement(split_evenly(serving, num_servers), training_cores, actor_cores)
+
+
+def machine_cores(machine: list[int], key: str, spec: str) -> list[int]:
+    """The cores list `spec` (config key `key`) names, every one of them a core of `machine` (the launcher's)."""
+    ids = parse_cpu_ids(spec)
+    if missing := [i for i in ids if i not in machine]:
+        raise ValueError(f"{key} = {spec} names core(s) {format_ids(missing)} that this launcher may not use; it has "
+                         f"cores {format_ids(machine)}")
+    return ids
+
+
+def eval_cores(machine: list[int], spec: str | None, tensor_parallel_size: int) -> list[int] | None:
+    """The cores of `machine` every eval server runs on (launch.eval_cpus `spec`), at least one per
+    tensor-parallel worker; they may be any other role's too (an eval server mostly waits). None: not pinned."""
+    if spec is None:
+        return None
+    ids = machine_cores(machine, "launch.eval_cpus", spec)
+    if len(ids) < tensor_parallel_size:
+        raise ValueError(f"launch.eval_cpus gives {len(ids)} core(s) ({format_ids(ids)}); it needs at least "
+                         f"{tensor_parallel_size} (one per tensor-parallel worker of an eval server)")
+    return ids

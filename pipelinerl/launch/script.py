@@ -53,7 +53,7 @@ def _shape(cfg: Config) -> list[str]:
     if colocated(cfg):
         return [f"{s.training_nodes} node(s){gpus}, each split between the roles (every step asks for all the node's",
                 "GPUs and each server / trainer rank picks its own; the actor runs on the first node):",
-                *(f"  {line}" for line in placed.describe(slot_names(cfg, frozen=True)))]
+                *(f"  {line}" for line in placed.describe(slot_names(cfg, side=True)))]
     where = "on CPU (gloo)" if placed.trainer_gpus is None else "one GPU each"
     return [f"component 0 (srun --het-group=0): {s.inference_nodes} inference node(s){gpus}",
             f"  {inf.num_servers} vLLM server(s) per node, tensor-parallel over {inf.tensor_parallel_size} GPU(s) each",

@@ -15,11 +15,12 @@ trainer (one srun task per rank, one rank per GPU) and, on the first of them, th
              and each server / rank selects its own through CUDA_VISIBLE_DEVICES (slurm_node.node_placement).
 
 Reference servers (only when the RL objective needs reference log-probs: rl.kl_coef > 0 or
-rl.dpo_reference=reference) and then reward servers (reward.kind=model) take the first server slots of the
-first inference node: slot i there runs `serve --reference` (the initial model) or `serve --reward`
-(reward.model_path), on the slot's GPUs and its kind's port (commands.py), instead of a policy server, which
-leaves (inference_nodes x num_servers) minus those policy servers. `check_config` refuses a placement that
-does not fit on the first node or leaves no policy server.
+rl.dpo_reference=reference), then reward servers (reward.kind=model), then eval servers
+(inference.eval_servers) take the first server slots of the first inference node: slot i there runs
+`serve --reference` (the initial model), `serve --reward` (reward.model_path) or `serve --eval` (the policy,
+updated over the eval weight group), on the slot's GPUs and its kind's port (commands.py), instead of a policy
+server, which leaves (inference_nodes x num_servers) minus those policy servers. `check_config` refuses a
+placement that does not fit on the first node or leaves no policy server.
 
 `launch` runs in the batch step. It prepares the run directory, starts one srun per role under a
 procs.Supervisor (a `servers@NODE` step per server node, `trainer`, `actor`), waits for the servers through
@@ -52,12 +53,11 @@ from pathlib import Path
 
 from pipelinerl.config import Config
 from pipelinerl.launch.commands import (
-    FROZEN_FOLDERS,
     cli,
-    frozen_server_counts,
-    frozen_server_kinds,
     node_slots,
     server_port,
+    side_server_counts,
+    side_server_kinds,
     slot_names,
     threads_env,
 )
@@ -68,7 +68,7 @@ from pipelinerl.launch.slurm_node import colocated, node_placement
 from pipelinerl.launch.summary import summarize, summary_line
 from pipelinerl.netif import interface_env
 from pipelinerl.plan import check_before_start
-from pipelinerl.rundir import ADVERTISE_ENV, SERVERS_DIR, WILDCARDS, bind_host, server_file
+from pipelinerl.rundir import ADVERTISE_ENV, SERVER_FOLDERS, WILDCARDS, bind_host, server_file
 
 log = logging.getLogger(__name__)
 
@@ -165,20 +165,21 @@ def allocation_from_env(cfg: Config, env=os.environ) -> Allocation:
 
 
 def check_config(cfg: Config) -> None:
-    """Config choices only the Slurm launcher can check: trainer ranks vs training GPUs, reference and reward
+    """Config choices only the Slurm launcher can check: trainer ranks vs training GPUs, reference, reward and eval
     server placement."""
     inf, ranks = cfg.inference, trainer_ranks(cfg)
     if cfg.trainer.num_gpus is not None and cfg.trainer.num_gpus != ranks:
         per_node = "launch.training_gpus" if colocated(cfg) else "gpus_per_node"
         raise ValueError(f"trainer.num_gpus={cfg.trainer.num_gpus} but launch.slurm.training_nodes x {per_node} "
                          f"gives {ranks} trainer ranks; set trainer.num_gpus={ranks} (or null)")
-    frozen, slots = frozen_server_kinds(cfg), inf.num_servers * server_nodes(cfg)
-    if len(frozen) > inf.num_servers:
-        raise ValueError(f"{len(frozen)} reference and reward servers ({', '.join(frozen)}) but they take server slots "
-                         f"of the first inference node, which has inference.num_servers={inf.num_servers}; lower "
-                         "inference.reference_servers / reward.servers or raise num_servers")
-    if frozen and len(frozen) >= slots:
-        raise ValueError(f"{len(frozen)} reference and reward servers would take all {slots} server slots "
+    side, slots = side_server_kinds(cfg), inf.num_servers * server_nodes(cfg)
+    if len(side) > inf.num_servers:
+        raise ValueError(f"{len(side)} reference, reward and eval servers ({', '.join(side)}) but they take server "
+                         f"slots of the first inference node, which has inference.num_servers={inf.num_servers}; "
+                         "lower inference.reference_servers / reward.servers / inference.eval_servers or raise "
+                         "num_servers")
+    if side and len(side) >= slots:
+        raise ValueError(f"{len(side)} reference, reward and eval servers would take all {slots} server slots "
                          "(launch.slurm.inference_nodes x inference.num_servers) and leave no policy server; "
                          "raise inference.num_servers or add an inference node")
 
@@ -289,7 +290,7 @@ def servers_role(cfg: Config, alloc: Allocation, node: str, config_path: Path, p
         overlap = ["--overlap"] if colocated(cfg) else []
         command = _srun(alloc, 0, [node], cfg, gpus=True) + overlap + cli(python) + [
             "slurm", "servers", str(config_path), "--model", model, "--version", str(version)]
-        return command + (["--frozen-node", alloc.inference[0]] if frozen_server_kinds(cfg) else [])
+        return command + (["--side-node", alloc.inference[0]] if side_server_kinds(cfg) else [])
 
     env = {**threads_env(cfg), **interface_env(cfg.launch.network_interface),
            ADVERTISE_ENV: alloc.addresses.get(node, node)}
@@ -299,10 +300,10 @@ def servers_role(cfg: Config, alloc: Allocation, node: str, config_path: Path, p
 
 def node_discovery_files(cfg: Config, alloc: Allocation, node: str) -> DiscoveryFiles:
     """Where the servers of `node` announce themselves (commands.discovery_file, as seen from that node):
-    reference and reward servers in the first slots of the first server node, policy servers in the others."""
+    reference, reward and eval servers in the first slots of the first server node, policy servers in the others."""
     bind = bind_host(cfg.inference.host)
     host = alloc.addresses.get(node, node) if bind in WILDCARDS else bind
-    files = [server_file(cfg.run_dir, host, server_port(cfg, index, kind), FROZEN_FOLDERS.get(kind, SERVERS_DIR))
+    files = [server_file(cfg.run_dir, host, server_port(cfg, index, kind), SERVER_FOLDERS[kind])
              for kind, index in node_slots(cfg, node == alloc.inference[0])]
     return DiscoveryFiles(tuple(files))
 
@@ -328,7 +329,7 @@ def render(cfg: Config, alloc: Allocation) -> str:
     lines = [f"# inference nodes: {' '.join(alloc.inference)}; training nodes: {' '.join(alloc.training)}",
              "# on each node of its role (GPU positions in the step's CUDA_VISIBLE_DEVICES; the first inference "
              "node's slots shown):",
-             *(f"#   {line}" for line in node_placement(cfg).describe(slot_names(cfg, frozen=True)))]
+             *(f"#   {line}" for line in node_placement(cfg).describe(slot_names(cfg, side=True)))]
     for role in roles.values():
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in role.env.items())
         lines.append(f"# {role.name} (log {role.log_path})\n{env + ' ' if env else ''}{shlex.join(role.argv)}")
@@ -402,8 +403,8 @@ def launch(cfg: Config, alloc: Allocation) -> None:
     signals, sup, requeue_now = _Signals(), Supervisor(Restarts.from_config(cfg)), False
     try:
         steps = [role for role in roles.values() if role.name.startswith("servers@")]
-        start_servers(cfg, sup, steps, frozen_server_counts(cfg),
-                      cfg.inference.num_servers * server_nodes(cfg) - len(frozen_server_kinds(cfg)))
+        start_servers(cfg, sup, steps, side_server_counts(cfg),
+                      cfg.inference.num_servers * server_nodes(cfg) - len(side_server_kinds(cfg)))
         sup.start(roles["trainer"])
         sup.start(roles["actor"])
         requeue_now = _follow_trainer(cfg, sup, signals)

@@ -30,8 +30,9 @@ def _parser():
     p.add_argument("config", help="the run's resolved RUN_DIR/config.yaml")
     p.add_argument("--model", required=True, help="HF folder the servers load")
     p.add_argument("--version", type=int, required=True, help="policy version of those weights")
-    p.add_argument("--frozen-node", default=None,
-                   help="the node whose first server slots serve the reference and reward models (launch/slurm.py)")
+    p.add_argument("--side-node", default=None,
+                   help="the node whose first server slots serve the reference, reward and eval servers "
+                        "(launch/slurm.py)")
     p = sub.add_parser("script", help="print the sbatch script of CONFIG: #SBATCH lines from its launch.slurm "
                                       "(save it: `pipelinerl slurm script CONFIG > job.sh`)")
     p.add_argument("--job-name", default="pipelinerl", help="the job's name (#SBATCH --job-name)")
@@ -52,7 +53,7 @@ def main(argv: list[str]) -> None:
     try:
         check_config(cfg)
         if args.what == "servers":
-            run_node_servers(cfg, args.config, args.model, args.version, args.frozen_node)
+            run_node_servers(cfg, args.config, args.model, args.version, args.side_node)
         elif args.what == "launch" and args.dry_run:
             print(render(cfg, dry_run_allocation(cfg)))
         elif args.what == "launch":

@@ -1,7 +1,7 @@
 """The `servers` role of a Slurm job on one inference node (`pipelinerl slurm servers`): one
 `pipelinerl serve` per server slot, each on its own GPUs, supervised until SIGTERM or a failure past
 launch.max_restarts: a server that dies, or stops answering /health once announced (launch/health.py), is
-restarted on its GPUs and port, a policy server from the latest checkpoint in the shared RUN_DIR
+restarted on its GPUs and port, a policy or eval server from the latest checkpoint in the shared RUN_DIR
 (launch/restarts.py; TensorBoard under RUN_DIR/tb/launch/<node>).
 The job-level launcher (`launch/slurm.py`) runs this role as one srun step per server node, and runs a
 node's step again when it ends (the agent past its budget, the step cancelled, the agent killed).
@@ -23,17 +23,11 @@ import time
 from pathlib import Path
 
 from pipelinerl.config import Config
-from pipelinerl.launch.commands import (
-    discovery_file,
-    frozen_server,
-    frozen_server_kinds,
-    node_slots,
-    policy_server,
-    server_env,
-)
+from pipelinerl.launch.commands import discovery_file, node_slots, server_command, server_env, side_server_kinds
 from pipelinerl.launch.local import policy_restart
 from pipelinerl.launch.placement import Placement, server_gpu_groups, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
+from pipelinerl.rundir import POLICY_KINDS
 
 
 def colocated(cfg: Config) -> bool:
@@ -70,38 +64,37 @@ def visible_gpus(placed: list[str], gpus_per_node: int, environ=os.environ) -> s
 
 
 def node_server_roles(cfg: Config, config_path: str, model: str, version: int, node: str,
-                      frozen: bool) -> list[Role]:
+                      side: bool) -> list[Role]:
     """One `pipelinerl serve` per server slot i of an inference node, each on its own GPUs: on the node that
-    hosts them (`frozen`), the first slots serve the reference and reward models (commands.node_slots), the
-    others the policy from `model` at `version`, and after a restart from the latest checkpoint (ports:
-    commands.py)."""
+    hosts them (`side`), the first slots serve the reference and reward models and then the eval servers
+    (commands.node_slots), the others the policy; policy and eval servers from `model` at `version`, and after a
+    restart from the latest checkpoint (ports: commands.py)."""
     gpus = node_placement(cfg).server_gpus
     roles = []
-    for i, (kind, index) in enumerate(node_slots(cfg, frozen)):
+    for i, (kind, index) in enumerate(node_slots(cfg, side)):
         env = server_env(cfg)
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible_gpus(gpus[i], cfg.launch.slurm.gpus_per_node)
-        policy = kind == "policy"
-        name, argv = (policy_server(cfg, config_path, i, model, version) if policy
-                      else frozen_server(cfg, config_path, kind, index))
-        restart_argv = policy_restart(cfg, config_path, i, node) if policy else None
+        name, argv = server_command(cfg, config_path, kind, index, model, version)
+        restart_argv = policy_restart(cfg, config_path, index, node, kind) if kind in POLICY_KINDS else None
         roles.append(Role(name, argv, Path(cfg.run_dir) / "logs" / f"{node}_{name}.log", env,
                           restart_argv=restart_argv, discovery=discovery_file(cfg, index, kind)))
     return roles
 
 
-def run_node_servers(cfg: Config, config_path: str, model: str, version: int, frozen_node: str | None) -> None:
-    """The `servers` role on one inference node: its `node_server_roles` (reference and reward servers only on
-    `frozen_node`), supervised until SIGTERM or the first failure."""
+def run_node_servers(cfg: Config, config_path: str, model: str, version: int, side_node: str | None) -> None:
+    """The `servers` role on one inference node: its `node_server_roles` (reference, reward and eval servers only
+    on `side_node`), supervised until SIGTERM or the first failure."""
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
-    frozen = node == frozen_node
-    kinds = frozen_server_kinds(cfg) if frozen else []
+    side = node == side_node
+    kinds = side_server_kinds(cfg) if side else []
     sup = Supervisor.from_config(cfg, f"launch/{node}")
-    print(f"pipelinerl slurm servers on {node}: {cfg.inference.num_servers} server(s), {len(kinds)} of them frozen "
-          f"({', '.join(kinds) or 'none'}), the policy from {model} at version {version}", file=sys.stderr, flush=True)
+    print(f"pipelinerl slurm servers on {node}: {cfg.inference.num_servers} server(s), {len(kinds)} of them not "
+          f"policy servers ({', '.join(kinds) or 'none'}), the policy from {model} at version {version}",
+          file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher's normal way to stop this role
     try:
-        for role in node_server_roles(cfg, config_path, model, version, node, frozen):
+        for role in node_server_roles(cfg, config_path, model, version, node, side):
             sup.start(role)
         while True:
             sup.check()

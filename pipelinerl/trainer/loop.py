@@ -11,6 +11,7 @@ every announced server, so a server restarted on an old checkpoint catches up wh
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -336,7 +337,8 @@ def train(cfg: Config) -> None:
     check_supported(cfg, dist)
     init_process_group(dist, cfg.trainer.dist_timeout_s, cfg.trainer.jit_lock_stale_s)
     torch.manual_seed(cfg.seed)
-    publication = Publication() if dist.is_main else None
+    evaluation = dist.is_main and cfg.inference.eval_servers > 0
+    publication = Publication(readers=1 + evaluation) if dist.is_main else None
     trainer = build_trainer(cfg, dist, publication)
     trainer.init(cfg.model.path)
     state = resume(trainer, Path(cfg.run_dir) / "checkpoints", dist, cfg.trainer.backend)
@@ -344,6 +346,7 @@ def train(cfg: Config) -> None:
     if cfg.checkpoints.save_on_signal:
         signals.install()
     delivery = start_delivery(cfg, dist, publication) if dist.is_main else None
+    eval_delivery = start_delivery(cfg, dist, publication, evaluation=True) if evaluation else None
     data = StepData(cfg, dist, state.cursor, lambda: signals.received is not None, delivery)
     logger = StepLogger(cfg, dist, state.step)
     try:
@@ -351,23 +354,43 @@ def train(cfg: Config) -> None:
         _run(trainer, data, cfg, dist, state, signals, logger, delivery)
     finally:
         logger.close()
-        if delivery is not None:
-            delivery.close()
+        for d in (delivery, eval_delivery):
+            if d is not None:
+                d.close()
 
 
-def start_delivery(cfg: Config, dist: DistInfo, publication):
-    """Rank 0's delivery thread over the run's announced servers (RUN_DIR/servers)."""
+def start_delivery(cfg: Config, dist: DistInfo, publication, evaluation: bool = False):
+    """Rank 0's delivery thread over the run's announced policy servers (RUN_DIR/servers), or with `evaluation`
+    over its evaluation servers (RUN_DIR/eval_servers, inference.eval_servers): a group of their own on
+    trainer.broadcast_port + 1, and a server held for an evaluation is left alone until released."""
     from pipelinerl.control import ControlClient
-    from pipelinerl.rundir import run_token, server_roster
+    from pipelinerl.rundir import EVAL_SERVERS_DIR, SERVERS_DIR, run_token, server_roster
     from pipelinerl.weights import Delivery, WeightBroadcaster
 
     t, token = cfg.trainer, run_token(cfg.run_dir, cfg.inference.auth_token)
+    control, folder = ControlClient(token), EVAL_SERVERS_DIR if evaluation else SERVERS_DIR
     sender = WeightBroadcaster([], cfg.inference.weight_update_backend or dist.backend, t.broadcast_host,
-                               t.broadcast_port, cfg.inference.weight_update_timeout_s,
+                               t.broadcast_port + evaluation, cfg.inference.weight_update_timeout_s,
                                int(t.broadcast_bucket_mb * 2**20), token, checksum_every=t.broadcast_checksum_every,
                                delta=t.broadcast_delta == "auto")
-    return Delivery(publication, lambda: server_roster(cfg.run_dir), sender, ControlClient(token),
-                    t.delivery_fail_after_versions, t.delivery_fail_after_s, t.wait_log_s).start()
+    return Delivery(publication, lambda: server_roster(cfg.run_dir, folder), sender, control,
+                    t.delivery_fail_after_versions, t.delivery_fail_after_s, t.wait_log_s,
+                    held=functools.partial(held_servers, control) if evaluation else None).start()
+
+
+def held_servers(control, urls: list[str]) -> set[str]:
+    """Those of `urls` held for an evaluation (their /status says so); one that does not answer is not held (its
+    delivery then fails and is retried like any other)."""
+    from pipelinerl.control import ControlError
+    from pipelinerl.weights.collective import map_on_threads
+
+    def held(url: str) -> bool:
+        try:
+            return control.status(url).held_s > 0
+        except ControlError:
+            return False
+
+    return {u for u, h in zip(urls, map_on_threads(held, urls, "delivery-held")) if h}
 
 
 def delivery_stats(reports) -> dict[str, float]:

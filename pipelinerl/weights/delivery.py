@@ -18,6 +18,8 @@ Policy, in this module only:
   of RETRY_FIRST_S doubling up to RETRY_MAX_S; the other members are retried at once.
 - A server announced anew (a restart re-publishes its file) starts afresh: its version is asked again, and a
   group it was a member of is formed anew (the restarted server holds none).
+- A server the `held` callback names (an evaluation server held at one version while it evaluates,
+  inference/updates.py `WeightUpdater.hold`) is left alone, neither behind nor failing, until it is released.
 - Escalation: when every announced server has failed every attempt for `fail_after_versions` consecutive
   published versions and for at least `fail_after_s`, the delivery stops with `DeliveryFailed` naming the
   servers and their last errors; the trainer then stops the run (trainer/step_data.py).
@@ -82,12 +84,14 @@ class DeliveryReport:
 
 
 class Delivery:
-    """The delivery thread of trainer rank 0 (see the module). `roster()` -> {url: announced_at ns}."""
+    """The delivery thread of trainer rank 0 (see the module). `roster()` -> {url: announced_at ns}; `held(urls)`
+    -> those of `urls` to leave alone this round (None: none ever is)."""
 
     def __init__(self, publication: Publication, roster: Callable[[], dict[str, int]], sender: WeightBroadcaster,
                  control: ControlClient, fail_after_versions: int = 5, fail_after_s: float = 120.0,
-                 wait_log_s: float = 30.0):
+                 wait_log_s: float = 30.0, held: Callable[[list[str]], set[str]] | None = None):
         self.publication, self.roster, self.sender, self.control = publication, roster, sender, control
+        self.held, self._held = held, set()  # _held: the servers the last round left alone
         self.fail_after_versions, self.fail_after_s, self.wait_log_s = fail_after_versions, fail_after_s, wait_log_s
         self.servers: dict[str, ServerState] = {}
         self.failure: DeliveryFailed | None = None
@@ -136,7 +140,7 @@ class Delivery:
         """What delivery is doing, for the wait logs: the newest version and every server's state."""
         now = time.monotonic()
         with self._lock:
-            servers = [s.describe(now) for s in self.servers.values()]
+            servers = [s.describe(now) + (" (held)" if u in self._held else "") for u, s in self.servers.items()]
         latest = self.publication.latest_version()
         head = "nothing published yet" if latest is None else f"version {latest} published"
         return f"{head}; servers: {'; '.join(servers) or 'none announced in RUN_DIR/servers'}"
@@ -165,7 +169,8 @@ class Delivery:
         """Log every wait_log_s while some announced server is not at the newest version; the new `since`."""
         latest, now = self.publication.latest_version(), time.monotonic()
         with self._lock:
-            behind = latest is not None and any(s.version != latest for s in self.servers.values())
+            behind = latest is not None and any(s.version != latest for u, s in self.servers.items()
+                                                if u not in self._held)
         if not behind:
             return None
         if since is None:
@@ -183,13 +188,15 @@ class Delivery:
             return False
         self._refresh_roster()
         self._ask_versions()
+        held = self.held(sorted(self.servers)) if self.held is not None else set()
         with self.publication.lease() as snap:
             if snap is None:
                 return False
             now = time.monotonic()
             with self._lock:
-                behind = sorted(u for u, s in self.servers.items()
-                                if s.version is not None and s.version != snap.version and s.retry_at <= now)
+                self._held = held
+                behind = sorted(u for u, s in self.servers.items() if s.version is not None
+                                and s.version != snap.version and s.retry_at <= now and u not in held)
             if not behind or self._stop.is_set():
                 return False
             self._deliver(snap, behind)

@@ -2,14 +2,16 @@
 
 The training loop's job ends at `Publication.publish`: the gathered weights of a version are copied into host
 memory and the loop goes on; weights/delivery.py takes the newest version from there to the servers, on its
-own thread, whenever a server is behind. Two snapshot buffers: delivery leases the newest one while it sends,
-and `publish` writes into the other, so publishing never waits for a delivery and a delivery never reads a
-buffer that is being written. A version published while the previous one is still being delivered replaces
-the older unsent one: servers want the newest weights, not every version.
+own thread, whenever a server is behind. One snapshot buffer per reader plus one: each delivery (the training
+servers', and the evaluation servers' when inference.eval_servers > 0) leases the newest one while it sends, and
+`publish` writes into a buffer no one leases, so publishing never waits for a delivery and a delivery never
+reads a buffer that is being written. A version published while the previous one is still being delivered
+replaces the older unsent one: servers want the newest weights, not every version.
 
-Host memory: two copies of the LM's weights on rank 0's node (a 7B model in bf16: 2 x 15 GB), plus the
-delta base in delta mode (trainer.broadcast_delta). On GPU the buffers are pinned, so the device-to-host copy
-and the delivery's host-to-device bucket packing run at full PCIe speed.
+Host memory: readers + 1 copies of the LM's weights on rank 0's node (a 7B model in bf16: 2 x 15 GB, 3 x 15 GB
+with evaluation servers), plus each delivery's delta base in delta mode (trainer.broadcast_delta). On GPU the
+buffers are pinned, so the device-to-host copy and the delivery's host-to-device bucket packing run at full
+PCIe speed.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class Snapshot:
     metas: list[TensorMeta] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     published_at: float = 0.0  # time.monotonic() of the publish
-    leased: bool = False
+    leases: int = 0  # readers sending it now
 
 
 @dataclass(frozen=True)
@@ -44,11 +46,12 @@ class PublishStats:
 
 
 class Publication:
-    """The newest published version, for one reader (the delivery thread) and one writer (the loop)."""
+    """The newest published version, for `readers` readers (delivery threads, each holding at most one lease at
+    a time) and one writer (the loop)."""
 
-    def __init__(self) -> None:
+    def __init__(self, readers: int = 1) -> None:
         self._cond = threading.Condition()
-        self._buffers = [Snapshot(), Snapshot()]
+        self._buffers = [Snapshot() for _ in range(readers + 1)]
         self._latest: Snapshot | None = None
 
     def publish(self, version: int, metas: list[TensorMeta], tensors: Iterable[torch.Tensor]) -> PublishStats:
@@ -56,8 +59,8 @@ class Publication:
         `version`. Never waits for a delivery: it writes the buffer delivery does not hold."""
         started = time.monotonic()
         with self._cond:
-            buf = next(b for b in sorted(self._buffers, key=lambda b: b is self._latest) if not b.leased)
-            if buf is self._latest:  # the other one is being delivered: this one's unsent version is replaced
+            buf = next(b for b in sorted(self._buffers, key=lambda b: b is self._latest) if not b.leases)
+            if buf is self._latest:  # the others are being delivered: this one's unsent version is replaced
                 self._latest = None
             buf.version = None
         nbytes = _copy_tensors(buf, metas, tensors)
@@ -88,13 +91,13 @@ class Publication:
         with self._cond:
             snap = self._latest
             if snap is not None:
-                snap.leased = True
+                snap.leases += 1
         try:
             yield snap
         finally:
             if snap is not None:
                 with self._cond:
-                    snap.leased = False
+                    snap.leases -= 1
 
 
 def _copy_tensors(buf: Snapshot, metas: list[TensorMeta], tensors: Iterable[torch.Tensor]) -> int:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from pipelinerl.config import Config, ConfigError
 from pipelinerl.inference.vllm_glue import ENGINE_NAME, WORKER_EXTENSION
+from pipelinerl.rundir import POLICY_KINDS
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -35,7 +36,8 @@ VLLM_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: the most (prompt) log-p
 
 def vllm_argv(cfg: Config, host: str, port: int, kind: str = "policy") -> list[str]:
     """The engine's vLLM command line, from the config (engine_args pass through as --flags); `kind` is the
-    server's: policy, reference (rl.teacher when set, else model.path) or reward.
+    server's: policy, eval (the policy's command line exactly), reference (rl.teacher when set, else model.path)
+    or reward.
 
     A reference server scores prompt + completion as one prompt, and vLLM refuses a prompt that leaves
     no room for the one token it must generate: a completion that filled max_model_len could not be
@@ -53,7 +55,7 @@ def vllm_argv(cfg: Config, host: str, port: int, kind: str = "policy") -> list[s
         if key in inf.engine_args:
             raise ConfigError(f"config `inference.engine_args.{key}`: the servers set it to {value!r} (behaviour "
                               "log-probs must be those of the distribution sampled); remove it")
-        if kind == "policy" or key != "logprobs_mode":
+        if kind in POLICY_KINDS or key != "logprobs_mode":
             argv += ["--" + key.replace("_", "-"), value]
     policy = inf.engine_args.get("scheduling_policy", SCHEDULING_POLICY)
     if policy != SCHEDULING_POLICY:
@@ -71,7 +73,7 @@ def vllm_argv(cfg: Config, host: str, port: int, kind: str = "policy") -> list[s
             argv += ["--max-logprobs", str(cfg.rl.teacher_top_k)]
     elif kind == "reward":
         argv += ["--runner", "pooling"] if cfg.reward.kind == "model" else []  # a judge generates
-    else:
+    else:  # policy and eval servers: weight updates
         argv += ["--weight-transfer-config", json.dumps({"backend": ENGINE_NAME}),
                  "--worker-extension-cls", WORKER_EXTENSION]
     # a judge reads the rubric around prompt + completion, longer than max_model_len: its model's own limit
