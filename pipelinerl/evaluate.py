@@ -187,12 +187,12 @@ async def sample_suites(cfg: Config, task, tokenizer, suites: list) -> tuple[lis
     requests at once."""
     import httpx
 
-    from pipelinerl.actor.client import CompletionsClient
+    from pipelinerl.actor.client import KEEPALIVE_S, CompletionsClient
     from pipelinerl.actor.evals import sample_suite
 
     client = CompletionsClient(cfg.actor, cfg.run_dir, reference=False)
     gate = asyncio.Semaphore(cfg.actor.max_groups_in_flight)
-    limits = httpx.Limits(max_connections=cfg.actor.max_groups_in_flight)
+    limits = httpx.Limits(max_connections=cfg.actor.max_groups_in_flight, keepalive_expiry=KEEPALIVE_S)
     async with httpx.AsyncClient(limits=limits) as http:
         version = await client.serving_version(http)
         sampled = await asyncio.gather(*(sample_suite(client, http, task, tokenizer, suite, cfg, gate)

@@ -57,6 +57,7 @@ def _run(run_dir: Path, model_dir: Path, max_steps: int) -> subprocess.Completed
                  f"trainer.broadcast_port={worker_port(18990)}",
                  "inference.max_model_len=64", "streams.segment_max_seconds=0.5",
                  "inference.max_num_seqs=2",  # with min_new_tokens: generation is the bottleneck (docstring)
+                 "inference.eval_servers=1",  # evaluation on a server of its own, held at one version
                  f"trainer.num_gpus={RANKS}"]
     return subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", str(REPO / "configs" / "tiny_cpu.yaml"),
                            *overrides], check=False, capture_output=True, text=True, timeout=900, cwd=REPO,
@@ -153,6 +154,26 @@ def test_tensorboard_has_the_scalars(finished_run):
     acc.Reload()
     assert "lag_hist" in acc.Tags()["histograms"]
     assert [e.step for e in acc.Scalars("grpo_loss")][-1] == 12
+
+
+def test_every_evaluation_is_of_one_version_the_evaluation_server_was_brought_to(finished_run):
+    """inference.eval_servers=1: each evaluation's tokens all come from the version its rows name (the server is
+    held while it evaluates), the evaluation server received updates (evaluations past version 0, in both lives of
+    the run) and TensorBoard's eval/version_spread is 0 throughout."""
+    run_dir, _, _ = finished_run
+    reader = StreamReader(run_dir, "eval", StreamsConfig())
+    rows = [r for g in reader.read_groups(max_groups=1000, timeout_s=5.0) for r in g.to_pylist()]
+    evaluated = set()
+    for r in rows:
+        version = json.loads(r["metadata"])["eval_version"]
+        evaluated.add(version)
+        mask = r["loss_mask"] or [1] * len(r["versions"])  # a single-turn row may leave it empty: all model tokens
+        assert {v for v, m in zip(r["versions"], mask) if m} == {version}, r["sample_id"]
+    assert max(evaluated) >= 8 and len(evaluated) >= 3, evaluated
+    acc = EventAccumulator(str(run_dir / "tb" / "actor0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    spread = acc.Scalars("eval/version_spread")
+    assert {e.step for e in spread} == evaluated and all(e.value == 0.0 for e in spread)
 
 
 def test_stream_segments_are_arrow_files(finished_run):

@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_S = 10.0  # serving_version's read of one server's /status; a server that misses it is set aside
 PROBE_EVERY_S = 5.0  # the watcher's period (at most; see CompletionsClient), also its probe's timeout
+# The client drops a connection idle for KEEPALIVE_S, well below the servers' keep-alive (vLLM's
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s). With httpx's default, also 5 s, a request could go out on a connection
+# the server was closing: it failed with ReadError and set a healthy server aside (seen a few times per run).
+KEEPALIVE_S = 2.0
 
 
 @dataclass

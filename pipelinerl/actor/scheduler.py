@@ -37,7 +37,7 @@ import httpx
 import numpy as np
 
 from pipelinerl import rundir
-from pipelinerl.actor.client import Completion, CompletionsClient
+from pipelinerl.actor.client import KEEPALIVE_S, Completion, CompletionsClient
 from pipelinerl.actor.curriculum import Curriculum
 from pipelinerl.actor.episodes import EpisodeStats, episode_rollout, sample_episodes
 from pipelinerl.actor.eval_servers import EvalServers
@@ -393,7 +393,7 @@ class Actor:
                 "unparsed": 0, "t0": time.monotonic()}
 
     async def run(self) -> None:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S)
         async with httpx.AsyncClient(limits=limits) as http:
             prompts = (self.curriculum or self.task).iter_train(self.next_prompt)
             last_log = time.monotonic()
