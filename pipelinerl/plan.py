@@ -349,7 +349,8 @@ def host_nodes(cfg: Config, roles: dict[str, RolePlan]) -> dict[str, float]:
     """Host RAM in GB per kind of node (module docstring)."""
     servers = cfg.inference.num_servers * sum(roles["server"].host.values())
     trainer = sum(roles["trainer"].host.values())
-    if cfg.launch.backend != "slurm":
+    if cfg.launch.backend != "slurm":  # evaluation servers: policy servers beside num_servers (on Slurm, among them)
+        servers += cfg.inference.eval_servers * sum(roles["server"].host.values())
         return {"this machine (servers + trainer rank 0)": servers + trainer}
     if cfg.launch.slurm.inference_nodes == 0:
         return {"first training node (servers + trainer rank 0)": servers + trainer}

@@ -8,6 +8,7 @@ import re
 import time
 
 import httpx
+import pytest
 from test_actor import G, _announce, _choice, _config, _status
 
 from pipelinerl.actor.client import CompletionsClient
@@ -155,3 +156,38 @@ def test_a_request_no_server_may_take_says_what_it_waits_for_until_one_may(tmp_p
     assert re.search(r"no policy server has taken a request for \d+ s: it needs version >= 5 and within max_lag=2 "
                      r"of the newest version reported \(4\); announced: http://h:1 at version 4, http://h:2 set "
                      r"aside \d+ s ago \(GET /status failed: HTTP 503\)", caplog.text)
+
+
+class _DropsOnce(_Servers):
+    """h:1 closes the connection under its first completion request (no response), then serves; its /status
+    answers unless `dead`."""
+
+    def __init__(self, dead: bool):
+        super().__init__(status={"h:1": 0}, complete={"h:1": 200})
+        self.dead, self.dropped = dead, False
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/status" and self.dead:
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path != "/status" and not self.dropped:
+            self.dropped = True
+            self.asked.append(request.url.netloc.decode())
+            raise httpx.ReadError("", request=request)
+        return await super().__call__(request)
+
+
+def test_a_connection_closed_by_a_live_server_is_retried_at_once_and_a_dead_server_set_aside(tmp_path):
+    """One server: a completion whose connection closes with no response (httpx's ReadError) is retried on it at
+    once when its /status still answers (it is not set aside: that would idle the run for retry_after_s); when
+    /status fails too, it is set aside like any failed server."""
+    _announce(tmp_path, 1)
+    live = _client(tmp_path)
+    servers, set_aside = _DropsOnce(dead=False), []
+    live.pool.set_aside = lambda url, why: set_aside.append(url)
+    asyncio.run(_complete(live, servers, read_versions=True))
+    assert servers.asked == ["h:1", "h:1"] and set_aside == []
+    dead = _client(tmp_path, "actor.max_retries=0")
+    gone = _DropsOnce(dead=True)
+    with pytest.raises(RuntimeError, match="ReadError"):  # its only attempt failed
+        asyncio.run(_complete(dead, gone, read_versions=False))
+    assert set(dead.pool.aside) == {"http://h:1"}

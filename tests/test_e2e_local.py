@@ -158,8 +158,8 @@ def test_tensorboard_has_the_scalars(finished_run):
 
 def test_every_evaluation_is_of_one_version_the_evaluation_server_was_brought_to(finished_run):
     """inference.eval_servers=1: each evaluation's tokens all come from the version its rows name (the server is
-    held while it evaluates), the evaluation server received updates (evaluations past version 0, in both lives of
-    the run) and TensorBoard's eval/version_spread is 0 throughout."""
+    held while it evaluates), both lives of the run evaluated (the first before its step-8 checkpoint, the resumed
+    one at once, on an evaluation server restarted from it) and TensorBoard's eval/version_spread is 0 throughout."""
     run_dir, _, _ = finished_run
     reader = StreamReader(run_dir, "eval", StreamsConfig())
     rows = [r for g in reader.read_groups(max_groups=1000, timeout_s=5.0) for r in g.to_pylist()]
@@ -169,7 +169,7 @@ def test_every_evaluation_is_of_one_version_the_evaluation_server_was_brought_to
         evaluated.add(version)
         mask = r["loss_mask"] or [1] * len(r["versions"])  # a single-turn row may leave it empty: all model tokens
         assert {v for v, m in zip(r["versions"], mask) if m} == {version}, r["sample_id"]
-    assert max(evaluated) >= 8 and len(evaluated) >= 3, evaluated
+    assert min(evaluated) < 8 <= max(evaluated), evaluated
     acc = EventAccumulator(str(run_dir / "tb" / "actor0"), size_guidance={"scalars": 0})
     acc.Reload()
     spread = acc.Scalars("eval/version_spread")

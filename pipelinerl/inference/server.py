@@ -142,7 +142,7 @@ def frozen_router(kind: str) -> APIRouter:
         return JSONResponse({"error": f"a {kind} server never takes weight updates (it serves {serves}; "
                                       "broadcast to the servers in RUN_DIR/servers/)"}, status_code=403)
 
-    for path in ("/init_process_group", "/request_weight_update"):
+    for path in ("/init_process_group", "/request_weight_update", "/hold", "/release"):
         router.add_api_route(path, refuse, methods=["POST"])
     return router
 
