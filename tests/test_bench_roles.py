@@ -17,6 +17,7 @@ sys.path.insert(0, str(TOOLS))
 
 from bench_pipeline_vs_conventional import (  # noqa: E402
     ENGINE_CORE,
+    EVAL_SERVER,
     RoleCpuSampler,
     _stream_stats,
     cpu_per_role,
@@ -100,7 +101,7 @@ class FakeProc:
         return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
 
     def name(self) -> str:
-        return "python"
+        return self.reads[0][0] if self.reads[0] and self.reads[0][0].startswith("VLLM::") else "python"
 
     def parent(self) -> FakeProc | None:
         return self._parent
@@ -118,6 +119,17 @@ def test_a_role_exiting_between_reads_is_not_passed_to_its_parent():
     assert role_of(FakeProc(["python", "-c", "..."], parent=server)) is None
     assert role_of(FakeProc(["python", "-c", "..."], parent=launcher)) == "launcher"
     assert role_of(FakeProc(["python", "-c", "..."])) is None  # outside the run
+
+
+def test_an_evaluation_server_is_a_role_of_its_own_engine_core_included():
+    """`serve --eval` (inference.eval_servers) and the engine core vLLM starts under it count as the evaluation
+    server; a training server's engine core stays apart from its API server."""
+    launcher = FakeProc(["python", "-m", "pipelinerl.cli", "run", "c.yaml"])
+    train = FakeProc(["python", "-m", "pipelinerl.cli", "serve", "c.yaml", "--port", "1"], parent=launcher)
+    evaluation = FakeProc(["python", "-m", "pipelinerl.cli", "serve", "c.yaml", "--eval", "--port", "2"],
+                          parent=launcher)
+    assert role_of(train) == "server API" and role_of(FakeProc(["VLLM::EngineCore"], parent=train)) == ENGINE_CORE
+    assert role_of(evaluation) == EVAL_SERVER == role_of(FakeProc(["VLLM::EngineCore"], parent=evaluation))
 
 
 def test_processes_outside_the_roles_are_not_counted(tmp_path):

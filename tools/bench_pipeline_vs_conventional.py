@@ -78,6 +78,7 @@ class GaugeSampler(threading.Thread):
 # core (a child of its server, named by vLLM) is split out of its server.
 ROLE_COMMANDS = {"serve": "server API", "train": "trainer", "actor": "actor", "run": "launcher"}
 ENGINE_CORE = "server engine core"
+EVAL_SERVER = "evaluation server"  # `serve --eval` (inference.eval_servers), its engine core included
 
 
 def role_of(proc) -> str | None:
@@ -89,8 +90,7 @@ def role_of(proc) -> str | None:
         if not argv:  # exiting: its command line is gone, and its parents' would name the wrong role
             return None
         # vLLM's engine core (and, with several ranks, its workers): vLLM retitles them (command line, name)
-        if proc.name().startswith("VLLM::") or argv[0].startswith("VLLM::"):
-            return ENGINE_CORE
+        engine = proc.name().startswith("VLLM::") or argv[0].startswith("VLLM::")
         # the process, then its ancestors, nearest first; each command line read once: a process can exit
         # between two reads, and an empty second read would pass it on to its parent (an exiting role
         # counted as the launcher's, its own role gone from the samples)
@@ -101,7 +101,10 @@ def role_of(proc) -> str | None:
             argv = proc.cmdline()
             if not argv:  # that ancestor is exiting: the role it had can't be told now
                 return None
-        return ROLE_COMMANDS.get(argv[argv.index("pipelinerl.cli") + 1])
+        command = argv[argv.index("pipelinerl.cli") + 1]
+        if command == "serve" and "--eval" in argv:
+            return EVAL_SERVER
+        return ENGINE_CORE if engine else ROLE_COMMANDS.get(command)
     except psutil.Error:
         return None
 
@@ -333,7 +336,8 @@ ROWS = [("samples trained / s", "samples_per_s", "{:.1f}"), ("generated tokens /
         ("trainer s/step: broadcast", "step_broadcast_s", "{:.3f}"),
         ("weight delivery: longest s", "broadcast_max_s", "{:.3f}"),
         ("  steps with one > 1 s", "broadcasts_over_1s", "{}"),
-        *[(f"CPU ms/sample: {role}", f"cpu_ms_{role}", "{:.2f}") for role in (ENGINE_CORE, *ROLE_COMMANDS.values())],
+        *[(f"CPU ms/sample: {role}", f"cpu_ms_{role}", "{:.2f}")
+          for role in (ENGINE_CORE, *ROLE_COMMANDS.values(), EVAL_SERVER)],
         ("cores busy (of all roles)", "cores_busy", "{:.2f}")]
 
 
