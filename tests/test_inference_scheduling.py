@@ -6,6 +6,7 @@ sequence slots (inference.max_num_seqs=2), so that it saturates by construction:
 - a server held for an evaluation (POST /hold) refuses weight updates and serves one version until released.
 """
 
+import json
 import threading
 import time
 
@@ -30,22 +31,28 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 class Stream(threading.Thread):
-    """One streamed greedy request of `n` tokens (EOS ignored) at `priority`; `times[k]`: when token k arrived."""
+    """One streamed greedy request of `n` tokens (EOS ignored) at `priority`: `accepted` is set once the server
+    answered its headers (it then adds the request to the engine), `times[k]` is when chunk k arrived, `versions`
+    the tokens' policy versions (on the last chunk)."""
 
     def __init__(self, server, ids: list[int], n: int, priority: int):
         super().__init__(daemon=True)
         self.body = {"model": server["model"], "prompt": ids, "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
                      "return_token_ids": True, "stream": True, "priority": priority}
-        self.url, self.times, self.error = server["url"] + "/v1/completions", [], None
+        self.url, self.times, self.versions, self.error = server["url"] + "/v1/completions", [], [], None
+        self.accepted = threading.Event()
         self.start()
 
     def run(self) -> None:
         try:
             with httpx.stream("POST", self.url, json=self.body, timeout=HTTP_TIMEOUT_S) as resp:
                 resp.raise_for_status()
+                self.accepted.set()
                 for line in resp.iter_lines():
                     if line.startswith("data: {"):
                         self.times.append(time.monotonic())
+                        choice = json.loads(line[len("data: "):])["choices"][0]
+                        self.versions = choice.get("policy_versions") or self.versions
         except httpx.HTTPError as err:
             self.error = err
 
@@ -53,12 +60,6 @@ class Stream(threading.Thread):
         self.join(timeout_s)
         assert not self.is_alive() and self.error is None, self.error
         return self.times
-
-
-def _waiting(server) -> float:
-    text = httpx.get(server["url"] + "/metrics", timeout=HTTP_TIMEOUT_S).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_requests_waiting{"))
 
 
 def _until(what: str, cond, bound_s: float = 60.0) -> None:
@@ -91,34 +92,34 @@ class GatedUpdate(threading.Thread):
 
 
 def test_an_evaluation_request_queued_first_still_waits_for_a_training_request(server, models, broadcaster):
-    """Both slots busy with training requests, a long and a shorter one, frozen by a weight update that waits for
-    the test (GatedUpdate). Meanwhile an evaluation request and then a training request queue up. Once the update
-    lands, the server's gauge counts both waiting while the shorter request still runs: so when the shorter one
-    ends, its slot goes by priority, and it must go to the training request, which arrived second. The evaluation
-    request starts only when one of the others ends, 100 training tokens later. A round in which the shorter
-    request ended before the gauge saw both waiting proves nothing and is run again (bounded)."""
+    """One slot busy with a long training request, frozen by a weight update that waits for the test (GatedUpdate).
+    Meanwhile an evaluation request is accepted, and only then a training request; the update lands once both
+    are in. At the resume one slot is free and both wait for it: it goes by priority, to the training request that
+    arrived second, and the evaluation request starts only when one of the others ends (100 training tokens
+    later at the soonest). A round whose long request ended before the update paused it (it must straddle the
+    update to hold its slot) proves nothing and is run again (bounded)."""
     ids = _ids(models, "12+34=")
+    status = server["url"] + "/status"
     for attempt in range(4):
-        long_run, short_run = Stream(server, ids, 230, 0), Stream(server, ids, 150, 0)
-        busy = (long_run, short_run)
-        _until("both slots busy", lambda busy=busy: all(s.times for s in busy))
-        update = GatedUpdate(broadcaster, 300 + attempt, models["B"])
-        _until("the update claimed", lambda: httpx.get(server["url"] + "/status").json()["updating"])
+        version = 300 + attempt
+        long_run = Stream(server, ids, 240, 0)
+        assert long_run.accepted.wait(HTTP_TIMEOUT_S)
+        update = GatedUpdate(broadcaster, version, models["B"])
+        _until("the update claimed", lambda: httpx.get(status, timeout=HTTP_TIMEOUT_S).json()["updating"])
         evaluation = Stream(server, ids, 20, EVAL_PRIORITY)
+        assert evaluation.accepted.wait(HTTP_TIMEOUT_S)
         training = Stream(server, ids, 100, 0)
-        time.sleep(0.2)  # for both requests to reach the server; a late one only makes the round inconclusive
+        assert training.accepted.wait(HTTP_TIMEOUT_S)
+        time.sleep(0.5)  # the server hands an accepted request to its engine at once: margin for a loaded machine
         update.gate.set()
-        _until("both queued, or the shorter request ended",
-               lambda s=short_run: _waiting(server) >= 2 or not s.is_alive())
-        proved = short_run.is_alive()
         update.join(HTTP_TIMEOUT_S)
-        assert update.reply is not None and update.reply["servers"][server["url"]]["version"] == 300 + attempt
+        assert update.reply is not None and update.reply["servers"][server["url"]]["version"] == version
         first_eval, first_train = evaluation.finished()[0], training.finished()[0]
-        long_run.finished(), short_run.finished()
-        if proved:
-            assert first_train < first_eval, "the first free slot went to the evaluation request queued before"
+        long_run.finished()
+        if version in long_run.versions and long_run.versions[0] != version:  # it held its slot across the update
+            assert first_train < first_eval, "the free slot went to the evaluation request queued before"
             return
-    raise AssertionError("the shorter request ended before the gauge saw both requests waiting, in every round")
+    raise AssertionError("the long request ended before the update paused it, in every round")
 
 
 def test_a_held_server_refuses_updates_and_serves_one_version_until_released(server, models):
