@@ -18,6 +18,7 @@ from pipelinerl.launch.procs import free_port
 from pipelinerl.rundir import publish_server, server_file, server_roster
 from pipelinerl.weights import Delivery, DeliveryFailed, Publication, TensorMeta, WeightBroadcaster
 from pipelinerl.weights import delivery as delivery_module
+from pipelinerl.weights.delivery import held_servers
 
 BOUND_S = 30.0  # every wait below is on a condition, bounded by this
 
@@ -188,8 +189,6 @@ def test_a_held_server_is_left_alone_until_released_then_catches_up_without_a_ne
     """The evaluation servers' delivery (trainer/loop.py start_delivery(evaluation=True)): a server held for an
     evaluation (POST /hold) keeps its version while the other moves on, with no failed round and no backoff; once
     released it is brought to the newest version with no further publish."""
-    from pipelinerl.trainer.loop import held_servers
-
     trainer = Trainer()
     servers = [Server(trainer.wire()), Server(trainer.wire())]
     for s in servers:

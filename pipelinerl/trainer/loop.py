@@ -366,6 +366,7 @@ def start_delivery(cfg: Config, dist: DistInfo, publication, evaluation: bool = 
     from pipelinerl.control import ControlClient
     from pipelinerl.rundir import EVAL_SERVERS_DIR, SERVERS_DIR, run_token, server_roster
     from pipelinerl.weights import Delivery, WeightBroadcaster
+    from pipelinerl.weights.delivery import held_servers
 
     t, token = cfg.trainer, run_token(cfg.run_dir, cfg.inference.auth_token)
     control, folder = ControlClient(token), EVAL_SERVERS_DIR if evaluation else SERVERS_DIR
@@ -376,21 +377,6 @@ def start_delivery(cfg: Config, dist: DistInfo, publication, evaluation: bool = 
     return Delivery(publication, lambda: server_roster(cfg.run_dir, folder), sender, control,
                     t.delivery_fail_after_versions, t.delivery_fail_after_s, t.wait_log_s,
                     held=functools.partial(held_servers, control) if evaluation else None).start()
-
-
-def held_servers(control, urls: list[str]) -> set[str]:
-    """Those of `urls` held for an evaluation (their /status says so); one that does not answer is not held (its
-    delivery then fails and is retried like any other)."""
-    from pipelinerl.control import ControlError
-    from pipelinerl.weights.collective import map_on_threads
-
-    def held(url: str) -> bool:
-        try:
-            return control.status(url).held_s > 0
-        except ControlError:
-            return False
-
-    return {u for u, h in zip(urls, map_on_threads(held, urls, "delivery-held")) if h}
 
 
 def delivery_stats(reports) -> dict[str, float]:

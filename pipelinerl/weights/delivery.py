@@ -308,3 +308,16 @@ class Delivery:
     def _report(self, report: DeliveryReport) -> None:
         with self._lock:
             self._reports.append(report)
+
+
+def held_servers(control: ControlClient, urls: list[str]) -> set[str]:
+    """Those of `urls` held for an evaluation (their /status says so); one that does not answer is not held (its
+    delivery then fails and is retried like any other). The `held` callback of the evaluation servers' Delivery."""
+
+    def held(url: str) -> bool:
+        try:
+            return control.status(url).held_s > 0
+        except ControlError:
+            return False
+
+    return {u for u, h in zip(urls, map_on_threads(held, urls, "delivery-held")) if h}
