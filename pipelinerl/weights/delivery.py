@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipelinerl.control import ControlClient, ControlError
 from pipelinerl.weights.collective import map_on_threads
@@ -144,6 +144,11 @@ class Delivery:
         latest = self.publication.latest_version()
         head = "nothing published yet" if latest is None else f"version {latest} published"
         return f"{head}; servers: {'; '.join(servers) or 'none announced in RUN_DIR/servers'}"
+
+    def server_states(self) -> list[ServerState]:
+        """A copy of every announced server's state as delivery last knew it (read-only: the trainer's wait log)."""
+        with self._lock:
+            return [replace(s) for s in self.servers.values()]
 
     def _run(self) -> None:
         if self.sender.backend == "nccl":  # the CUDA device is per thread: NCCL buffers go to rank 0's GPU
