@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pipelinerl.actor.waits import WaitLog
 from pipelinerl.config import ActorConfig
 from pipelinerl.control import ControlError, read_status
 from pipelinerl.rundir import (
@@ -35,6 +36,7 @@ PROBE_EVERY_S = 5.0  # the watcher's period (at most; see CompletionsClient), al
 # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s). With httpx's default, also 5 s, a request could go out on a connection
 # the server was closing: it failed with ReadError and set a healthy server aside (seen a few times per run).
 KEEPALIVE_S = 2.0
+ACQUIRE_EVERY_S = 1.0  # a request that no server may take looks again this often
 
 
 @dataclass
@@ -224,6 +226,9 @@ class CompletionsClient:
                      ServerPool(run_dir, folder=EVAL_SERVERS_DIR, readmit_on_status=True, only=only))
         self.reference_pool = ServerPool(run_dir, folder=REFERENCE_SERVERS_DIR) if reference else None
         self.reward_pool = ServerPool(run_dir, folder=REWARD_SERVERS_DIR) if reward else None
+        # One wait line per pool for all its waiting requests (_acquire), not one per request.
+        self.waits = {pool: WaitLog(cfg.wait_log_s, log, functools.partial(_wait_line, pool))
+                      for pool in self._pools()}
         # The probe's period, and its timeout: a few probes fit in the silence that sets a server aside.
         self.probe_every_s = min(PROBE_EVERY_S, cfg.server_silence_s / 2)
         self._watcher: asyncio.Task | None = None
@@ -380,22 +385,21 @@ class CompletionsClient:
                        min_version: int | None) -> str:
         """A server for the next attempt (ServerPool.acquire), waiting while none may take it: none announced
         (yet, or any more: the launcher restarts them), none eligible, or none of `min_version`. Every
-        `actor.wait_log_s` of waiting logs what it waits for."""
+        `actor.wait_log_s` of waiting the pool's WaitLog logs what its waiting requests wait for, in one line."""
         url = pool.acquire(avoid=avoid, min_version=min_version)
-        started = time.monotonic()
-        next_log = started + self.cfg.wait_log_s
-        while url is None:
-            if pool is self.pool and pool.refresh():  # versions to read, servers back from being set aside
-                await self.serving_version(http)
+        if url is not None:
+            return url
+        waits = self.waits[pool]
+        with waits.waiting(time.monotonic(), min_version):
+            while url is None:
+                if pool is self.pool and pool.refresh():  # versions to read, servers back from being set aside
+                    await self.serving_version(http)
+                    url = pool.acquire(avoid=avoid, min_version=min_version)
+                    if url is not None:
+                        break
+                waits.poll(time.monotonic())
+                await asyncio.sleep(ACQUIRE_EVERY_S)
                 url = pool.acquire(avoid=avoid, min_version=min_version)
-                if url is not None:
-                    break
-            if time.monotonic() >= next_log:
-                log.warning("no %s server has taken a request for %.0f s: it %s", pool.kind,
-                            time.monotonic() - started, pool.describe(min_version))
-                next_log += self.cfg.wait_log_s
-            await asyncio.sleep(1.0)
-            url = pool.acquire(avoid=avoid, min_version=min_version)
         return url
 
     def _watch(self, http: httpx.AsyncClient) -> None:
@@ -430,6 +434,12 @@ class CompletionsClient:
             return
         if not self.foreign(url, status.run):
             self.pool.heard(url, status.version)
+
+
+def _wait_line(pool: ServerPool, oldest_s: float, count: int, min_version: int | None) -> str:
+    """The line of a pool's WaitLog: the pool as it is now (ServerPool.describe), for the oldest request's need."""
+    return (f"{count} request(s) wait for a {pool.kind} server, the oldest for {oldest_s:.0f} s: it "
+            f"{pool.describe(min_version)}")
 
 
 def _parse_choice(choice: dict) -> Completion:

@@ -13,11 +13,13 @@ time: with the groups, with `stop` when a stop signal (SIGTERM / SIGUSR1) arrive
 with the reason it starved once trainer.data_timeout_s has passed (less than dist_timeout_s, so no
 collective times out first), or with `failed` when rank 0's weight delivery gave up (weights/delivery.py
 escalation). Every rank then acts on the same answer. A wait longer than trainer.wait_log_s is logged, and
-again every wait_log_s: the groups read, the stream's writers, and what delivery reports of each server.
+again every wait_log_s: the groups read, the stream's writers, every server's version read then, and which
+servers the newest published version has not reached since when (`delivery_now`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -29,6 +31,9 @@ from pipelinerl.trainer.dist import DistInfo
 log = logging.getLogger(__name__)
 
 WAIT_SLICE_S = 1.0  # rank 0 looks at its stop flag at least this often while waiting for data
+# The wait line's read of every server's /status, all at once: a stopped server holds rank 0 this long, once
+# per trainer.wait_log_s.
+STATUS_TIMEOUT_S = 3.0
 
 
 class StreamStarved(TimeoutError):
@@ -105,7 +110,7 @@ class StepData:
                 log.warning("step %d has waited %.0f s for its data: %d of %d groups read from %s; writers seen: %s; "
                             "weight delivery: %s", step, time.monotonic() - started, len(batches), self.groups,
                             self.reader.dir, self.reader.writers_seen() or "none",
-                            self.delivery.describe() if self.delivery is not None else "none on this rank")
+                            delivery_now(self.delivery) if self.delivery is not None else "none on this rank")
             if self.stop_flag():
                 log.info("stop signal while waiting for step %d's data (%d of %d groups read)", step,
                          len(batches), self.groups)
@@ -132,6 +137,49 @@ class StepData:
                 f"step's start: {before['next'] or 'the beginning'}; writers seen: "
                 f"{self.reader.writers_seen() or 'none'}. Is the actor running and are the servers answering? "
                 f"See RUN_DIR/logs/actor.log")
+
+
+def delivery_now(delivery, timeout_s: float = STATUS_TIMEOUT_S) -> str:
+    """What weight delivery (a weights.Delivery) is doing, with every server's version as the server reports it
+    now (GET /status, all at once, `timeout_s` in all). Delivery's own record of a server changes only when its
+    round ends, so during a round stuck on one member it shows the members that did load the version at the one
+    before. Each server not at the newest published version is named with that version's age and delivery's
+    record of its failures."""
+    import concurrent.futures
+
+    from pipelinerl.weights.collective import on_thread
+
+    states = delivery.server_states()
+    with delivery.publication.lease() as snap:
+        latest, published_at = (None, 0.0) if snap is None else (snap.version, snap.published_at)
+    asked = [on_thread(functools.partial(delivery.control.status, s.url, timeout_s), "wait-line-status")
+             for s in states]
+    concurrent.futures.wait(asked, timeout=timeout_s)
+    now = time.monotonic()
+    head = ("nothing published yet" if latest is None
+            else f"version {latest} published {now - published_at:.0f} s ago")
+    servers = [_server_now(s, f, latest, now - published_at, timeout_s, now) for s, f in zip(states, asked)]
+    return f"{head}; servers: {'; '.join(servers) or 'none announced in RUN_DIR/servers'}"
+
+
+def _server_now(s, asked, latest: int | None, published_s: float, timeout_s: float, now: float) -> str:
+    """One server of `delivery_now`: s, delivery's record of it (weights.delivery.ServerState); asked, the future
+    of its /status read."""
+    if not asked.done():
+        version, said = s.version, f" (no answer to GET /status within {timeout_s:.0f} s: delivery's last record)"
+    elif asked.exception() is not None:
+        version, said = s.version, f" ({asked.exception()}: delivery's last record)"
+    else:
+        version, said = asked.result().version, ""
+    line = f"{s.url} {'version unknown' if version is None else f'at version {version}'}{said}"
+    if latest is not None and version != latest:
+        line += f", stuck: version {latest}, published {published_s:.0f} s ago, has not reached it"
+    if s.failures:
+        line += (f", failing for {now - s.failing_since:.0f} s ({s.failures} failed attempt(s), last: "
+                 f"{s.last_error[:200]})")
+    if s.retry_at > now:
+        line += f", retry in {s.retry_at - now:.0f} s"
+    return line
 
 
 def _scatter(answer: list | None):
