@@ -2,11 +2,14 @@
 
 Fast (no vLLM): the real update state machine on test_inference_vllm_glue's recording engine, a settable clock
 instead of sleeping out a hold, and events instead of races for an update caught mid-receive; then the real
-routes over HTTP (memory_servers' server) with the trainer's blocking client and the actor's async helpers.
+routes over HTTP (memory_servers' server) with the trainer's blocking client and the actor's async helpers, and
+every control route's refusal of a body it cannot take (server.py `read_json_body`) on a connection that serves on.
 """
 
 import asyncio
+import http.client
 import math
+import socket
 
 import httpx
 import pytest
@@ -15,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from test_inference_vllm_glue import EXPECTED, INIT, UPDATE, RecordingEngine
 
 from pipelinerl.control import ControlClient, ControlError, hold_server, read_status, release_server
+from pipelinerl.inference.server import MAX_DEPTH, SMALL_BODY_BYTES, UPDATE_BODY_BYTES
 from pipelinerl.inference.updates import UpdateError, WeightUpdater
 
 
@@ -114,11 +118,11 @@ def test_a_second_hold_replaces_the_deadline():
 
 @pytest.mark.parametrize("body", [None, [], {}, {"seconds": None}, {"seconds": -1}, {"seconds": 0},
                                   {"seconds": math.nan}, {"seconds": math.inf}, {"seconds": "10"},
-                                  {"seconds": True}])
-def test_a_hold_without_a_finite_positive_number_of_seconds_is_a_400(body):
+                                  {"seconds": True}, {"seconds": 600.5}, {"seconds": 1e308}, {"seconds": 10**400}])
+def test_a_hold_without_a_number_of_seconds_in_0_to_the_maximum_is_a_400(body):
     _, updater = _updater()
-    with pytest.raises(UpdateError, match=r'bad request body: a hold takes \{"seconds": <a finite number > 0>\}') \
-            as err:
+    with pytest.raises(UpdateError, match=r'bad request body: a hold takes \{"seconds": <a number > 0, at most 600 '
+                                          r'\(inference.max_hold_s\)>\}') as err:
         asyncio.run(updater.hold(body))
     assert err.value.status == 400 and updater.status()["held_s"] == 0.0
 
@@ -171,3 +175,69 @@ def test_the_actor_helpers_name_the_server_when_it_is_unreachable():
         assert err.value.status is None
 
     asyncio.run(scenario())
+
+
+NESTED = b"[" * 60_000  # the json decoder recurses once per level: RecursionError long before the end (64 KiB cap)
+NESTED_OBJECTS = b'{"a": ' * 100_000
+DEEP_BUT_PARSED = b'{"version": ' + b"[" * 500 + b"]" * 500 + b"}"  # within the decoder's recursion, past MAX_DEPTH
+TOO_DEEP = f"nested deeper than {MAX_DEPTH} levels"
+HOLD_BOUNDS = "at most 600 (inference.max_hold_s)"
+BAD_BODIES = [  # (route, body, status, what the reply says)
+    ("/hold", NESTED, 400, TOO_DEEP),
+    ("/request_weight_update", NESTED_OBJECTS, 400, TOO_DEEP),
+    ("/init_process_group", NESTED, 400, TOO_DEEP),
+    ("/request_weight_update", DEEP_BUT_PARSED, 400, TOO_DEEP),
+    ("/hold", b'{"seconds": 1, "pad": "' + b"x" * (10 << 20) + b'"}', 413, f"at most {SMALL_BODY_BYTES} bytes"),
+    ("/init_process_group", b'{"pad": "' + b"x" * SMALL_BODY_BYTES + b'"}', 413, f"at most {SMALL_BODY_BYTES} bytes"),
+    ("/request_weight_update", b'{"pad": "' + b"x" * UPDATE_BODY_BYTES + b'"}', 413,
+     f"at most {UPDATE_BODY_BYTES} bytes"),
+    ("/hold", b'{"seconds": 1e308}', 400, HOLD_BOUNDS),
+    ("/hold", b'{"seconds": 600.5}', 400, HOLD_BOUNDS),
+    ("/hold", b'{"seconds": -1}', 400, HOLD_BOUNDS),
+    ("/hold", b'{"seconds": "x"}', 400, HOLD_BOUNDS),
+    ("/hold", b'{"seconds": NaN}', 400, "NaN is not a number this server takes"),
+    ("/init_process_group", b'{"timeout_s": -Infinity}', 400, "-Infinity is not a number this server takes"),
+    ("/hold", b'{"seconds": 1e400}', 400, "number 1e400 is out of the float range"),
+    ("/hold", b'{"seconds": 1' + b"0" * 5000 + b"}", 400, "malformed JSON body"),  # past Python's 4300 digits
+    ("/request_weight_update", b"[1, 2]", 400, "must be a JSON object, got [1, 2]"),
+    ("/init_process_group", b'"x"', 400, 'must be a JSON object, got "x"'),
+    ("/hold", b"null", 400, "must be a JSON object, got null"),
+]
+
+
+def _local_port(resp: httpx.Response) -> int:
+    """The client side's port of the connection that carried `resp`: the same port, the same connection."""
+    return resp.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def test_bodies_the_control_routes_cannot_take_get_a_4xx_and_the_connection_serves_on(server):
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=server.url, timeout=60.0, limits=httpx.Limits(max_connections=1)) as client:
+        port = _local_port(client.get("/status"))
+        for route, body, status, says in BAD_BODIES:
+            case = f"POST {route} {body[:40]!r}... ({len(body)} bytes)"
+            resp = client.post(route, content=body, headers=auth)
+            assert (resp.status_code, _local_port(resp)) == (status, port), f"{case}: {resp.text[:300]}"
+            assert says in resp.json()["error"], case
+            after = client.get("/status")
+            assert (after.status_code, _local_port(after)) == (200, port), case
+        chunked = client.post("/hold", content=iter([b" " * (1 << 20)] * 10), headers=auth)  # no Content-Length
+        assert chunked.status_code == 413 and f"at most {SMALL_BODY_BYTES} bytes" in chunked.json()["error"]
+        assert client.get("/status").json()["held_s"] == 0.0 and _local_port(chunked) == port
+        assert client.post("/hold", json={"seconds": 600}, headers=auth).json()["held_s"] == 600.0
+
+
+def test_a_declared_length_over_the_cap_is_refused_before_the_body_is_sent(server):
+    """The 413 comes back while the client has sent only the headers (today's server waited for the body);
+    the promised body, sent afterwards, is skipped and the connection serves the next request."""
+    head = (f"POST /hold HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {SMALL_BODY_BYTES + 1}\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30.0) as sock:
+        sock.sendall(head.encode())
+        refused = http.client.HTTPResponse(sock)
+        refused.begin()  # a socket timeout here: the server waits for a body it should not read
+        assert refused.status == 413 and f"at most {SMALL_BODY_BYTES} bytes" in refused.read().decode()
+        sock.sendall(b" " * (SMALL_BODY_BYTES + 1) + b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        status = http.client.HTTPResponse(sock)
+        status.begin()
+        assert status.status == 200 and b'"held_s":0.0' in status.read()

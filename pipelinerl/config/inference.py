@@ -45,6 +45,9 @@ class InferenceConfig:
     auth_token: str | None = doc(None, "bearer token of the control routes",
                                  null="RUN_DIR/auth_token (created with mode 0600 by the first server that "
                                       "needs it)")
+    max_hold_s: float = doc(600.0, "the longest hold (POST /hold: no weight update while the actor evaluates) a "
+                                   "policy server grants; a longer one is refused (HTTP 400). The actor holds an "
+                                   "evaluation server 60 s at a time, renewed while it evaluates", unit="s")
     startup_timeout_s: float = doc(600.0, "launcher waits this long for a server's /health", unit="s")
     reference_servers: int = doc(
         1, "servers of the frozen reference model (`serve --reference`), started only when rl.kl_coef > 0 or "
@@ -62,7 +65,7 @@ class InferenceConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_servers", "tensor_parallel_size", "max_num_seqs", "weight_update_timeout_s",
-                     "startup_timeout_s", "reference_servers"):
+                     "max_hold_s", "startup_timeout_s", "reference_servers"):
             check_positive(getattr(self, name), f"inference.{name}")
         check(self.eval_servers >= 0, "inference.eval_servers",
               f"got {self.eval_servers}; must be >= 0 (0: evaluation runs on the training servers)")

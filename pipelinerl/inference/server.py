@@ -6,10 +6,15 @@ module adds:
 
     POST /init_process_group      (bearer token)  join the trainer's weight-update group
     POST /request_weight_update   (bearer token)  pause, receive, load, set version, resume
-    POST /hold                    (bearer token)  {"seconds": s}: updates answer 423 for s seconds (evaluation)
+    POST /hold                    (bearer token)  {"seconds": s}: updates answer 423 for s seconds (evaluation),
+                                                  s at most inference.max_hold_s
     POST /release                 (bearer token)  end the hold early
     GET  /status                                  version, ranks, update counters, the run's public id
                                                   (rundir.run_fingerprint; read-only)
+
+Every body is read through `read_json_body`: at most the route's byte cap (413 past it, before reading on when
+the Content-Length says so), a JSON object of finite numbers nested at most MAX_DEPTH deep (400 otherwise). A
+refusal is an ordinary reply, so the keep-alive connection serves the next request.
 
 vLLM's dev-mode routes are not mounted: they expose every control operation without authentication.
 
@@ -44,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -92,39 +98,95 @@ def bearer_auth(token: str):
     return check
 
 
-async def _json_body(request: Request) -> object:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise HTTPException(400, f"malformed JSON body: {err}") from None
+MAX_DEPTH = 16  # the control bodies nest 3 deep; a deeper one is refused before anything walks it
+SMALL_BODY_BYTES = 64 << 10  # /hold, /init_process_group: a few fields
+# /request_weight_update names every tensor (name, dtype, shape, ~100 bytes each): a 256-expert MoE's ~50k
+# tensors take ~5 MB
+UPDATE_BODY_BYTES = 32 << 20
 
 
-async def _answer(call) -> JSONResponse:
+async def read_json_body(request: Request, max_bytes: int) -> dict:
+    """The request's JSON object, read up to `max_bytes`. UpdateError 413 for a bigger body (refused from its
+    Content-Length before it is read; without one, as soon as the stream passes the cap: uvicorn discards the
+    rest, so the connection stays usable), 400 for malformed JSON, NaN or an infinite number, nesting deeper
+    than MAX_DEPTH, or a body that is not an object."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    raw, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        raw.append(chunk)
     try:
-        return JSONResponse(await call)
-    except UpdateError as err:
-        return JSONResponse({"error": str(err), **err.details}, status_code=err.status)
+        body = json.loads(b"".join(raw), parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:  # the decoder recurses per level: ~1000 levels exhaust the stack
+        raise UpdateError(400, f"bad request body: JSON nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
+        raise UpdateError(400, f"malformed JSON body: {err}") from None
+    if not _depth_within(body, MAX_DEPTH):
+        raise UpdateError(400, f"bad request body: JSON nested deeper than {MAX_DEPTH} levels")
+    if not isinstance(body, dict):
+        raise UpdateError(400, f"bad request body: must be a JSON object, got {json.dumps(body)[:100]}")
+    return body
+
+
+def _too_large(max_bytes: int) -> UpdateError:
+    return UpdateError(413, f"request body too large: this route takes at most {max_bytes} bytes")
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number this server takes (JSON has no NaN or Infinity)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:50]} is out of the float range")
+    return value
+
+
+def _depth_within(value: object, limit: int) -> bool:
+    """Whether `value` nests at most `limit` containers deep; iterative (the depth may be near the recursion
+    limit), visiting containers only."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return False
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return True
+
+
+def _reply(err: UpdateError) -> JSONResponse:
+    return JSONResponse({"error": str(err), **err.details}, status_code=err.status)
+
+
+def _body_route(operation, max_bytes: int):
+    """A route answering `operation(body)` for a bounded JSON body (`read_json_body`)."""
+
+    async def route(request: Request) -> JSONResponse:
+        try:
+            return JSONResponse(await operation(await read_json_body(request, max_bytes)))
+        except UpdateError as err:
+            return _reply(err)
+
+    return route
 
 
 def control_router(updater: WeightUpdater, token: str) -> APIRouter:
     router = APIRouter()
     auth = [Depends(bearer_auth(token))]
-
-    @router.post("/init_process_group", dependencies=auth)
-    async def init_process_group(request: Request) -> JSONResponse:
-        return await _answer(updater.init_group(await _json_body(request)))
-
-    @router.post("/request_weight_update", dependencies=auth)
-    async def request_weight_update(request: Request) -> JSONResponse:
-        return await _answer(updater.update(await _json_body(request)))
-
-    @router.post("/hold", dependencies=auth)
-    async def hold(request: Request) -> JSONResponse:
-        return await _answer(updater.hold(await _json_body(request)))
+    for path, operation, max_bytes in (("/init_process_group", updater.init_group, SMALL_BODY_BYTES),
+                                       ("/request_weight_update", updater.update, UPDATE_BODY_BYTES),
+                                       ("/hold", updater.hold, SMALL_BODY_BYTES)):
+        router.add_api_route(path, _body_route(operation, max_bytes), methods=["POST"], dependencies=auth)
 
     @router.post("/release", dependencies=auth)
-    async def release() -> JSONResponse:  # any body, or none
-        return await _answer(updater.release())
+    async def release() -> JSONResponse:  # any body, or none: never read
+        return JSONResponse(await updater.release())
 
     @router.get("/status")
     async def status() -> JSONResponse:
@@ -142,7 +204,7 @@ def frozen_router(kind: str) -> APIRouter:
         return JSONResponse({"error": f"a {kind} server never takes weight updates (it serves {serves}; "
                                       "broadcast to the servers in RUN_DIR/servers/)"}, status_code=403)
 
-    for path in ("/init_process_group", "/request_weight_update", "/hold", "/release"):
+    for path in ("/init_process_group", "/request_weight_update", "/hold", "/release"):  # bodies never read
         router.add_api_route(path, refuse, methods=["POST"])
     return router
 
@@ -212,7 +274,8 @@ async def run(cfg: Config, args, updates: Updates | None, kind: str = "policy") 
                 updater = WeightUpdater(server.engine, updates.expected, cfg.model.dtype, cfg.inference.kv_on_update,
                                         updates.version, staging=cfg.inference.update_staging,
                                         on_broken=lambda: os.kill(os.getpid(), signal.SIGTERM),
-                                        run=rundir.run_fingerprint(updates.token))
+                                        run=rundir.run_fingerprint(updates.token),
+                                        max_hold_s=cfg.inference.max_hold_s)
                 server.app.include_router(control_router(updater, updates.token))
                 await updater.start()
             announce = asyncio.create_task(announce_when_healthy(cfg.run_dir, args.host, args.port,

@@ -22,6 +22,7 @@ from typing import Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
+from pipelinerl.config.inference import InferenceConfig
 from pipelinerl.weights import InitRequest, UpdateRequest, parse_init_request, parse_update_request
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class WeightUpdater:
     def __init__(self, engine: UpdatableEngine, expected: dict[str, list[int]], dtype: str, kv_on_update: str,
                  version: int, registry: CollectorRegistry = REGISTRY, staging: str = "host",
                  on_broken: Callable[[], None] = lambda: None, run: str = "",
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_hold_s: float = InferenceConfig.max_hold_s):
         self.engine, self.expected, self.dtype, self.staging = engine, expected, dtype, staging
         self.run = run  # the run's public id (rundir.run_fingerprint), reported on /status
         # A load that fails part-way leaves the model half-updated: the server must stop rather than serve
@@ -91,6 +92,7 @@ class WeightUpdater:
         self._idle.set()
         self.clock = clock  # of hold deadlines (tests pass a fake one)
         self.held_until = -math.inf  # clock time the hold ends (past or -inf: not held)
+        self.max_hold_s = max_hold_s  # inference.max_hold_s: a longer hold is refused
         self.updates = 0
         self.pause_total_s = 0.0
         self.last_pause_s = 0.0
@@ -155,7 +157,7 @@ class WeightUpdater:
         """Keep the served version for `body["seconds"]` (or until `release`): updates answer 423 meanwhile. A
         running update or join is waited for, not refused (it is bounded by the group's timeout), so the
         version returned is the one served throughout. A hold while held replaces the deadline."""
-        seconds = _hold_seconds(body)
+        seconds = _hold_seconds(body, self.max_hold_s)
         while self.busy:
             await self._idle.wait()
         self.held_until = self.clock() + seconds
@@ -251,11 +253,11 @@ class WeightUpdater:
         log.info("weight update: serving version %d (paused %.3f s)", version, paused_s)
 
 
-def _hold_seconds(body: object) -> float:
+def _hold_seconds(body: object, max_s: float) -> float:
     seconds = body.get("seconds") if isinstance(body, dict) else None
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
-        raise UpdateError(400, 'bad request body: a hold takes {"seconds": <a finite number > 0>}, got '
-                               f"{str(body)[:200]}")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= max_s:
+        raise UpdateError(400, f'bad request body: a hold takes {{"seconds": <a number > 0, at most {max_s:g} '
+                               f'(inference.max_hold_s)>}}, got {str(body)[:200]}')
     return float(seconds)
 
 
