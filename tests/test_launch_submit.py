@@ -3,6 +3,7 @@ cluster: a run directory written by hand, submitit jobs faked where Slurm would 
 jobs run in tests/test_slurm.py (the sweep, slow)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -82,11 +83,20 @@ def test_outcomes_become_a_table(tmp_path, monkeypatch):
     assert lines[2].split() == ["trainer.lr=2e-4", "8_1", "FAILED", "-", "-", "-", "-", "boom"]
 
 
-def test_executor_asks_for_one_allocation_of_every_node(tmp_path):
+def test_executor_asks_for_one_allocation_of_every_node(tmp_path, monkeypatch):
+    """On any machine, Slurm or not: submitit's SlurmExecutor refuses to be built unless an `srun` is on PATH
+    (it only looks for one; building the executor runs nothing). The `srun` given here records any call, and
+    none must come."""
     from pipelinerl.config import load_config
 
+    bin_dir, calls = tmp_path / "bin", tmp_path / "srun.calls"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nexit 1\n")
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     cfg = load_config(REPO / "configs/qwen32b_orz.yaml", ["launch.slurm.partition=gpu"])
-    params = submit.executor(cfg, tmp_path).parameters
+    params = submit.executor(cfg, tmp_path / "submitit").parameters
+    assert not calls.exists()
     assert params["additional_parameters"] == {"nodes": 4, "time": "6-12:00:00", "signal": "B:USR1@300",
                                                "requeue": True}
     assert (params["partition"], params["gpus_per_node"], params["mem"], params["use_srun"]) == ("gpu", 8, "0", False)
