@@ -3,6 +3,7 @@ real control routes, WeightUpdater and gloo receive, announced in a run director
 themselves. The invariant: while a version is published and no newer one comes, every announced server that
 answers reaches it (a late joiner, a restart on older weights), with no further publish."""
 
+import logging
 import subprocess
 import sys
 import time
@@ -13,19 +14,22 @@ import torch
 from helpers import worker_port
 from memory_servers import TOKEN, HangingServer, Server, Trainer, assert_serving, metas
 
+from pipelinerl.config import ConfigError, load_config
 from pipelinerl.control import ControlClient
 from pipelinerl.launch.procs import free_port
 from pipelinerl.rundir import publish_server, server_file, server_roster
 from pipelinerl.weights import Delivery, DeliveryFailed, Publication, TensorMeta, WeightBroadcaster
 from pipelinerl.weights import delivery as delivery_module
+from pipelinerl.weights.deadline import DeadlineRule, PhaseDeadline
 from pipelinerl.weights.delivery import held_servers
 
 BOUND_S = 30.0  # every wait below is on a condition, bounded by this
+REPO = Path(__file__).resolve().parent.parent
 
 
-def _delivery(run_dir, publication, **kw) -> Delivery:
-    sender = WeightBroadcaster([], "gloo", "127.0.0.1", free_port(worker_port(18960)), 4.0, bucket_bytes=2048,
-                               token=TOKEN, delta=True)
+def _delivery(run_dir, publication, timeout_s: float = 4.0, deadline: DeadlineRule | None = None, **kw) -> Delivery:
+    sender = WeightBroadcaster([], "gloo", "127.0.0.1", free_port(worker_port(18960)), timeout_s, bucket_bytes=2048,
+                               token=TOKEN, delta=True, deadline=deadline)
     return Delivery(publication, lambda: server_roster(run_dir), sender, ControlClient(TOKEN, 5.0), **kw).start()
 
 
@@ -276,3 +280,97 @@ def test_servers_all_restarted_on_their_addresses_get_a_new_group(tmp_path):
         d.close()
         for s in servers:
             s.stop()
+
+
+def test_the_deadline_is_the_scaled_median_times_the_factor_plus_the_margin_clamped_to_floor_and_ceiling():
+    d = PhaseDeadline(DeadlineRule(factor=3.0, margin_s=2.0, floor_s=3.0, ceiling_s=20.0))
+    assert d.seconds(100) == 20.0  # nothing measured yet: the ceiling
+    for seconds in (1.0, 4.0, 2.0):
+        d.record(seconds, 100)
+    assert d.seconds(100) == 3 * 2.0 + 2  # median 2 s: 8 s
+    assert d.seconds(50) == 8.0  # a smaller round keeps the measured times (mostly fixed costs)
+    assert d.seconds(200) == 3 * 4.0 + 2  # twice the bytes: 2, 8, 4 s, median 4 s: 14 s
+    assert d.seconds(1000) == 20.0  # 10, 40, 20 s: 62 s, clamped to the ceiling
+    d.widen()  # a deadline missed with every member answering
+    assert d.seconds(100) == 20.0
+    d.record(2.0, 100)  # 1, 4, 2, 2 s: median 2 s, the widening is over
+    assert d.seconds(100) == 8.0
+    for _ in range(8):  # the median is over the last 8 only
+        d.record(0.1, 100)
+    assert d.seconds(100) == 3.0  # 3 x 0.1 + 2 = 2.3 s, raised to the floor
+    assert PhaseDeadline(DeadlineRule()).seconds() == 120.0  # the defaults: factor 3, margin 2, floor 3, ceiling 120
+    with pytest.raises(ValueError, match="floor <= ceiling"):
+        DeadlineRule(floor_s=10.0, ceiling_s=5.0)
+    with pytest.raises(ConfigError, match="trainer.delivery_deadline_ceiling_s"):
+        load_config(REPO / "configs" / "tiny_cpu.yaml", ["trainer.delivery_deadline_ceiling_s=2"])
+
+
+def test_a_server_stuck_in_an_update_is_set_aside_and_the_other_keeps_getting_versions_then_it_catches_up(
+        tmp_path, fast_retries):
+    """Two servers; from version 3 on, one's update never completes (it receives nothing until the test lets it:
+    a server stopped mid-update). The group's timeout is 60 s, so only the round deadline (floor 1 s) can free the
+    other: it reaches each version within 10 s; once let go, the stuck one catches up without a publish."""
+    trainer = Trainer()
+    live, stuck = Server(trainer.wire()), HangingServer(trainer.wire())
+    hang = stuck.engine.receive
+    del stuck.engine.receive  # a normal server until told to hang
+    for s in (live, stuck):
+        publish_server(tmp_path, "127.0.0.1", s.port)
+    publication = Publication()
+    d = _delivery(tmp_path, publication, timeout_s=60.0,
+                  deadline=DeadlineRule(factor=3.0, margin_s=0.5, floor_s=1.0, ceiling_s=60.0))
+    try:
+        for version in (1, 2):  # measured rounds: the deadline is the floor from here on
+            trainer.step(lr=1e-5)
+            _publish(publication, version, trainer)
+            _wait_until(f"both at version {version}", lambda v=version: all(
+                s.updater.version == v for s in (live, stuck)))
+        stuck.engine.receive = hang
+        for version in (3, 4, 5):
+            trainer.step(lr=1e-5)
+            _publish(publication, version, trainer)
+            _wait_until(f"the live server at version {version}", lambda v=version: live.updater.version == v,
+                        bound_s=10.0)
+            assert_serving(live, trainer.wire())
+        assert stuck.updater.version == 2 and stuck.updater.busy
+        assert any("missed its deadline" in r.error and stuck.url in r.error for r in d.reports() if not r.ok)
+        del stuck.engine.receive
+        stuck.release.set()  # its update fails (the group was abandoned) and it answers again
+        _wait_until("the stuck server at version 5", lambda: stuck.updater.version == 5)  # no publish since
+        assert_serving(stuck, trainer.wire())
+        assert d.failure is None
+    finally:
+        d.close()
+        stuck.release.set()
+        for s in (live, stuck):
+            s.stop()
+
+
+def test_the_wait_line_comes_every_period_from_the_start_while_a_round_is_stuck(tmp_path, caplog):
+    """The delivery thread blocked inside a round (no deadline: the group's 60 s timeout) still logs, every
+    wait_log_s from the start of the wait and once per period, the server behind and the version it is at."""
+    hung = HangingServer(Trainer().wire())
+    publish_server(tmp_path, "127.0.0.1", hung.port)
+    publication = Publication()
+    caplog.set_level(logging.WARNING, logger="pipelinerl.weights.delivery")
+    d = _delivery(tmp_path, publication, timeout_s=60.0, wait_log_s=1.0)
+    try:
+        _publish(publication, 1, Trainer())
+        _wait_until("the update under way", lambda: hung.updater.busy)
+
+        def lines():
+            return [r for r in caplog.records if "not at version 1 for" in r.getMessage()]
+
+        _wait_until("three wait lines", lambda: len(lines()) >= 3)
+        assert hung.updater.busy  # all while the round is still stuck
+        found = lines()
+        for r in found:
+            assert f"{hung.url} at version 0" in r.getMessage(), r.getMessage()
+        waited = [float(r.getMessage().split(" for ")[1].split(" s")[0]) for r in found]
+        assert waited[0] >= 1.0 and waited == sorted(waited), waited
+        gaps = [b.created - a.created for a, b in zip(found, found[1:])]
+        assert min(gaps) > 0.5, gaps  # once per period, not a burst
+    finally:
+        d.close(wait_s=2.0)
+        hung.release.set()
+        hung.stop()

@@ -104,6 +104,20 @@ class TrainerConfig:
         unit="versions")
     delivery_fail_after_s: float = doc(120.0, "see delivery_fail_after_versions: how long the failures must "
                                               "last too (a server restart takes a while)", unit="s")
+    delivery_deadline_factor: float = doc(
+        3.0, "straggler isolation (weights/deadline.py): forming the weight-update group, and each delivery round, "
+             "must end within factor x the median of the last 8 successful ones (a round's scaled up to its own "
+             "bytes) + delivery_deadline_margin_s, clamped to [delivery_deadline_floor_s, "
+             "delivery_deadline_ceiling_s]; at the deadline the round is abandoned, a member still silent "
+             "3 s later is set aside (backed off, re-joins once its /status answers) and the others go on at once")
+    delivery_deadline_margin_s: float = doc(2.0, "see delivery_deadline_factor: added to the scaled median",
+                                            unit="s")
+    delivery_deadline_floor_s: float = doc(3.0, "see delivery_deadline_factor: the shortest deadline (load "
+                                                "noise of a small model's sub-second rounds)", unit="s")
+    delivery_deadline_ceiling_s: float = doc(
+        120.0, "see delivery_deadline_factor: the longest deadline, and the deadline while nothing was measured "
+               "yet (the first round) or after a deadline missed with every member answering; "
+               "inference.weight_update_timeout_s still bounds it", unit="s")
     wait_log_s: float = doc(30.0, "a wait longer than this (for a step's data, for servers to reach a version) "
                                   "logs what it waits for and what the servers report, again every wait_log_s",
                             unit="s")
@@ -133,6 +147,12 @@ class TrainerConfig:
         check_positive(self.delivery_fail_after_versions, "trainer.delivery_fail_after_versions")
         check(self.delivery_fail_after_s >= 0, "trainer.delivery_fail_after_s", "must be >= 0")
         check_positive(self.wait_log_s, "trainer.wait_log_s")
+        check_positive(self.delivery_deadline_factor, "trainer.delivery_deadline_factor")
+        check(self.delivery_deadline_margin_s >= 0, "trainer.delivery_deadline_margin_s", "must be >= 0")
+        check_positive(self.delivery_deadline_floor_s, "trainer.delivery_deadline_floor_s")
+        check(self.delivery_deadline_ceiling_s >= self.delivery_deadline_floor_s, "trainer.delivery_deadline_ceiling_s",
+              f"got {self.delivery_deadline_ceiling_s}; must be >= trainer.delivery_deadline_floor_s "
+              f"({self.delivery_deadline_floor_s})")
         check_choice(self.attn_implementation, ("auto", "sdpa", "flash_attention_2"), "trainer.attn_implementation")
         check_positive(self.dist_timeout_s, "trainer.dist_timeout_s")
         check_positive(self.jit_lock_stale_s, "trainer.jit_lock_stale_s")

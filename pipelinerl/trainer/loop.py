@@ -366,6 +366,7 @@ def start_delivery(cfg: Config, dist: DistInfo, publication, evaluation: bool = 
     from pipelinerl.control import ControlClient
     from pipelinerl.rundir import EVAL_SERVERS_DIR, SERVERS_DIR, run_token, server_roster
     from pipelinerl.weights import Delivery, WeightBroadcaster
+    from pipelinerl.weights.deadline import DeadlineRule
     from pipelinerl.weights.delivery import held_servers
 
     t, token = cfg.trainer, run_token(cfg.run_dir, cfg.inference.auth_token)
@@ -373,7 +374,9 @@ def start_delivery(cfg: Config, dist: DistInfo, publication, evaluation: bool = 
     sender = WeightBroadcaster([], cfg.inference.weight_update_backend or dist.backend, t.broadcast_host,
                                t.broadcast_port + evaluation, cfg.inference.weight_update_timeout_s,
                                int(t.broadcast_bucket_mb * 2**20), token, checksum_every=t.broadcast_checksum_every,
-                               delta=t.broadcast_delta == "auto")
+                               delta=t.broadcast_delta == "auto",
+                               deadline=DeadlineRule(t.delivery_deadline_factor, t.delivery_deadline_margin_s,
+                                                     t.delivery_deadline_floor_s, t.delivery_deadline_ceiling_s))
     return Delivery(publication, lambda: server_roster(cfg.run_dir, folder), sender, control,
                     t.delivery_fail_after_versions, t.delivery_fail_after_s, t.wait_log_s,
                     held=functools.partial(held_servers, control) if evaluation else None).start()

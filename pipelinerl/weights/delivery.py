@@ -16,6 +16,12 @@ Policy, in this module only:
   formed anew with it (a restarted server alone, then everyone again at the next version).
 - A failed round (or /status) puts its culprits (the servers the error names, or every member) on a backoff
   of RETRY_FIRST_S doubling up to RETRY_MAX_S; the other members are retried at once.
+- Stragglers (deadline.py): a round that misses its deadline sets aside the members still silent after it was
+  abandoned (the same backoff) and goes on with the others at once: those that answered keep their version
+  (or take the round's, if it reached them), with no backoff. A server's /status is asked on a thread of its
+  own, never waited for, so a server that stopped answering costs nothing to the others while it is asked.
+- While some server is behind, a warning every `wait_log_s` from the start of that wait names each server
+  behind and the version it is at (a thread of its own, so a round that blocks never delays it).
 - A server announced anew (a restart re-publishes its file) starts afresh: its version is asked again, and a
   group it was a member of is formed anew (the restarted server holds none).
 - A server the `held` callback names (an evaluation server held at one version while it evaluates,
@@ -31,10 +37,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from pipelinerl.control import ControlClient, ControlError
-from pipelinerl.weights.collective import map_on_threads
+from pipelinerl.weights.collective import map_on_threads, on_thread
+from pipelinerl.weights.deadline import MembersLate
 from pipelinerl.weights.publish import Publication, Snapshot
 from pipelinerl.weights.sender import WeightBroadcaster
 
@@ -43,6 +51,7 @@ log = logging.getLogger(__name__)
 RETRY_FIRST_S = 1.0  # backoff after a server's first failure; doubled per further failure
 RETRY_MAX_S = 30.0
 POLL_S = 0.5  # the roster (RUN_DIR/servers) is read at least this often while nothing is to be delivered
+WAIT_LOG_POLL_S = 0.1  # how often the wait-log thread looks (a line is at most this late on its period)
 
 
 class DeliveryFailed(RuntimeError):
@@ -98,12 +107,15 @@ class Delivery:
         self._lock = threading.Lock()  # servers, reports and failure, read by the loop's wait logs
         self._reports: list[DeliveryReport] = []
         self._group_roster: dict[str, int] = {}  # the members' announcement times when the group formed
+        # url -> (the server's state when asked, its /status read under way); the delivery thread's only
+        self._probes: dict[str, tuple[ServerState, Future]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> Delivery:
         self._thread = threading.Thread(target=self._run, name="weights-delivery", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._log_waits, name="weights-delivery-log", daemon=True).start()
         return self
 
     def close(self, wait_s: float = 5.0) -> None:
@@ -155,9 +167,8 @@ class Delivery:
             import torch
 
             torch.cuda.set_device(self.sender.device)
-        seen, behind_since = None, None
+        seen = None
         while not self._stop.is_set():
-            behind_since = self._log_if_behind(behind_since)
             try:
                 delivered = self.step()
             except Exception as err:  # a bug here must stop the run, never silently stop delivering
@@ -170,21 +181,24 @@ class Delivery:
             if not delivered:  # at once when a version is published, else after POLL_S: the roster
                 seen = self.publication.wait_newer(seen, POLL_S)
 
-    def _log_if_behind(self, since: float | None) -> float | None:
-        """Log every wait_log_s while some announced server is not at the newest version; the new `since`."""
-        latest, now = self.publication.latest_version(), time.monotonic()
-        with self._lock:
-            behind = latest is not None and any(s.version != latest for u, s in self.servers.items()
-                                                if u not in self._held)
-        if not behind:
-            return None
-        if since is None:
-            return now
-        if now - since >= self.wait_log_s:
-            log.warning("weight delivery: servers not at version %d for %.0f s: %s", latest, now - since,
-                        self.describe())
-            return now
-        return since
+    def _log_waits(self) -> None:
+        """While some server (not held) is behind the newest version: a warning every wait_log_s, counted from
+        the start of that wait, naming each one behind and the version it is at."""
+        started = next_log = None
+        while not self._stop.wait(WAIT_LOG_POLL_S):
+            latest, now = self.publication.latest_version(), time.monotonic()
+            with self._lock:
+                behind = [s for u, s in self.servers.items() if s.version != latest and u not in self._held]
+            if latest is None or not behind:
+                started = None
+                continue
+            if started is None:
+                started, next_log = now, now + self.wait_log_s
+            if now >= next_log:
+                log.warning("weight delivery: %d server(s) not at version %d for %.0f s: %s", len(behind), latest,
+                            now - started, "; ".join(s.describe(now) for s in behind))
+                while next_log <= now:  # once per period, even after a pause of this thread
+                    next_log += self.wait_log_s
 
     def step(self) -> bool:
         """One pass: refresh the roster, ask new servers their version, deliver to those behind. True when
@@ -221,16 +235,26 @@ class Delivery:
                     self.servers[url] = ServerState(url, at)
 
     def _ask_versions(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            unknown = [u for u, s in self.servers.items() if s.version is None and s.retry_at <= now]
-        for url, answer in zip(unknown, map_on_threads(self._status, unknown, "delivery-status")):
+        """Take the /status answers that came in; ask the servers of unknown version that are not waiting out a
+        retry. Never waits: a server that does not answer holds up no round of the others."""
+        for url, (asked, probe) in list(self._probes.items()):
+            if not probe.done():
+                continue
+            del self._probes[url]
+            if self.servers.get(url) is not asked:  # announced anew (restarted) since: ask the new one
+                continue
+            answer = probe.result()
             if isinstance(answer, Exception):
                 self._failed([url], self.publication.latest_version(), answer)
             else:
                 with self._lock:
-                    if url in self.servers:
-                        self.servers[url].version = answer
+                    asked.version = answer if asked.version is None else asked.version
+        now = time.monotonic()
+        with self._lock:
+            unknown = [(u, s) for u, s in self.servers.items() if s.version is None and s.retry_at <= now]
+        for url, state in unknown:
+            if url not in self._probes:
+                self._probes[url] = (state, on_thread(lambda url=url: self._status(url), "delivery-status"))
 
     def _status(self, url: str) -> int | Exception:
         try:
@@ -248,6 +272,10 @@ class Delivery:
                 for url, why in self.sender.left_out.items():
                     self._failed([url], snap.version, ControlError(f"could not join the group: {why}"))
             result = self.sender.broadcast(snap.version, snap.metas, snap.tensors)
+        except MembersLate as err:
+            if not self._stop.is_set():
+                self._set_aside(snap, members, err, time.monotonic() - started)
+            return
         except (ControlError, TimeoutError, OSError, RuntimeError) as err:
             if self._stop.is_set():
                 return
@@ -268,14 +296,30 @@ class Delivery:
                        for u in self.sender.server_urls)
         return self.sender.connected and sorted(self.sender.server_urls) == behind and same
 
+    def _set_aside(self, snap: Snapshot, members: list[str], err: MembersLate, total_s: float) -> None:
+        """A round missed its deadline: the late members back off like failed ones; the others go on at once,
+        at the version they answered with (the round's, if it reached them before it was abandoned)."""
+        self._failed(err.late, snap.version, err)
+        took = {url: r for url, r in err.answered.items() if isinstance(r, dict) and r.get("version") == snap.version}
+        with self._lock:
+            for url, reply in took.items():
+                self._took(url, reply)
+        self._report(DeliveryReport(snap.version, tuple(members), False, total_s, error=str(err)[:500]))
+        log.warning("weight delivery of version %d: %s; %s", snap.version, err,
+                    f"set aside {', '.join(err.late)}, going on without" if err.late else "retrying")
+
+    def _took(self, url: str, reply: dict) -> None:
+        """Under the lock: `url` acknowledged a version (its reply)."""
+        if url in self.servers:
+            s = self.servers[url]
+            s.version, s.failures, s.failed_versions, s.failing_since = reply["version"], 0, set(), None
+            s.retry_at, s.last_error = 0.0, ""
+
     def _delivered(self, snap: Snapshot, result: dict, total_s: float) -> None:
         replies = result["servers"]
         with self._lock:
             for url, reply in replies.items():
-                if url in self.servers:
-                    s = self.servers[url]
-                    s.version, s.failures, s.failed_versions, s.failing_since = reply["version"], 0, set(), None
-                    s.retry_at, s.last_error = 0.0, ""
+                self._took(url, reply)
         self._report(DeliveryReport(
             snap.version, tuple(sorted(replies)), True, total_s, result.get("broadcast_s", 0.0), result["bytes"],
             result.get("dense_bytes", result["bytes"]), max((r.get("paused_s", 0.0) for r in replies.values()),

@@ -27,6 +27,7 @@ from pipelinerl.weights.collective import (
     open_group,
     wait_work,
 )
+from pipelinerl.weights.deadline import LATE_GRACE_S, DeadlineRule, MembersLate, PhaseDeadline
 from pipelinerl.weights.delta import Delta, DeltaEncoder
 from pipelinerl.weights.wire import (
     HTTP_MARGIN_S,
@@ -59,14 +60,16 @@ class WeightBroadcaster:
     and the servers keep a base.
     Every `checksum_every`-th version (0: never) the servers check each resulting tensor's CRC32 before
     loading. After a failed round the group is abandoned (its members stop waiting: collective.py) and
-    `broadcast` refuses until `connect` is called again. One exception: a round whose every byte arrived but
+    `broadcast` refuses until `connect` is called again. With `deadline` (trainer.delivery_deadline_*), forming
+    the group and each round must end within a deadline from their recent times (deadline.py), else they are
+    abandoned and MembersLate names the members still silent. One exception: a round whose every byte arrived but
     that a server rejected (a checksum mismatch; the group stays usable) is resent dense at once when the
     weights are at hand (delta mode keeps them).
     """
 
     def __init__(self, server_urls: list[str], backend: str, master_addr: str | None, master_port: int,
                  timeout_s: float, bucket_bytes: int, token: str | None, checksum_every: int = 0,
-                 delta: bool = False):
+                 delta: bool = False, deadline: DeadlineRule | None = None):
         """`master_addr` None: the local address on the route to the first server connected (broadcast_address)."""
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
@@ -84,6 +87,8 @@ class WeightBroadcaster:
         self._encoder = DeltaEncoder(pin=backend == "nccl") if delta else None
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         self._buffers: list[torch.Tensor | None] = [None, None]  # the two bucket buffers (_send_buckets)
+        self._deadlines = {} if deadline is None else {"connect": PhaseDeadline(deadline),
+                                                       "round": PhaseDeadline(deadline)}
 
     @property
     def connected(self) -> bool:
@@ -101,7 +106,9 @@ class WeightBroadcaster:
             raise ValueError("no inference servers to broadcast to (RUN_DIR/servers/ is empty?)")
         if self.master_addr is None:
             self.master_addr = broadcast_address(None, urls[0])
-        ready = dict(zip(urls, map_on_threads(self._ready_status, urls, "weights-status")))
+        started = time.monotonic()
+        deadline = started + self._limit("connect")
+        ready = dict(zip(urls, map_on_threads(lambda u: self._ready_status(u, deadline), urls, "weights-status")))
         self.left_out = {url: str(s) for url, s in ready.items() if isinstance(s, ControlError)}
         for url, why in self.left_out.items():
             log.warning("weight-update group: leaving out %s: %s", url, why)
@@ -111,21 +118,43 @@ class WeightBroadcaster:
             raise WeightTransferError(f"no server can join the weight-update group: {self.left_out}")
         self.server_urls = list(self._status)
         self._bases = {url: s.delta_base for url, s in self._status.items()}
-        self._open_group()
+        self._open_group(deadline)
+        self._record("connect", time.monotonic() - started)
         return self.server_urls
 
-    def _ready_status(self, url: str) -> ServerStatus | ControlError:
-        deadline = time.monotonic() + JOIN_WAIT_S
+    def _limit(self, phase: str, nbytes: int = 0) -> float:
+        """Seconds a phase ("connect", "round") moving `nbytes` may take: its deadline, within timeout_s."""
+        phase_deadline = self._deadlines.get(phase)
+        return self.timeout_s if phase_deadline is None else min(self.timeout_s, phase_deadline.seconds(nbytes))
+
+    def _record(self, phase: str, seconds: float, nbytes: int = 0) -> None:
+        if phase in self._deadlines:
+            self._deadlines[phase].record(seconds, nbytes)
+
+    def _late(self, phase: str, posts: Replies, err: BaseException, limit_s: float) -> MembersLate:
+        """The phase, already abandoned, missed its deadline: which members are still silent LATE_GRACE_S on."""
+        late, answered = posts.silent_after(LATE_GRACE_S)
+        if not late and phase in self._deadlines:
+            self._deadlines[phase].widen()
+        who = (f"{', '.join(late)} still silent {LATE_GRACE_S:.0f} s after it was abandoned" if late else
+               "every member answered once it was abandoned: the next one gets the ceiling")
+        return MembersLate(f"weight-update {phase} missed its deadline of {limit_s:.1f} s ({err}); {who}", late,
+                           answered)
+
+    def _ready_status(self, url: str, deadline: float) -> ServerStatus | ControlError:
+        """`url`'s /status once it is not busy with an update, by `deadline` and within JOIN_WAIT_S."""
+        started = time.monotonic()
+        deadline = min(deadline, started + JOIN_WAIT_S)
         try:
-            while (status := self._control.status(url, JOIN_WAIT_S)).updating:
+            while (status := self._control.status(url, max(deadline - time.monotonic(), 0.1))).updating:
                 if time.monotonic() > deadline:
-                    return WeightTransferError(f"{url} is still busy with an update after {JOIN_WAIT_S:.0f} s")
+                    return WeightTransferError(f"{url} is still busy with an update after {deadline - started:.0f} s")
                 time.sleep(0.2)
         except ControlError as err:
             return err
         return status
 
-    def _open_group(self) -> None:
+    def _open_group(self, deadline: float) -> None:
         """POST /init_process_group to every member while opening the group as rank 0, on a thread of its own
         and a store connection of its own (collective.py): an attempt given up (a member failed) is flagged
         abandoned and may linger there without holding up the next one."""
@@ -141,7 +170,7 @@ class WeightBroadcaster:
         given_up = threading.Event()
         opening = on_thread(lambda: open_group(req, 0, group_store(req), stop=lambda: _raise_if(given_up)),
                             "weights-open")
-        deadline = time.monotonic() + self.timeout_s
+        limit_s = deadline - time.monotonic()
         try:
             while not opening.done():
                 posts.raise_failed()
@@ -153,6 +182,8 @@ class WeightBroadcaster:
         except BaseException as err:
             given_up.set()
             abandon_open(self._store, req.group, f"the trainer gave up opening it: {err}")
+            if isinstance(err, TimeoutError):
+                raise self._late("connect", posts, err, limit_s) from err
             raise
         posts.join(deadline)
         log.info("weight-update group open with %d server(s) (%s): %s", len(self.server_urls), req.group,
@@ -230,7 +261,11 @@ class WeightBroadcaster:
         `may_resend`, a round every server received but some rejected keeping their group raises
         UpdateRejectedByServers with the group still open."""
         started = time.monotonic()
-        deadline = started + self.timeout_s
+        nbytes = sum(p.nbytes for p in wire_parts(req))
+        limit_s = self._limit("round", nbytes)
+        deadline = started + limit_s
+        # A round deadline (deadline.py) covers the replies too: they are part of the time it was measured on.
+        replies_by = deadline if "round" in self._deadlines else deadline + HTTP_MARGIN_S
         packer = _Packer(req, parts, self._buffer)
         first = packer.pack(0)  # before the servers pause: gathering and packing bucket 1 stays off their pause
         posts = self._post_all("/request_weight_update", dict.fromkeys(self.server_urls, update_body(req)))
@@ -239,10 +274,12 @@ class WeightBroadcaster:
             if req.checksums:
                 self._send(torch.tensor(sums, dtype=torch.int64, device=self.device), deadline, posts,
                            "the checksum tensor")
-            replies, errors = posts.settle(deadline + HTTP_MARGIN_S)
+            replies, errors = posts.settle(replies_by)
         except BaseException as err:
             self._abandon(f"update {req.version} failed on the trainer: {err}")  # the members stop waiting
             self._buffers = [None, None]  # an abandoned send may still read them: the next round takes new ones
+            if isinstance(err, TimeoutError):
+                raise self._late("round", posts, err, limit_s) from err
             raise
         if errors:
             if may_resend and all(err.body.get("group_ready") for err in errors.values()):
@@ -254,7 +291,7 @@ class WeightBroadcaster:
             self._abandon(f"servers acknowledged other versions than {req.version}")
             raise WeightTransferError(f"servers acknowledged other versions than {req.version}: {bad}")
         self._bases = {url: r.get("delta_base") for url, r in replies.items()}
-        nbytes = sum(p.nbytes for p in wire_parts(req))
+        self._record("round", time.monotonic() - started, nbytes)
         return {"version": req.version, "bytes": nbytes, "total_s": time.monotonic() - started,
                 "broadcast_s": send_s, "gbps": nbytes / max(send_s, 1e-9) / 1e9, "servers": replies}
 
@@ -398,6 +435,13 @@ class Replies:
 
     def pending(self) -> str:
         return ", ".join(url for url, fut in self.futures.items() if not fut.done()) or "the servers"
+
+    def silent_after(self, within_s: float) -> tuple[list[str], dict[str, dict | BaseException]]:
+        """Wait up to `within_s` for every reply; the servers still silent, and the others' replies or errors."""
+        wait(self.futures.values(), timeout=within_s)
+        silent = [url for url, fut in self.futures.items() if not fut.done()]
+        answered = {url: fut.exception() or fut.result() for url, fut in self.futures.items() if fut.done()}
+        return silent, answered
 
 
 def broadcast_address(configured: str | None, server_url: str) -> str:
