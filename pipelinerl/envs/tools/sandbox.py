@@ -11,19 +11,28 @@ only, where file reads cannot be blocked: refused unless `allow_unconfined_fs`).
 runs a trivial program on this machine is chosen at construction and logged once.
 
 Limits and who enforces them: wall clock (the launcher kills the code and everything it started; the
-caller kills the launcher `BACKSTOP_S` later if it has not reported), CPU seconds (RLIMIT_CPU: SIGXCPU,
-then SIGKILL a second later), address space (RLIMIT_AS: allocations fail, Python raises MemoryError),
-processes (RLIMIT_NPROC: tier A counts the code's processes alone, in its own user namespace; the
-kernel counts per real uid otherwise, so tiers B and C allow max_processes more than the user runs at
-launch, concurrent runs then share that headroom; root is exempt from it everywhere), file size
-(RLIMIT_FSIZE: EFBIG), output (the caller keeps the first `max_output_bytes` of stdout and of stderr and
-stops the run when either overflows). The job's cgroup (Slurm) remains the real ceiling for memory and CPU.
+caller kills the launcher `BACKSTOP_S` later if it has not reported), CPU seconds (the call's processes
+together, added up every confine.POLL_S by the launcher, which kills them all once over; RLIMIT_CPU
+stops each process at the same number), memory (RLIMIT_AS per process: allocations fail, Python raises
+MemoryError; and the call's processes' proportional set sizes together, polled like CPU: over the limit,
+all are killed, "memory"), processes (RLIMIT_NPROC: tier A counts the code's processes alone, in its own
+user namespace, and so does a launcher started as root, which runs the code under a uid of its own
+(`run_as_uid_base`); otherwise the kernel counts per real uid, so tiers B and C allow max_processes more
+than the user runs at launch and concurrent runs share that headroom), file size (RLIMIT_FSIZE: EFBIG),
+output (the caller keeps the first `max_output_bytes` of stdout and of stderr and stops the run when
+either overflows). Between two polls a call can exceed the CPU and memory limits by what its processes use
+in that time, each bounded by its own rlimits; the job's cgroup (Slurm) remains the hard ceiling.
+
+In tier C the code can read this process's /proc files unless it is made non-dumpable, which the sandbox
+does when it settles on tier C (so the environment and memory of the actor are closed to it; a same-user
+debugger such as py-spy then needs root).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import os
@@ -33,9 +42,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
+
+from pipelinerl.envs.tools import confine
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +62,7 @@ TIER_NAMES = {"A": "user, mount, PID and network namespaces + seccomp + rlimits"
               "B": "Landlock + seccomp + rlimits", "C": "seccomp + rlimits only: every file of the user is readable"}
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class SandboxLimits:
     """What one run may use, and how the sandbox is built. Units are in the names; defaults suit short
     tool calls of a reasoning episode (arithmetic, sympy, numpy)."""
@@ -69,6 +79,12 @@ class SandboxLimits:
     allow_unconfined_fs: bool = False  # accept tier C, where the code can read every file the user can
     python: str | None = None  # interpreter for the code (and the launcher); None: this process's own
     work_root: str | None = None  # where per-run work directories are made; None: the system temp dir
+    # Started as root: the code of each run takes a uid of [base, base + 4096) that it alone uses meanwhile
+    # (locked), so the process limit holds per run and no root process is open to it; these uids (and gids)
+    # must belong to no one on the node, and the interpreter must be readable by them (one under /root,
+    # mode 0700, is not: the code then runs as root, with a warning). None: the code runs as root, where
+    # RLIMIT_NPROC does not apply.
+    run_as_uid_base: int | None = 2_100_000_000
 
     def __post_init__(self):
         for name in ("wall_s", "cpu_s", "memory_bytes", "max_processes", "max_output_bytes", "max_file_bytes",
@@ -77,11 +93,14 @@ class SandboxLimits:
                 raise ValueError(f"sandbox limit {name} must be > 0, got {getattr(self, name)!r}")
         if self.tier not in ("auto",) + TIERS:
             raise ValueError(f"sandbox tier must be one of auto, A, B, C; got {self.tier!r}")
+        if self.run_as_uid_base is not None and not 0 < self.run_as_uid_base <= 2**32 - 2 - 4096:
+            raise ValueError(f"sandbox run_as_uid_base must be in (0, 2**32 - 4098], got {self.run_as_uid_base}")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class SandboxResult:
-    """One run. `reason`: "ok", "timeout" (wall clock), "cpu_limit", "memory" (MemoryError),
+    """One run. `reason`: "ok", "timeout" (wall clock), "cpu_limit", "memory" (MemoryError, or the run's
+    processes together over the limit),
     "output_limit", "killed: SIGNAME" (a signal, or "killed: close" when the sandbox closed), or
     "error: ..." (a nonzero exit, e.g. an uncaught exception: its traceback is in stderr; or the sandbox
     failed to start the code)."""
@@ -107,7 +126,10 @@ class PythonSandbox:
         self._running: set[asyncio.subprocess.Process] = set()
         self._closed = False
         self._probe = self._run_probe()
+        self._run_as = self.limits.run_as_uid_base if os.geteuid() == 0 else None  # the launcher's uids
         self._tier = self._choose_tier()
+        if self._tier == "C":  # code of this uid could otherwise read our environ and write our memory
+            confine.libc.prctl(confine.PR_SET_DUMPABLE, 0, 0, 0, 0)
         log.info("python sandbox: tier %s (%s), landlock ABI %d, pool of %d", self._tier, TIER_NAMES[self._tier],
                  self._probe["landlock_abi"], self.limits.pool_size)
 
@@ -155,12 +177,25 @@ class PythonSandbox:
             if tier == "B" and self._probe["landlock_abi"] == 0:
                 failures.append("B: this kernel has no Landlock")
                 continue
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:  # works inside a running event loop too
-                result = pool.submit(asyncio.run, self._run("print('ok')", "", tier)).result()
-            if result.ok and result.stdout == "ok\n":
+            result = self._trial(tier)
+            if not result.ok and self._run_as is not None:  # root: is it the uid that cannot run?
+                self._run_as = None
+                if self._trial(tier).ok:
+                    log.warning("python sandbox: the code runs as root, without a process limit: a uid of its own "
+                                "cannot run %s (%s); install the interpreter where every user can read it",
+                                self.python, result.stderr[-300:].strip() or result.reason)
+                    return tier
+                self._run_as = self.limits.run_as_uid_base
+            if result.ok:
                 return tier
             failures.append(f"{tier}: {result.reason} {result.stderr[-500:]}".strip())
         raise ValueError("python sandbox: no confinement tier works here:\n  " + "\n  ".join(failures))
+
+    def _trial(self, tier: str) -> SandboxResult:
+        """A trivial program run in `tier`; ok only if it printed what it should."""
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # works inside a running event loop too
+            result = pool.submit(asyncio.run, self._run("print('ok')", "", tier)).result()
+        return result if result.stdout == "ok\n" or not result.ok else dataclasses.replace(result, ok=False)
 
     # ------------------------------------------------------------ one run
 
@@ -169,7 +204,8 @@ class PythonSandbox:
         env = dict(CODE_ENV, HOME=scratch, TMPDIR=scratch)
         return {"code": code, "tier": tier, "python": self.python, "scratch": scratch, "root": str(work / "root"),
                 "read_paths": self._probe["read_paths"], "dev_files": DEV_FILES, "env": env,
-                "landlock_abi": self._probe["landlock_abi"], "limits": asdict(self.limits)}
+                "landlock_abi": self._probe["landlock_abi"], "limits": dataclasses.asdict(self.limits),
+                "run_as_uid_base": self._run_as}
 
     async def _run(self, code: str, stdin: str, tier: str) -> SandboxResult:
         start = time.monotonic()
@@ -253,14 +289,19 @@ def _signal(proc: asyncio.subprocess.Process, sig: int, group: bool = False) -> 
 
 
 def _remove(work: Path) -> None:
-    """Delete a work directory, also where the code took away its own permissions (tiers B and C)."""
+    """Delete a work directory, also where the code took away its own permissions (tiers B and C); a
+    symbolic link is removed, never followed (os.walk lists links to directories among the directories)."""
     for top, dirs, _ in os.walk(work):
         for name in dirs:
-            try:
-                os.chmod(os.path.join(top, name), 0o700, follow_symlinks=False)
-            except OSError:
-                pass
+            path = os.path.join(top, name)
+            if not os.path.islink(path):
+                try:
+                    os.chmod(path, 0o700)
+                except OSError:
+                    pass
     shutil.rmtree(work, ignore_errors=True)
+    if os.path.lexists(work):
+        log.warning("python sandbox: could not remove the work directory %s", work)
 
 
 def _reason(status: dict | None, cut: bool, stderr: str, limits: SandboxLimits) -> str:
@@ -274,6 +315,8 @@ def _reason(status: dict | None, cut: bool, stderr: str, limits: SandboxLimits) 
         return "killed: close"
     if status["timed_out"]:
         return "timeout"
+    if status.get("limit"):  # the call's processes together
+        return {"cpu": "cpu_limit", "memory": "memory"}[status["limit"]]
     sig = status["signal"]
     cpu_limit = -(-limits.cpu_s // 1)
     if sig == signal.SIGXCPU or (sig == signal.SIGKILL and status["cpu_s"] >= cpu_limit - 0.1):
