@@ -28,6 +28,7 @@ from pipelinerl.actor.client import CompletionsClient
 from pipelinerl.config import load_config
 from pipelinerl.control import ControlClient
 from pipelinerl.launch.procs import free_port
+from pipelinerl.trainer import step_data as step_data_module
 from pipelinerl.trainer.dist import DistInfo
 from pipelinerl.trainer.step_data import StepData, StreamStarved
 from pipelinerl.weights import Delivery, Publication, WeightBroadcaster
@@ -148,11 +149,13 @@ def _stopped_server() -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def test_the_trainers_wait_line_reads_versions_now_and_names_the_stuck_server(tmp_path, caplog):
+def test_the_trainers_wait_line_reads_versions_now_and_names_the_stuck_server(tmp_path, monkeypatch, caplog):
     """A round of version 2 stuck on a stopped member: the healthy server serves 2, while delivery's record still
     has both at 1 (a record changes when its round ends). Rank 0 waits for data that never comes: its wait line
     gives the healthy server at version 2 (read then) and names the stopped one, at 1, as stuck behind version 2
-    with that version's age."""
+    with that version's age. The /status reads get 10 s: the healthy one answers well within it on a loaded machine,
+    the stopped one never does."""
+    monkeypatch.setattr(step_data_module, "STATUS_TIMEOUT_S", 10.0, raising=False)
     trainer = Trainer()
     healthy = Server(trainer.wire())
     healthy.updater.version = 2  # it loaded version 2 from the stuck round
@@ -177,5 +180,5 @@ def test_the_trainers_wait_line_reads_versions_now_and_names_the_stuck_server(tm
     line = next(r.getMessage() for r in caplog.records if "has waited" in r.getMessage())
     assert f"{healthy.url} at version 2;" in line, line
     assert re.search(r"weight delivery: version 2 published \d+ s ago; ", line), line
-    assert re.search(rf"{stopped_url} at version 1 \(no answer to GET /status within 3 s: delivery's last record\), "
+    assert re.search(rf"{stopped_url} at version 1 \(no answer to GET /status within 10 s: delivery's last record\), "
                      r"stuck: version 2, published \d+ s ago, has not reached it", line), line

@@ -139,9 +139,9 @@ class StepData:
                 f"See RUN_DIR/logs/actor.log")
 
 
-def delivery_now(delivery, timeout_s: float = STATUS_TIMEOUT_S) -> str:
+def delivery_now(delivery) -> str:
     """What weight delivery (a weights.Delivery) is doing, with every server's version as the server reports it
-    now (GET /status, all at once, `timeout_s` in all). Delivery's own record of a server changes only when its
+    now (GET /status, all at once, STATUS_TIMEOUT_S in all). Delivery's own record of a server changes only when its
     round ends, so during a round stuck on one member it shows the members that did load the version at the one
     before. Each server not at the newest published version is named with that version's age and delivery's
     record of its failures."""
@@ -149,7 +149,7 @@ def delivery_now(delivery, timeout_s: float = STATUS_TIMEOUT_S) -> str:
 
     from pipelinerl.weights.collective import on_thread
 
-    states = delivery.server_states()
+    states, timeout_s = delivery.server_states(), STATUS_TIMEOUT_S
     with delivery.publication.lease() as snap:
         latest, published_at = (None, 0.0) if snap is None else (snap.version, snap.published_at)
     asked = [on_thread(functools.partial(delivery.control.status, s.url, timeout_s), "wait-line-status")
