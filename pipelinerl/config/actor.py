@@ -175,14 +175,19 @@ class SandboxConfig:
                           "actor.episode.step_timeout_s, not against timeout_s")
     timeout_s: float = doc(10.0, "wall clock of one call; the model is told the script failed (timeout). Keep "
                                  "actor.episode.step_timeout_s above it", unit="s")
-    cpu_s: float = doc(5.0, "CPU time of one call (whole seconds, rounded up); the model is told (cpu_limit)",
+    cpu_s: float = doc(5.0, "CPU time of one call, all its processes together; the model is told (cpu_limit)",
                        unit="s")
-    memory_mb: int = doc(1024, "address space of each process of a call; numpy needs ~256", unit="MiB")
+    memory_mb: int = doc(1024, "address space of each process of a call, and the memory (proportional set size) of "
+                               "all its processes together; numpy needs ~256", unit="MiB")
     max_output_bytes: int = doc(4096, "kept of a call's stdout and of its stderr each: the tool message's size "
                                       "(more stops the call: output_limit)", unit="bytes")
     allow_unconfined_fs: bool = doc(False, "accept the weakest confinement (rlimits and seccomp only), where the "
                                            "code can read every file the user can (a run's auth_token included); "
                                            "false = the sandbox refuses to start on such a node")
+    run_as_uid_base: int | None = doc(2_100_000_000, "an actor run as root runs each call under a uid of "
+                                                     "[base, base + 4096) of its own (a per-call process limit; "
+                                                     "no root file or process open to the code): uids no one on "
+                                                     "the node owns", null="the code runs as root")
 
     def __post_init__(self) -> None:
         for name in ("workers", "timeout_s", "cpu_s", "memory_mb", "max_output_bytes"):

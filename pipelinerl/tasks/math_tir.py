@@ -43,7 +43,7 @@ def sandbox_limits(cfg: SandboxConfig) -> SandboxLimits:
     """task.sandbox as the sandbox's limits; the others keep SandboxLimits' defaults."""
     return SandboxLimits(wall_s=cfg.timeout_s, cpu_s=cfg.cpu_s, memory_bytes=cfg.memory_mb << 20,
                          max_output_bytes=cfg.max_output_bytes, pool_size=cfg.workers,
-                         allow_unconfined_fs=cfg.allow_unconfined_fs)
+                         allow_unconfined_fs=cfg.allow_unconfined_fs, run_as_uid_base=cfg.run_as_uid_base)
 
 
 class MathTirEnv(Environment):
