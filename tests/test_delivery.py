@@ -3,9 +3,11 @@ real control routes, WeightUpdater and gloo receive, announced in a run director
 themselves. The invariant: while a version is published and no newer one comes, every announced server that
 answers reaches it (a late joiner, a restart on older weights), with no further publish."""
 
+import asyncio
 import logging
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -374,3 +376,45 @@ def test_the_wait_line_comes_every_period_from_the_start_while_a_round_is_stuck(
         d.close(wait_s=2.0)
         hung.release.set()
         hung.stop()
+
+
+def test_a_server_stuck_joining_the_group_is_set_aside_and_the_other_gets_the_version(tmp_path, fast_retries):
+    """Forming the group has its deadline too: a server announced late whose join never completes (until the test
+    lets it) costs the other server one deadline, not the group's 60 s timeout."""
+    trainer = Trainer()
+    live, joiner = Server(trainer.wire()), Server(trainer.wire())
+    publish_server(tmp_path, "127.0.0.1", live.port)
+    publication = Publication()
+    d = _delivery(tmp_path, publication, timeout_s=60.0,
+                  deadline=DeadlineRule(factor=3.0, margin_s=0.5, floor_s=1.0, ceiling_s=60.0))
+    let_go = threading.Event()
+    real_join = joiner.engine.join_group
+
+    async def stuck_join(req, staging):
+        await asyncio.to_thread(let_go.wait, 60)
+        return await real_join(req, staging)
+
+    joiner.engine.join_group = stuck_join
+    try:
+        for version in (1, 2):  # measured: forming the group and a round
+            trainer.step(lr=1e-5)
+            _publish(publication, version, trainer)
+            _wait_until(f"the live server at version {version}", lambda v=version: live.updater.version == v)
+        publish_server(tmp_path, "127.0.0.1", joiner.port)
+        _wait_until("the joiner asked its version", lambda: joiner.url in d.servers
+                    and d.servers[joiner.url].version == 0)
+        trainer.step(lr=1e-5)  # meanwhile a group is being formed for the joiner (behind version 2), stuck
+        _publish(publication, 3, trainer)
+        _wait_until("the live server at version 3", lambda: live.updater.version == 3, bound_s=10.0)
+        assert joiner.updater.busy and joiner.updater.version == 0
+        assert any("connect missed its deadline" in r.error and joiner.url in r.error for r in d.reports())
+        let_go.set()  # its join fails (that group was abandoned) and it answers again
+        _wait_until("the joiner at version 3", lambda: joiner.updater.version == 3)  # no publish since
+        for s in (live, joiner):
+            assert_serving(s, trainer.wire())
+        assert d.failure is None
+    finally:
+        d.close()
+        let_go.set()
+        for s in (live, joiner):
+            s.stop()

@@ -305,8 +305,9 @@ class Delivery:
             for url, reply in took.items():
                 self._took(url, reply)
         self._report(DeliveryReport(snap.version, tuple(members), False, total_s, error=str(err)[:500]))
-        log.warning("weight delivery of version %d: %s; %s", snap.version, err,
-                    f"set aside {', '.join(err.late)}, going on without" if err.late else "retrying")
+        log.warning("weight delivery of version %d: %s; %s%s", snap.version, err,
+                    f"set aside {', '.join(err.late)}, going on without" if err.late else "retrying",
+                    f" ({', '.join(took)} took the version before the round was abandoned)" if took else "")
 
     def _took(self, url: str, reply: dict) -> None:
         """Under the lock: `url` acknowledged a version (its reply)."""
