@@ -347,6 +347,24 @@ def test_control_routes_need_the_token(server):
     assert (server["run_dir"] / "auth_token").stat().st_mode & 0o777 == 0o600
 
 
+def test_bodies_too_deep_or_too_large_are_refused_and_the_connection_serves_on(server):
+    """Through vLLM's own app and middleware (tests/test_inference_hold.py has every case on the routes alone): a
+    nested body was a 500 and a reset connection, a 10 MB hold body was read whole and taken."""
+    cases = [("/hold", b"[" * 60_000, 400, "nested deeper than"),
+             ("/request_weight_update", b"[" * 100_000, 400, "nested deeper than"),
+             ("/hold", b'{"seconds": 1, "pad": "' + b"x" * (10 << 20) + b'"}', 413, "request body too large"),
+             ("/hold", b'{"seconds": 1e308}', 400, "at most 600 (inference.max_hold_s)")]
+    with httpx.Client(base_url=server["url"], timeout=HTTP_TIMEOUT_S) as client:
+        port = client.get("/health").extensions["network_stream"].get_extra_info("client_addr")[1]
+        for route, body, status, says in cases:
+            resp = client.post(route, content=body, headers=_auth(server))
+            assert resp.status_code == status and says in resp.json()["error"], (route, body[:30], resp.text[:300])
+            health = client.get("/health")
+            assert health.status_code == 200, (route, body[:30])
+            assert health.extensions["network_stream"].get_extra_info("client_addr")[1] == port, (route, body[:30])
+        assert client.get("/status").json()["held_s"] == 0.0
+
+
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, models, broadcaster):
     url, headers = server["url"], _auth(server)
     before = httpx.get(url + "/status", timeout=HTTP_TIMEOUT_S).json()["version"]

@@ -110,8 +110,8 @@ async def read_json_body(request: Request, max_bytes: int) -> dict:
     Content-Length before it is read; without one, as soon as the stream passes the cap: uvicorn discards the
     rest, so the connection stays usable), 400 for malformed JSON, NaN or an infinite number, nesting deeper
     than MAX_DEPTH, or a body that is not an object."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
+    declared = request.headers.get("content-length", "").lstrip("0")
+    if declared.isdigit() and (len(declared) > len(str(max_bytes)) or int(declared) > max_bytes):
         raise _too_large(max_bytes)
     raw, size = [], 0
     async for chunk in request.stream():
