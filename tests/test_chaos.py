@@ -11,11 +11,18 @@ one step; retention keeps the last 2, which rotates checkpoints away while resta
 
 import importlib.util
 import json
+import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from helpers import worker_port
+
+from pipelinerl.rundir import list_servers
 
 pytestmark = pytest.mark.slow  # one `pipelinerl run` with 4 restarts (2 servers, the trainer, the actor): ~5 min
 
@@ -124,3 +131,89 @@ def test_a_killed_reward_server_is_restarted_and_every_sample_trained_once(tmp_p
             for row in group.to_pylist()]
     assert rows and all(0.0 < row["reward"] < 1.0 for row in rows)  # a probability, not the check's 0 or 1
     assert all(json.loads(row["metadata"])["verified_reward"] in (0.0, 1.0) for row in rows)
+
+
+def _versions(run_dir: Path, ports: list[int]) -> list[int | None]:
+    """Each server's /status version (None: no answer within 2 s, or not announced)."""
+    urls = list_servers(run_dir)
+    out = []
+    for port in ports:
+        url = next((u for u in urls if u.endswith(f":{port}")), None)
+        try:
+            out.append(httpx.get(f"{url}/status", timeout=2.0).json()["version"] if url else None)
+        except (httpx.HTTPError, ValueError):
+            out.append(None)
+    return out
+
+
+class _Throttle:
+    """A server kept slow, not stopped: its process group SIGSTOPped and SIGCONTed on a duty cycle (running
+    `on_s` of every `period_s`), from a thread of the test, until stop()."""
+
+    def __init__(self, pgid: int, on_s: float = 0.1, period_s: float = 1.0):
+        self.pgid, self.on_s, self.period_s, self.done = pgid, on_s, period_s, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            os.killpg(self.pgid, signal.SIGCONT)
+            self.done.wait(self.on_s)
+            os.killpg(self.pgid, signal.SIGSTOP)
+            self.done.wait(self.period_s - self.on_s)
+        os.killpg(self.pgid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=10)
+
+
+def test_a_stopped_then_a_throttled_server_costs_its_healthy_peer_seconds_and_catches_up(tmp_path, tiny_model_dir):
+    """Two servers; server1's process group is SIGSTOPped right after trainer step 4 is logged, with the launcher's
+    health deadline at 600 s so that only the delivery's round deadline (weights/deadline.py) can free server0:
+    server0 keeps getting versions and the trainer steps on. Then server1 is SIGCONTed and catches up to the
+    newest version, then it runs throttled (10% duty cycle) while the trainer steps on again. Every sample is
+    trained exactly once. Each phase ends on a condition (steps made, versions reached), bounded."""
+    port = worker_port(19660)
+    overrides = [f"model.path={tiny_model_dir}", "model.build_tiny_if_missing=false", "trainer.max_steps=40",
+                 "trainer.samples_per_step=32", "trainer.warmup_steps=0", "actor.max_lag=2",
+                 "actor.eval_every_steps=0", "checkpoints.every_steps=10", "inference.max_model_len=64",
+                 "inference.num_servers=2", "launch.server_health_timeout_s=600", "trainer.wait_log_s=5",
+                 "streams.segment_max_seconds=0.5", f"inference.base_port={port}",
+                 f"trainer.broadcast_port={port + 40}"]
+    run = chaos.Chaos(str(REPO / "configs" / "tiny_cpu.yaml"), overrides, tmp_path / "run", max_restarts=1)
+    ports = [port, port + 1]
+    run.start()
+    throttle = None
+    try:
+        assert run._wait("trainer step 4, both servers up", lambda: run.healed() and run.last_step() >= 4, 900)
+        pgid = chaos.role_leaders(run.cfg)["server1"]
+        os.killpg(pgid, signal.SIGSTOP)
+        stopped_at, stopped_step = time.time(), run.last_step()
+        assert run._wait("8 trainer steps with server1 stopped", lambda: run.last_step() >= stopped_step + 8, 300)
+        stopped_for = time.time() - stopped_at
+        healthy, silent = _versions(run.run_dir, ports)
+        assert silent is None and healthy is not None and healthy >= stopped_step + 6, (healthy, stopped_step)
+        os.killpg(pgid, signal.SIGCONT)
+        assert run._wait("server1 caught up", lambda: (v := _versions(run.run_dir, ports))[1] is not None
+                         and v[1] >= stopped_step + 8, 120)
+        throttle, throttled_step = _Throttle(pgid), run.last_step()
+        assert run._wait("6 trainer steps with server1 throttled", lambda: run.last_step() >= throttled_step + 6, 300)
+        throttle.stop()
+    except BaseException:
+        if throttle is not None:
+            throttle.stop()
+        run.finish(0)
+        raise
+    code = run.finish(900)
+    launcher = (run.run_dir / "logs" / "launcher.log").read_text()
+    steps = [t for t, n in chaos.log_events(run.trainer_log, chaos.STEP_LINE)]
+    stall = max(b - a for a, b in zip(steps, steps[1:]) if b > stopped_at)
+    print(f"server1 stopped at step {stopped_step}: 8 steps in {stopped_for:.1f} s; longest wait for a step after "
+          f"the stop {stall:.1f} s; median step {run.step_time_s():.2f} s")
+    assert code == 0, launcher[-3000:]
+    assert "has not answered /health" not in launcher  # no health kill: the delivery's deadline did it
+    ok, verdict = chaos.exactly_once(run.run_dir)
+    assert ok, verdict
+    trainer = run.trainer_log.read_text()
+    assert "missed its deadline" in trainer and "set aside" in trainer

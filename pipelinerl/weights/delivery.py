@@ -68,9 +68,11 @@ class ServerState:
     failing_since: float | None = None  # monotonic time of the first failure of the streak
     last_error: str = ""
     retry_at: float = 0.0  # monotonic: no attempt before
+    last_version: int | None = None  # the version it last reported, kept while `version` is to be asked again
 
     def describe(self, now: float) -> str:
-        at = "version unknown" if self.version is None else f"at version {self.version}"
+        at = (f"at version {self.version}" if self.version is not None else "version unknown" if
+              self.last_version is None else f"at version {self.last_version} when it last answered")
         retry = f", retry in {self.retry_at - now:.0f} s" if self.retry_at > now else ""
         err = f", {self.failures} failed attempt(s), last: {self.last_error[:200]}" if self.failures else ""
         return f"{self.url} {at}{retry}{err}"
@@ -336,6 +338,7 @@ class Delivery:
                 if s is None:
                     continue
                 s.failures += 1
+                s.last_version = s.version if s.version is not None else s.last_version
                 s.version = None  # ask again before the next round: it may have resumed on any version
                 if version is not None:
                     s.failed_versions.add(version)
