@@ -195,11 +195,13 @@ def test_a_stopped_then_a_throttled_server_costs_its_healthy_peer_seconds_and_ca
         healthy, silent = _versions(run.run_dir, ports)
         assert silent is None and healthy is not None and healthy >= stopped_step + 6, (healthy, stopped_step)
         os.killpg(pgid, signal.SIGCONT)
+        resumed_at = time.time()
         assert run._wait("server1 caught up", lambda: (v := _versions(run.run_dir, ports))[1] is not None
                          and v[1] >= stopped_step + 8, 120)
-        throttle, throttled_step = _Throttle(pgid), run.last_step()
+        throttle, throttled_step, throttled_at = _Throttle(pgid), run.last_step(), time.time()
         assert run._wait("6 trainer steps with server1 throttled", lambda: run.last_step() >= throttled_step + 6, 300)
         throttle.stop()
+        unthrottled_at = time.time()
     except BaseException:
         if throttle is not None:
             throttle.stop()
@@ -207,11 +209,13 @@ def test_a_stopped_then_a_throttled_server_costs_its_healthy_peer_seconds_and_ca
         raise
     code = run.finish(900)
     launcher = (run.run_dir / "logs" / "launcher.log").read_text()
-    steps = [t for t, n in chaos.log_events(run.trainer_log, chaos.STEP_LINE)]
-    stall = max(b - a for a, b in zip(steps, steps[1:]) if b > stopped_at)
-    print(f"server1 stopped at step {stopped_step}: 8 steps in {stopped_for:.1f} s; longest wait for a step after "
-          f"the stop {stall:.1f} s; median step {run.step_time_s():.2f} s")
+    steps = [stopped_at, *(t for t, n in chaos.log_events(run.trainer_log, chaos.STEP_LINE) if t > stopped_at)]
+    stall = max(b - a for a, b in zip(steps, steps[1:]) if a < resumed_at)
+    slow = max((b - a for a, b in zip(steps, steps[1:]) if throttled_at < b and a < unthrottled_at), default=0.0)
+    print(f"server1 stopped at step {stopped_step}: 8 steps in {stopped_for:.1f} s, the longest wait for a step "
+          f"{stall:.1f} s; throttled: the longest wait {slow:.1f} s; median step {run.step_time_s():.2f} s")
     assert code == 0, launcher[-3000:]
+    assert stall < 60, stall  # before: no step from the stop until the health watch's kill (60 s by default)
     assert "has not answered /health" not in launcher  # no health kill: the delivery's deadline did it
     ok, verdict = chaos.exactly_once(run.run_dir)
     assert ok, verdict
