@@ -5,6 +5,7 @@ answers reaches it (a late joiner, a restart on older weights), with no further 
 
 import asyncio
 import logging
+import socket
 import subprocess
 import sys
 import threading
@@ -418,3 +419,35 @@ def test_a_server_stuck_joining_the_group_is_set_aside_and_the_other_gets_the_ve
         let_go.set()
         for s in (live, joiner):
             s.stop()
+
+
+def test_a_server_that_accepts_connections_and_never_answers_delays_no_version_of_the_others(tmp_path):
+    """What a SIGSTOPped server looks like over HTTP: a socket that listens and never answers. Announced beside a
+    live server, with the evaluation delivery's `held` probe and the trainer's 30 s control timeout, it is asked
+    its version on a thread of its own and never probed for a hold while its version is unknown: the live server
+    gets each version at once (before, each /status read of it held the delivery thread for 30 s)."""
+    trainer = Trainer()
+    live = Server(trainer.wire())
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # the kernel completes every connect; nothing ever reads or answers
+    for port in (live.port, silent.getsockname()[1]):
+        publish_server(tmp_path, "127.0.0.1", port)
+    control = ControlClient(TOKEN, 30.0)
+    sender = WeightBroadcaster([], "gloo", "127.0.0.1", free_port(worker_port(18960)), 60.0, bucket_bytes=2048,
+                               token=TOKEN, delta=True)
+    publication = Publication()
+    d = Delivery(publication, lambda: server_roster(tmp_path), sender, control,
+                 held=lambda urls: held_servers(control, urls)).start()
+    try:
+        for version in (1, 2, 3):
+            trainer.step(lr=1e-5)
+            _publish(publication, version, trainer)
+            _wait_until(f"the live server at version {version}", lambda v=version: live.updater.version == v,
+                        bound_s=10.0)
+        assert_serving(live, trainer.wire())
+        assert d.servers[f"http://127.0.0.1:{silent.getsockname()[1]}"].version is None
+    finally:
+        d.close()
+        live.stop()
+        silent.close()

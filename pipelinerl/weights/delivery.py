@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 RETRY_FIRST_S = 1.0  # backoff after a server's first failure; doubled per further failure
 RETRY_MAX_S = 30.0
 POLL_S = 0.5  # the roster (RUN_DIR/servers) is read at least this often while nothing is to be delivered
+HELD_STATUS_S = 5.0  # held_servers: a stopped evaluation server costs the others this once, then it is set aside
 WAIT_LOG_POLL_S = 0.1  # how often the wait-log thread looks (a line is at most this late on its period)
 
 
@@ -209,15 +210,18 @@ class Delivery:
             return False
         self._refresh_roster()
         self._ask_versions()
-        held = self.held(sorted(self.servers)) if self.held is not None else set()
         with self.publication.lease() as snap:
             if snap is None:
                 return False
             now = time.monotonic()
             with self._lock:
+                due = sorted(u for u, s in self.servers.items() if s.version is not None
+                             and s.version != snap.version and s.retry_at <= now)
+            # Only those due are asked: a server set aside (its version unknown) is never waited for here.
+            held = self.held(due) if self.held is not None and due else set()
+            with self._lock:
                 self._held = held
-                behind = sorted(u for u, s in self.servers.items() if s.version is not None
-                                and s.version != snap.version and s.retry_at <= now and u not in held)
+            behind = [u for u in due if u not in held]
             if not behind or self._stop.is_set():
                 return False
             self._deliver(snap, behind)
@@ -364,12 +368,13 @@ class Delivery:
 
 
 def held_servers(control: ControlClient, urls: list[str]) -> set[str]:
-    """Those of `urls` held for an evaluation (their /status says so); one that does not answer is not held (its
-    delivery then fails and is retried like any other). The `held` callback of the evaluation servers' Delivery."""
+    """Those of `urls` held for an evaluation (their /status says so); one that does not answer within
+    HELD_STATUS_S is not held (its round then misses its deadline or fails, and it is set aside like any other).
+    The `held` callback of the evaluation servers' Delivery."""
 
     def held(url: str) -> bool:
         try:
-            return control.status(url).held_s > 0
+            return control.status(url, HELD_STATUS_S).held_s > 0
         except ControlError:
             return False
 
