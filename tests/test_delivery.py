@@ -21,7 +21,14 @@ from pipelinerl.config import ConfigError, load_config
 from pipelinerl.control import ControlClient
 from pipelinerl.launch.procs import free_port
 from pipelinerl.rundir import publish_server, server_file, server_roster
-from pipelinerl.weights import Delivery, DeliveryFailed, Publication, TensorMeta, WeightBroadcaster
+from pipelinerl.weights import (
+    Delivery,
+    DeliveryFailed,
+    Publication,
+    TensorMeta,
+    WeightBroadcaster,
+    WeightTransferError,
+)
 from pipelinerl.weights import delivery as delivery_module
 from pipelinerl.weights.deadline import DeadlineRule, PhaseDeadline
 from pipelinerl.weights.delivery import held_servers
@@ -30,8 +37,9 @@ BOUND_S = 30.0  # every wait below is on a condition, bounded by this
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _delivery(run_dir, publication, timeout_s: float = 4.0, deadline: DeadlineRule | None = None, **kw) -> Delivery:
-    sender = WeightBroadcaster([], "gloo", "127.0.0.1", free_port(worker_port(18960)), timeout_s, bucket_bytes=2048,
+def _delivery(run_dir, publication, timeout_s: float = 4.0, deadline: DeadlineRule | None = None,
+              bucket_bytes: int = 2048, **kw) -> Delivery:
+    sender = WeightBroadcaster([], "gloo", "127.0.0.1", free_port(worker_port(18960)), timeout_s, bucket_bytes,
                                token=TOKEN, delta=True, deadline=deadline)
     return Delivery(publication, lambda: server_roster(run_dir), sender, ControlClient(TOKEN, 5.0), **kw).start()
 
@@ -451,3 +459,57 @@ def test_a_server_that_accepts_connections_and_never_answers_delays_no_version_o
         d.close()
         live.stop()
         silent.close()
+
+
+def test_a_slow_server_that_answers_the_abandonment_is_set_aside_when_the_other_finished_in_time(
+        tmp_path, fast_retries):
+    """Slow, not stopped: from version 3 on one server's receive starts 20 s late, polling the trainer's abandon
+    flag meanwhile as a real receive does, so it answers the abandonment at once. Each round is one bucket (a
+    delta round, or a small model's), which the other receives within the deadline: the unfinished one is set
+    aside, or keeps the version if its bytes had arrived, and the live server gets each version within 10 s
+    (before: within the slow one's 20 s); once fast again the slow one catches up without a publish. (In a
+    round of many buckets the trainer paces every bucket to the slowest member, so nobody finishes: that round
+    is retried with the ceiling, at the slow member's pace: deadline.py.)"""
+    trainer = Trainer()
+    live, slow = Server(trainer.wire()), Server(trainer.wire())
+    crawling = threading.Event()
+    real_receive = slow.engine.receive
+
+    async def receive(req):
+        until = time.monotonic() + 20.0
+        while crawling.is_set() and time.monotonic() < until and not _abandoned(slow.engine.group):
+            await asyncio.sleep(0.05)
+        return await real_receive(req)  # fails at once on an abandoned group, as a real receive would
+
+    slow.engine.receive = receive
+    for s in (live, slow):
+        publish_server(tmp_path, "127.0.0.1", s.port)
+    publication = Publication()
+    d = _delivery(tmp_path, publication, timeout_s=60.0, bucket_bytes=1 << 20,
+                  deadline=DeadlineRule(factor=3.0, margin_s=0.5, floor_s=1.0, ceiling_s=60.0))
+    try:
+        for version in (1, 2, 3, 4, 5):
+            if version == 3:
+                crawling.set()
+            trainer.step(lr=1e-5)
+            _publish(publication, version, trainer)
+            _wait_until(f"the live server at version {version}", lambda v=version: live.updater.version == v,
+                        bound_s=10.0)
+        assert any("unfinished while" in r.error and slow.url in r.error for r in d.reports() if not r.ok)
+        crawling.clear()
+        _wait_until("the slow server at version 5", lambda: slow.updater.version == 5)  # no publish since
+        for s in (live, slow):
+            assert_serving(s, trainer.wire())
+        assert d.failure is None
+    finally:
+        d.close()
+        for s in (live, slow):
+            s.stop()
+
+
+def _abandoned(group) -> bool:
+    try:
+        group.check_abandoned()
+    except WeightTransferError:
+        return True
+    return False

@@ -109,7 +109,8 @@ class TrainerConfig:
              "must end within factor x the median of the last 8 successful ones (a round's scaled up to its own "
              "bytes) + delivery_deadline_margin_s, clamped to [delivery_deadline_floor_s, "
              "delivery_deadline_ceiling_s]; at the deadline the round is abandoned, a member still silent "
-             "3 s later is set aside (backed off, re-joins once its /status answers) and the others go on at once")
+             "3 s later, or else unfinished while another had finished, is set aside (backed off, re-joins once "
+             "its /status answers) and the others go on at once")
     delivery_deadline_margin_s: float = doc(2.0, "see delivery_deadline_factor: added to the scaled median",
                                             unit="s")
     delivery_deadline_floor_s: float = doc(3.0, "see delivery_deadline_factor: the shortest deadline (load "

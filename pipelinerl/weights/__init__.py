@@ -5,6 +5,7 @@ collective.py the private process group both sides join, and deadline-bounded wa
 publish.py    the trainer's published versions in host memory (rank 0): Publication
 delivery.py   the thread that brings every announced server to the newest published version: Delivery
 sender.py     one weight-update group and its rounds (rank 0): WeightBroadcaster, the transport Delivery drives
+replies.py    the servers' pending HTTP replies of one round, beside the collective (rank 0)
 deadline.py   how long forming the group and a round may take, and who was late (straggler isolation)
 receiver.py   the server's side: receive_staged
 shared.py     a tensor-parallel server's staging, received once and shared by its workers through /dev/shm

@@ -12,10 +12,13 @@ of the recent successful ones:
 delta rounds moves more bytes; a smaller round keeps the measured time, mostly fixed costs). With no history
 yet, or right after a phase that missed its deadline with no member late (the deadline was too short for a
 healthy group), the ceiling applies. At the deadline the trainer abandons the round (collective.py's flag,
-which a member waiting in a collective sees within ABORT_POLL_S); a member that has not answered its request
-LATE_GRACE_S after that is late: delivery.py backs it off and re-forms the group with the others at once, and
-the late one re-joins once its /status answers again (from the weights it holds: dense, or a delta only when
-its base is the trainer's).
+which a member waiting in a collective sees within ABORT_POLL_S). Late: a member that has not answered its
+request LATE_GRACE_S after that (stopped); else one that had not finished while another had (slow, though
+alive: it answered the abandonment). delivery.py backs a late one off and re-forms the group with the others
+at once; it re-joins once its /status answers again (from the weights it holds: dense, or a delta only when its
+base is the trainer's). A member that is alive and slow in a round of many buckets is not told apart: the
+trainer sends bucket k + 2 only once bucket k reached everyone, so nobody finishes, every member answers,
+and the round is retried with the ceiling, at that member's pace.
 """
 
 from __future__ import annotations

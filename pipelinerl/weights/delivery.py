@@ -305,15 +305,16 @@ class Delivery:
     def _set_aside(self, snap: Snapshot, members: list[str], err: MembersLate, total_s: float) -> None:
         """A round missed its deadline: the late members back off like failed ones; the others go on at once,
         at the version they answered with (the round's, if it reached them before it was abandoned)."""
-        self._failed(err.late, snap.version, err)
         took = {url: r for url, r in err.answered.items() if isinstance(r, dict) and r.get("version") == snap.version}
+        aside = [url for url in err.late if url not in took]  # a late one whose bytes had all arrived took it
+        self._failed(aside, snap.version, err)
         with self._lock:
             for url, reply in took.items():
                 self._took(url, reply)
         self._report(DeliveryReport(snap.version, tuple(members), False, total_s, error=str(err)[:500]))
         log.warning("weight delivery of version %d: %s; %s%s", snap.version, err,
-                    f"set aside {', '.join(err.late)}, going on without" if err.late else "retrying",
-                    f" ({', '.join(took)} took the version before the round was abandoned)" if took else "")
+                    f"set aside {', '.join(aside)}, going on without" if aside else "retrying",
+                    f" ({', '.join(took)} took the version all the same)" if took else "")
 
     def _took(self, url: str, reply: dict) -> None:
         """Under the lock: `url` acknowledged a version (its reply)."""

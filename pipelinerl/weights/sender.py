@@ -7,7 +7,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import asdict
 from urllib.parse import urlparse
 
@@ -29,6 +28,7 @@ from pipelinerl.weights.collective import (
 )
 from pipelinerl.weights.deadline import LATE_GRACE_S, DeadlineRule, MembersLate, PhaseDeadline
 from pipelinerl.weights.delta import Delta, DeltaEncoder
+from pipelinerl.weights.replies import Replies
 from pipelinerl.weights.wire import (
     HTTP_MARGIN_S,
     InitRequest,
@@ -131,12 +131,17 @@ class WeightBroadcaster:
         if phase in self._deadlines:
             self._deadlines[phase].record(seconds, nbytes)
 
-    def _late(self, phase: str, posts: Replies, err: BaseException, limit_s: float) -> MembersLate:
-        """The phase, already abandoned, missed its deadline: which members are still silent LATE_GRACE_S on."""
-        late, answered = posts.silent_after(LATE_GRACE_S)
+    def _late(self, phase: str, posts: Replies, err: BaseException, limit_s: float, finished: set[str]) -> MembersLate:
+        """The phase missed its deadline and was abandoned; `finished`: the members that had replied by then. Late:
+        those still silent LATE_GRACE_S on (stopped); if none, those unfinished while others had finished (slow,
+        though alive: they answered the abandonment); if none, nobody (the deadline was short: widened)."""
+        silent, answered = posts.silent_after(LATE_GRACE_S)
+        unfinished = [url for url in posts.futures if url not in finished] if finished else []
+        late = silent or unfinished
         if not late and phase in self._deadlines:
             self._deadlines[phase].widen()
-        who = (f"{', '.join(late)} still silent {LATE_GRACE_S:.0f} s after it was abandoned" if late else
+        who = (f"{', '.join(silent)} still silent {LATE_GRACE_S:.0f} s after it was abandoned" if silent else
+               f"{', '.join(unfinished)} unfinished while {', '.join(sorted(finished))} had finished" if late else
                "every member answered once it was abandoned: the next one gets the ceiling")
         return MembersLate(f"weight-update {phase} missed its deadline of {limit_s:.1f} s ({err}); {who}", late,
                            answered)
@@ -182,8 +187,8 @@ class WeightBroadcaster:
         except BaseException as err:
             given_up.set()
             abandon_open(self._store, req.group, f"the trainer gave up opening it: {err}")
-            if isinstance(err, TimeoutError):
-                raise self._late("connect", posts, err, limit_s) from err
+            if isinstance(err, TimeoutError):  # no member answers before the group opens: silence alone tells
+                raise self._late("connect", posts, err, limit_s, set()) from err
             raise
         posts.join(deadline)
         log.info("weight-update group open with %d server(s) (%s): %s", len(self.server_urls), req.group,
@@ -276,10 +281,11 @@ class WeightBroadcaster:
                            "the checksum tensor")
             replies, errors = posts.settle(replies_by)
         except BaseException as err:
+            finished = posts.done()  # before the members hear of the abandonment
             self._abandon(f"update {req.version} failed on the trainer: {err}")  # the members stop waiting
             self._buffers = [None, None]  # an abandoned send may still read them: the next round takes new ones
             if isinstance(err, TimeoutError):
-                raise self._late("round", posts, err, limit_s) from err
+                raise self._late("round", posts, err, limit_s, finished) from err
             raise
         if errors:
             if may_resend and all(err.body.get("group_ready") for err in errors.values()):
@@ -394,54 +400,6 @@ class UpdateRejectedByServers(WeightTransferError):
     def __init__(self, errors: dict[str, WeightTransferError]):
         super().__init__("; ".join(str(err) for err in errors.values()))
         self.errors = errors
-
-
-class Replies:
-    """The servers' pending replies to one request each (the HTTP side of a round, beside the collective)."""
-
-    def __init__(self, futures: dict[str, Future]):
-        self.futures = futures
-
-    def raise_failed(self, within_s: float = 0.0) -> None:
-        """A server that answered with an error has failed: stop waiting for it (the error names its URL).
-        A reply may arrive before this side's last collective completes (a receiver can finish before its
-        sender does): a success, or a rejection of the whole update by a server that kept its group
-        (wire.UpdateRejected): neither stops the round, settle() collects them. `within_s`: first wait up
-        to that long for some reply to fail."""
-        if within_s > 0:
-            wait(self.futures.values(), timeout=within_s, return_when=FIRST_EXCEPTION)
-        for fut in self.futures.values():
-            if fut.done() and (err := fut.exception()) is not None:
-                if not (isinstance(err, ControlError) and err.body.get("group_ready")):
-                    raise err
-
-    def settle(self, deadline: float) -> tuple[dict[str, dict], dict[str, WeightTransferError]]:
-        """Every server's reply or error; TimeoutError naming the first server still silent at `deadline`."""
-        replies, errors = {}, {}
-        for url, fut in self.futures.items():
-            try:
-                replies[url] = fut.result(timeout=max(deadline - time.monotonic(), 0.0))
-            except TimeoutError:
-                raise TimeoutError(f"timed out waiting for the reply of {url}") from None
-            except ControlError as err:
-                errors[url] = err
-        return replies, errors
-
-    def join(self, deadline: float) -> dict[str, dict]:
-        replies, errors = self.settle(deadline)
-        if errors:
-            raise next(iter(errors.values()))
-        return replies
-
-    def pending(self) -> str:
-        return ", ".join(url for url, fut in self.futures.items() if not fut.done()) or "the servers"
-
-    def silent_after(self, within_s: float) -> tuple[list[str], dict[str, dict | BaseException]]:
-        """Wait up to `within_s` for every reply; the servers still silent, and the others' replies or errors."""
-        wait(self.futures.values(), timeout=within_s)
-        silent = [url for url, fut in self.futures.items() if not fut.done()]
-        answered = {url: fut.exception() or fut.result() for url, fut in self.futures.items() if fut.done()}
-        return silent, answered
 
 
 def broadcast_address(configured: str | None, server_url: str) -> str:
