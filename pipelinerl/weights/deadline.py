@@ -2,8 +2,8 @@
 
 Every member of a weight-update group takes part in each collective, so one member that stops (SIGSTOP, a long
 GC pause, a swapping host) or crawls holds every other member on the old version for as long as the trainer
-waits: with the group's own timeout (inference.weight_update_timeout_s, 600 s), until the launcher's health
-watch kills it. Instead each phase (forming the group, one update round) gets a deadline from the measured time
+waits: the group's own timeout (inference.weight_update_timeout_s, 600 s), or until the launcher's health watch
+kills it. Instead each phase (forming the group, one update round) gets a deadline from the measured time
 of the recent successful ones:
 
     deadline = clamp(factor x median(recent times) + margin, floor, ceiling)
@@ -31,7 +31,7 @@ from pipelinerl.weights.wire import WeightTransferError
 
 RECENT = 8  # successful phases the median is over: a few versions, so it follows a change of update size
 # After abandoning a round, how long the members get to answer: a live member sees the flag within ABORT_POLL_S
-# (0.5 s), resumes generation and replies; about 1 s on the test machine's 2 loaded cores.
+# (0.5 s), resumes generation and replies; the rest is room for a loaded host.
 LATE_GRACE_S = 3.0
 
 
