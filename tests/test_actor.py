@@ -25,6 +25,7 @@ from helpers import worker_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelinerl.actor import Actor, Completion, ServerPool
+from pipelinerl.actor import client as client_module
 from pipelinerl.actor.client import CompletionsClient, _completion_logprobs, _parse_choice, _top_k
 from pipelinerl.config import load_config, save_config
 from pipelinerl.launch.local import wait_for_servers
@@ -123,6 +124,30 @@ def test_the_serving_version_is_the_oldest_and_a_silent_server_is_set_aside(tmp_
     assert client.pool.refresh() == ["http://h:1"]
     reports["h:1"] = None
     assert asyncio.run(serving()) == -1
+
+
+def test_a_server_that_never_answers_its_status_is_set_aside_soon_after_a_peer_answers(tmp_path, monkeypatch):
+    """h:2 is stopped (its /status never answers) beside a healthy h:1: the actor waits PEER_GRACE_S after h:1's
+    answer, not STATUS_TIMEOUT_S (here an hour), before it sets h:2 aside and serves h:1's version."""
+    _announce(tmp_path, 1, 2)
+    monkeypatch.setattr(client_module, "STATUS_TIMEOUT_S", 3600.0)
+    monkeypatch.setattr(client_module, "PEER_GRACE_S", 0.5)
+
+    async def status(request: httpx.Request) -> httpx.Response:
+        if request.url.netloc == b"h:2":
+            await asyncio.Event().wait()  # a stopped server: the connection is open, no answer ever comes
+        return httpx.Response(200, json=_status(7))
+
+    client = CompletionsClient(_config(tmp_path, Path("unused"), tmp_path / "actor.yaml").actor, str(tmp_path),
+                               reference=False)
+
+    async def serving() -> int:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(status)) as http:
+            return await asyncio.wait_for(client.serving_version(http), 120)  # old code: the hour-long timeout
+
+    assert asyncio.run(serving()) == 7
+    assert client.pool.refresh() == ["http://h:1"]
+    assert "after another server's" in client.pool.aside["http://h:2"][1]
 
 
 def _announce(run_dir: Path, *ports: int) -> None:

@@ -31,6 +31,7 @@ from pipelinerl.rundir import (
 log = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_S = 10.0  # serving_version's read of one server's /status; a server that misses it is set aside
+PEER_GRACE_S = 3.0  # ... and how long after another server answered (see serving_version)
 PROBE_EVERY_S = 5.0  # the watcher's period (at most; see CompletionsClient), also its probe's timeout
 # The client drops a connection idle for KEEPALIVE_S, well below the servers' keep-alive (vLLM's
 # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s). With httpx's default, also 5 s, a request could go out on a connection
@@ -302,20 +303,40 @@ class CompletionsClient:
         """The policy version every eligible policy server serves: the oldest one they report on /status
         (-1: none answered). A request goes to any of them, so only this version bounds the lag of its
         tokens; a server further behind takes no request and does not count. A server that does not answer
-        is set aside like one that failed a request (its requests in flight move to other servers)."""
-        async def one(url: str) -> None:
-            try:
-                status = await read_status(http, url, timeout_s=STATUS_TIMEOUT_S)
-            except ControlError as err:
-                log.warning("could not read the version of %s (set aside): %s", url, err)
-                self.pool.set_aside(url, f"GET /status failed: {err}")
-                return
-            if self.foreign(url, status.run):
-                return
-            self.pool.heard(url, status.version)
-
-        await asyncio.gather(*map(one, self.pool.refresh()))
+        is set aside like one that failed a request (its requests in flight move to other servers): within
+        STATUS_TIMEOUT_S, or PEER_GRACE_S after another server answered (a stopped server among healthy ones
+        would otherwise hold the version, and so the actor's lag bound, for the whole STATUS_TIMEOUT_S)."""
+        reads = {asyncio.ensure_future(read_status(http, url, timeout_s=STATUS_TIMEOUT_S)): url
+                 for url in self.pool.refresh()}
+        pending, grace_ends = set(reads), None
+        while pending:
+            left = None if grace_ends is None else max(0.0, grace_ends - time.monotonic())
+            done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                break
+            for read in done:
+                self._status_read(reads[read], read)
+            if grace_ends is None and any(not r.exception() for r in done):
+                grace_ends = time.monotonic() + PEER_GRACE_S
+        for read in pending:
+            read.cancel()
+            log.warning("%s did not answer GET /status %.0f s after another server did (set aside)", reads[read],
+                        PEER_GRACE_S)
+            self.pool.set_aside(reads[read], f"no answer to GET /status {PEER_GRACE_S:g} s after another server's")
         return min((self.pool.versions[u] for u in self.pool.eligible() if u in self.pool.versions), default=-1)
+
+    def _status_read(self, url: str, read: asyncio.Future) -> None:
+        """One server's /status read, done: its version heard, or the server set aside."""
+        err = read.exception()
+        if err is not None:
+            if not isinstance(err, ControlError):
+                raise err
+            log.warning("could not read the version of %s (set aside): %s", url, err)
+            self.pool.set_aside(url, f"GET /status failed: {err}")
+            return
+        status = read.result()
+        if not self.foreign(url, status.run):
+            self.pool.heard(url, status.version)
 
     def foreign(self, url: str, run: str) -> bool:
         """Whether the server at `url` reports another run than ours (then set aside, with an error: another run
