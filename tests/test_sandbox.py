@@ -403,15 +403,16 @@ def test_a_symlinked_directory_in_scratch_is_removed(tmp_path):
 RACE = r'''
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
-import confine
-clean_up = confine.kill_descendants
+import launcher
+import processes
+clean_up = processes.kill_descendants
 
 def sigterm_then_clean_up(*args, **kwargs):  # the caller's SIGTERM (output cap, close) lands in the clean-up
     os.kill(os.getpid(), signal.SIGTERM)
     return clean_up(*args, **kwargs)
 
-confine.kill_descendants = sigterm_then_clean_up
-sys.exit(confine.main(["confine.py", sys.argv[2], sys.argv[3]]))
+processes.kill_descendants = sigterm_then_clean_up
+sys.exit(launcher.main(["launcher.py", sys.argv[2], sys.argv[3]]))
 '''
 
 
@@ -427,7 +428,7 @@ def test_a_stop_during_the_clean_up_leaves_no_process(tmp_path):
     (work / "job.json").write_text(json.dumps(box._job(work, code, "B")))
     (work / "stdin").write_text("")
     status_r, status_w = os.pipe()
-    launcher = Path(__file__).resolve().parent.parent / "pipelinerl/envs/tools"
+    launcher = Path(__file__).resolve().parent.parent / "pipelinerl/envs/tools/confine"
     with open(tmp_path / "out", "w+") as out:  # a file, not a pipe: a survivor would hold a pipe open
         done = subprocess.run([box.python, "-I", "-B", "-c", RACE, str(launcher), str(work), str(status_w)],
                               stdout=out, stderr=subprocess.STDOUT, pass_fds=(status_w,), timeout=60, check=False)

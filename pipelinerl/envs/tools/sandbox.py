@@ -1,18 +1,18 @@
 """Run model-written Python code in a confined, resource-limited process: `PythonSandbox.run(code, stdin)`.
 
-Each run is a fresh `python -I` launcher (pipelinerl/envs/tools/confine.py) with an environment built from
+Each run is a fresh `python -I` launcher (pipelinerl/envs/tools/confine/) with an environment built from
 an allowlist, in a fresh work directory that is deleted afterwards; the launcher confines itself and
 forks the code's process. Nothing is forked from the caller (the actor has threads and may hold CUDA):
 asyncio's subprocess spawn execs at once. At most `pool_size` runs are in flight; more wait their turn,
 and their wall clock starts only when their launcher does.
 
-Confinement tiers (confine.py says what each does): A (namespaces), B (Landlock), C (rlimits + seccomp
+Confinement tiers (confine/launcher.py says what each does): A (namespaces), B (Landlock), C (rlimits + seccomp
 only, where file reads cannot be blocked: refused unless `allow_unconfined_fs`). The strongest tier that
 runs a trivial program on this machine is chosen at construction and logged once.
 
 Limits and who enforces them: wall clock (the launcher kills the code and everything it started; the
 caller kills the launcher `BACKSTOP_S` later if it has not reported), CPU seconds (the call's processes
-together, added up every confine.POLL_S by the launcher, which kills them all once over; RLIMIT_CPU
+together, added up every 0.05 s by the launcher, which kills them all once over; RLIMIT_CPU
 stops each process at the same number), memory (RLIMIT_AS per process: allocations fail, Python raises
 MemoryError; and the call's processes' proportional set sizes together, polled like CPU: over the limit,
 all are killed, "memory"), processes (RLIMIT_NPROC: tier A counts the code's processes alone, in its own
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import dataclasses
 import json
 import logging
@@ -45,12 +46,11 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from pipelinerl.envs.tools import confine
-
 log = logging.getLogger(__name__)
 
-LAUNCHER = Path(__file__).resolve().with_name("confine.py")
+LAUNCHER = Path(__file__).resolve().parent / "confine" / "launcher.py"
 TIERS = ("A", "B", "C")
+PR_SET_DUMPABLE = 4  # prctl(2)
 BACKSTOP_S = 5.0  # how long after its wall clock a launcher that has not reported is killed
 CHUNK = 1 << 16
 # The code's environment: nothing inherited (no tokens, no proxies, no CUDA devices). One thread per
@@ -129,7 +129,7 @@ class PythonSandbox:
         self._run_as = self.limits.run_as_uid_base if os.geteuid() == 0 else None  # the launcher's uids
         self._tier = self._choose_tier()
         if self._tier == "C":  # code of this uid could otherwise read our environ and write our memory
-            confine.libc.prctl(confine.PR_SET_DUMPABLE, 0, 0, 0, 0)
+            ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
         log.info("python sandbox: tier %s (%s), landlock ABI %d, pool of %d", self._tier, TIER_NAMES[self._tier],
                  self._probe["landlock_abi"], self.limits.pool_size)
 
