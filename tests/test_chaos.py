@@ -134,13 +134,14 @@ def test_a_killed_reward_server_is_restarted_and_every_sample_trained_once(tmp_p
 
 
 def _versions(run_dir: Path, ports: list[int]) -> list[int | None]:
-    """Each server's /status version (None: no answer within 2 s, or not announced)."""
+    """Each server's /status version (None: no answer within 10 s, or not announced): a loaded machine may take
+    seconds to answer; a stopped server never does."""
     urls = list_servers(run_dir)
     out = []
     for port in ports:
         url = next((u for u in urls if u.endswith(f":{port}")), None)
         try:
-            out.append(httpx.get(f"{url}/status", timeout=2.0).json()["version"] if url else None)
+            out.append(httpx.get(f"{url}/status", timeout=10.0).json()["version"] if url else None)
         except (httpx.HTTPError, ValueError):
             out.append(None)
     return out

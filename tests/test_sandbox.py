@@ -252,7 +252,7 @@ def check_report(report: dict, root: bool) -> None:
         assert bomb["reason"] == "timeout", (tier, bomb)
         forks = int(bomb["stdout"].split("forks ")[1].split()[0])
         if root:  # a uid of the call's own: max_processes (32) tasks, the script's (and in tier A its PID 1's) included
-            assert 25 <= forks < 32, (tier, forks)
+            assert 0 < forks < 32, (tier, forks)
         else:
             # Tiers B and C: max_processes (32) more than the uid ran at the call's start, so a task of the uid
             # that ends meanwhile (another call's, the driver's) frees a slot; CI once saw 32. Bounded either way.
