@@ -27,6 +27,23 @@ from pipelinerl.envs.tools import PythonSandbox, SandboxLimits
 REPO = Path(__file__).resolve().parent.parent
 SYSTEM_PYTHON = "/usr/bin/python3"  # nobody cannot reach root's interpreter (/root is 0700)
 
+SETSID_GRANDCHILD = """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(60)
+    os._exit(0)
+os.wait()
+"""  # a grandchild in a session of its own, sleeping; its parent gone
+WAIT_CHILDREN = """
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+print("children done")
+"""
 # Each hostile case: (code, wall clock "long" = 20 s or "short" = 3 s). {token}, {run_dir}, {driver_pid},
 # {tcp_port}, {udp_port} are filled in by the driver; every case first prints its working directory (its
 # scratch), which the driver uses to find survivors (their command lines name scratch/main.py).
@@ -52,25 +69,9 @@ print("env", sorted(os.environ))
             "long"),
     "udp": ("import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
             "s.sendto(b'leak', ('127.0.0.1', {udp_port}))\nprint('SENT')", "long"),
-    "setsid": ("""
-import os, time
-if os.fork() == 0:
-    os.setsid()
-    if os.fork() == 0:
-        time.sleep(60)
-    os._exit(0)
-os.wait()
-print("parent done")
-""", "long"),
+    "setsid": (SETSID_GRANDCHILD + 'print("parent done")', "long"),
     # a setsid grandchild, then the launcher killed (tier A: its PID 1, which ignores it) and the driver probed
-    "kill_launcher": ("""
-import os, time
-if os.fork() == 0:
-    os.setsid()
-    if os.fork() == 0:
-        time.sleep(60)
-    os._exit(0)
-os.wait()
+    "kill_launcher": (SETSID_GRANDCHILD + """
 for name, pid, sig in (("launcher", os.getppid(), 9), ("driver", {driver_pid}, 0)):
     try:
         os.kill(pid, sig)
@@ -87,13 +88,7 @@ for _ in range(3):
     if os.fork() == 0:
         while True:
             pass
-while True:
-    try:
-        os.wait()
-    except ChildProcessError:
-        break
-print("children done")
-""", "long"),
+""" + WAIT_CHILDREN, "long"),
     "memory_together": ("""
 import os, time
 for _ in range(4):
@@ -101,13 +96,7 @@ for _ in range(4):
         kept = b"x" * (200 << 20)
         time.sleep(60)
         os._exit(0)
-while True:
-    try:
-        os.wait()
-    except ChildProcessError:
-        break
-print("children done")
-""", "long"),
+""" + WAIT_CHILDREN, "long"),
 }
 # Run after the others, alone: under tiers B and C the processes of one uid share RLIMIT_NPROC.
 FORK_BOMB = ("""
@@ -423,8 +412,7 @@ def test_a_stop_during_the_clean_up_leaves_no_process(tmp_path):
     work = tmp_path / "work"
     for name in ("scratch", "root"):
         (work / name).mkdir(parents=True)
-    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n"
-            "    os._exit(0)\nos.wait()\nprint('parent done')")
+    code = SETSID_GRANDCHILD + "print('parent done')"
     (work / "job.json").write_text(json.dumps(box._job(work, code, "B")))
     (work / "stdin").write_text("")
     status_r, status_w = os.pipe()
