@@ -1,7 +1,7 @@
 """PipelineRL against Hugging Face TRL 1.16's GRPOTrainer on the job `make run` does, from one command:
 
     .venv/bin/python tools/bench_vs_trl.py [--seeds 3] [--steps 300] [--rows pipelinerl,conventional,trl,trl_vllm]
-        [--quick] [--out-dir runs/bench_vs_trl] [--summary PATH]
+        [--quick] [--budget-min M] [--out-dir runs/bench_vs_trl] [--summary PATH]
 
 The job is configs/tiny_cpu.yaml (--config): the tiny Qwen2 model at model.path (built and warm-started as
 `pipelinerl run` does when missing), 2-digit addition, G = 8 attempts per prompt, 256 samples per step,
@@ -24,13 +24,15 @@ baseline, a per-token sum over the step's sequences: ours), our lr schedule (pip
 lr_factor), AdamW with our betas, eps and weight decay, temperature 1, 6 new tokens, and the held-out
 evaluation by a TrainerCallback at the same cadence (tasks/warm_start.py's greedy_success, the one
 `pipelinerl run` reports before and after RL), its time counted in TRL's wall time. What cannot be matched
-is in UNMATCHED (printed and in the JSON).
+is in unmatched() (printed and in the JSON).
 
 Reported per run: samples/s (samples trained per second from the end of the first optimizer step to the end
 of the last), seconds to --target held-out success from launch and from the end of the first step (to the
 end of the step whose version first evaluated at or above it), launch to the last step, launch to the first
 step, and the held-out curve; per row the median and the range (min-max) over the seeds. One markdown table
-is printed; everything is in <out-dir>/results.json (rewritten after each run).
+is printed; everything is in <out-dir>/results.json, the table in table.md (both rewritten after each run).
+--budget-min skips the runs that would end past it (a row's next run is expected to take as long as its
+longest so far): the cheap TRL rows then still get every seed.
 """
 
 from __future__ import annotations
@@ -59,26 +61,33 @@ ROWS = {"pipelinerl": "PipelineRL `pipelinerl run`", "conventional": "PipelineRL
         "trl": "TRL GRPOTrainer, transformers generation", "trl_vllm": "TRL GRPOTrainer, vLLM-CPU colocate"}
 CONVENTIONAL_G = 4  # optimizer steps per generated batch in the conventional row (configs/tiny_cpu_conventional.yaml)
 TRL_TIMEOUT_S = 3600  # one TRL run (300 steps take ~1-2 minutes here)
-UNMATCHED = [
-    "asynchrony: PipelineRL trains on samples up to actor.max_lag = 4 versions old (importance ratio "
-    "exp(new - behaviour) on every token), TRL generates each step's batch with the current weights; the "
-    "conventional row trains each batch over 4 steps (lags 0-3)",
-    "packing: PipelineRL packs samples into micro-batches of trainer.micro_batch_tokens = 512 tokens with a "
-    "block-diagonal mask; TRL pads the step's 256 samples into one batch (per_device_train_batch_size = 256)",
-    "loss scale: TRL's dr_grpo divides the per-token sum by samples x max_completion_length (6), ours by "
-    "samples; Adam's update does not see the factor, but the gradient clip does, so TRL clips at "
-    "grad_clip / 6 (the same clip on the same gradient)",
-    "optimizer and engine: PipelineRL trains with DeepSpeed ZeRO-2 (its AdamW) in a process of its own and "
-    "samples from a vLLM-CPU server over HTTP, weights sent over gloo; TRL trains with plain torch AdamW "
-    "(Hugging Face Trainer) and samples in the same process",
-    "threads: each PipelineRL role runs with launch.torch_threads = 1 (server, trainer, actor side by side "
-    "on the 2 cores); TRL's one process uses torch's default (all cores), its vLLM engine unbound "
-    "(VLLM_CPU_OMP_THREADS_BIND=nobind)",
-    "evaluation: PipelineRL's held-out greedy evaluation runs on its vLLM server beside training; TRL's runs "
-    "in the callback with transformers' greedy decoding (the same prompts and grader), training paused",
-    "vLLM importance sampling: TRL-with-vLLM keeps its default correction between vLLM's and the trainer's "
-    "log-probs (sequence_mask, cap 3); ours weighs every token by exp(new - behaviour) uncapped",
-]
+def unmatched(cfg) -> list[str]:
+    """What the TRL rows cannot match of the job (printed under the table and kept in the JSON)."""
+    return [
+        f"asynchrony: PipelineRL trains on samples up to actor.max_lag = {cfg.actor.max_lag} versions old (importance "
+        "ratio exp(new - behaviour) on every token), TRL generates each step's batch with the current weights; the "
+        f"conventional row trains each batch over {CONVENTIONAL_G} steps (lags 0-{CONVENTIONAL_G - 1})",
+        f"packing: PipelineRL packs samples into micro-batches of trainer.micro_batch_tokens = "
+        f"{cfg.trainer.micro_batch_tokens} tokens with a block-diagonal mask; TRL pads the step's "
+        f"{cfg.trainer.samples_per_step} samples into one batch (per_device_train_batch_size)",
+        f"loss scale: TRL's dr_grpo divides the per-token sum by samples x max_completion_length "
+        f"({cfg.actor.sampling.max_new_tokens}), ours by samples; Adam's update does not see the factor, but the "
+        "gradient clip does, so TRL clips at trainer.grad_clip / max_completion_length (the same clip of the same "
+        "gradient)",
+        f"optimizer and engine: PipelineRL trains with DeepSpeed ZeRO-{cfg.trainer.zero_stage} (its AdamW) in a "
+        "process of its own and samples from a vLLM-CPU server over HTTP, weights sent over gloo; TRL trains with "
+        "torch's AdamW (Hugging Face Trainer) and samples in the same process",
+        f"threads: each PipelineRL role runs with launch.torch_threads = {cfg.launch.torch_threads} (server, "
+        "trainer, actor side by side); TRL's one process uses torch's default (every core), its vLLM engine "
+        "unbound (VLLM_CPU_OMP_THREADS_BIND=nobind)",
+        "evaluation: PipelineRL's held-out greedy evaluation runs on its vLLM server beside training; TRL's runs "
+        "in the callback with transformers' greedy decoding (the same prompts and grader), training paused",
+        "vLLM importance sampling: TRL-with-vLLM keeps its default correction between vLLM's and the trainer's "
+        "log-probs (sequence_mask, cap 3); ours weighs every token by exp(new - behaviour) uncapped",
+        "TRL-with-vLLM's weight sync: TRL 1.16 supports vLLM <= 0.31; on this vLLM 0.32 CPU build its colocate "
+        "sync fails (AttributeError: 'Parameter' object has no attribute 'weight_loader'), so the bench loads "
+        "the weights inside vLLM's layerwise reload instead (patch_colocate_sync)",
+    ]
 
 Scalar = namedtuple("Scalar", "step value")  # what bpc._time_to_target reads of an eval point
 
@@ -166,6 +175,8 @@ def trl_worker(config: Path, row: str, seed: int, steps: int, out_dir: Path) -> 
                 self.evaluate(state.global_step, model)
 
     if row == "trl_vllm":
+        if cfg.inference.cpu_kv_cache_gb is not None:  # as our server's (vllm_glue/serving.py)
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.inference.cpu_kv_cache_gb))
         patch_colocate_sync()
     t = cfg.trainer
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), eps=t.adam_eps,
@@ -212,7 +223,7 @@ def trl_config(GRPOConfig, cfg, row: str, seed: int, steps: int, out_dir: Path):
         num_generations=a.attempts, max_completion_length=a.sampling.max_new_tokens,
         temperature=a.sampling.temperature, top_p=1.0, top_k=0,
         loss_type="dr_grpo", scale_rewards="none", beta=0.0, num_iterations=1,
-        max_grad_norm=t.grad_clip / a.sampling.max_new_tokens,  # see UNMATCHED: dr_grpo's loss is /6 ours
+        max_grad_norm=t.grad_clip / a.sampling.max_new_tokens,  # dr_grpo's loss is ours / it: unmatched()
         **vllm)
 
 
@@ -289,14 +300,14 @@ def cell(s: dict | None, fmt: str = "{:.0f}", seeds: int = 0) -> str:
     return text + (f", {s['n']}/{seeds} seeds" if seeds and s["n"] < seeds else "")
 
 
-def render(agg: dict[str, dict], target: float, host: str) -> str:
+def render(agg: dict[str, dict], target: float, host: str, notes: list[str]) -> str:
     """The markdown table (median (min-max) over the seeds), the median held-out curves, what is not matched."""
     lines = [host, "", f"| run | seeds | samples/s | s to {target} held-out from launch | from the first step | "
              "launch to first step (s) | launch to last step (s) | final held-out |", "|---" * 8 + "|"]
     for row, a in agg.items():
         if not a["seeds"]:
-            why = a["failed"][0].strip().splitlines()[-1][:200] if a["failed"] else "-"
-            lines.append(f"| {ROWS[row]} | 0 | could not run: {why} | | | | | |")
+            why = "could not run: " + a["failed"][0].strip().splitlines()[-1][:200] if a["failed"] else "not run"
+            lines.append(f"| {ROWS[row]} | 0 | {why} | | | | | |")
             continue
         n = a["seeds"]
         lines.append(f"| {ROWS[row]} | {n} | {cell(a['samples_per_s'])} | {cell(a['to_target_from_launch_s'], seeds=n)}"
@@ -308,7 +319,7 @@ def render(agg: dict[str, dict], target: float, host: str) -> str:
     for row, a in agg.items():
         lines.append(f"| {row} | " + " | ".join(f"{a['curve_median'][s]:.2f}" if s in a["curve_median"] else ""
                                                for s in steps) + " |")
-    lines += ["", "Not matched:", *[f"- {u}" for u in UNMATCHED]]
+    lines += ["", "Not matched:", *[f"- {u}" for u in notes]]
     return "\n".join(lines) + "\n"
 
 
@@ -350,6 +361,13 @@ def one_run(args, cfg, row: str, seed: int) -> dict:
     return {"seed": seed, "record": record, "measures": m, "load_after": os.getloadavg()[0]}
 
 
+def write_results(out_dir: Path, results: dict, table: str) -> None:
+    """results.json and table.md, rewritten after every run: a bench stopped early keeps what it measured."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "table.md").write_text(table)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "tiny_cpu.yaml", help="the job (make run's)")
@@ -359,6 +377,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target", type=float, default=0.8, help="held-out greedy success to time")
     parser.add_argument("--quick", action="store_true", help="a smoke test: 1 seed, 20 steps")
     parser.add_argument("--out-dir", type=Path, default=REPO / "runs" / "bench_vs_trl")
+    parser.add_argument("--budget-min", type=float, default=None,
+                        help="start no run that would end past this many minutes (expected: its row's longest run)")
     parser.add_argument("--summary", type=Path, default=None, help="also write bench_all's rows here")
     parser.add_argument("--trl-worker", choices=["trl", "trl_vllm"], help=argparse.SUPPRESS)  # one TRL run
     args = parser.parse_args(argv)
@@ -387,19 +407,24 @@ def main(argv: list[str] | None = None) -> int:
     host = (f"Machine: {len(os.sched_getaffinity(0))} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
             f"load {os.getloadavg()[0]:.2f} at start; {args.config.name}, {args.steps} steps, {args.seeds} seed(s)")
     runs: dict[str, list[dict]] = {row: [] for row in rows}
+    longest: dict[str, float] = {}  # each row's longest run so far, seconds: what the budget expects of the next
+    start, agg = time.monotonic(), aggregate(runs)
+    table = render(agg, args.target, host, unmatched(cfg))
     for seed in range(args.seeds):  # seed by seed, so that a partial bench has every row
         for row in rows:
+            if args.budget_min and time.monotonic() - start + longest.get(row, 0.0) > 60 * args.budget_min:
+                print(f"{row}, seed {seed}: skipped, it would end past --budget-min {args.budget_min:g}", flush=True)
+                continue
+            began = time.monotonic()
             runs[row].append(one_run(args, cfg, row, seed))
+            longest[row] = max(longest.get(row, 0.0), time.monotonic() - began)
             agg = aggregate(runs)
-            results = {"machine": host, "steps": args.steps, "target": args.target, "unmatched": UNMATCHED,
-                       "aggregate": agg, "runs": runs}
-            args.out_dir.mkdir(parents=True, exist_ok=True)
-            (args.out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    table = render(agg, args.target, host + f", load {os.getloadavg()[0]:.2f} at the end")
+            table = render(agg, args.target, host + f", load {os.getloadavg()[0]:.2f} at the end", unmatched(cfg))
+            write_results(args.out_dir, {"machine": host, "steps": args.steps, "target": args.target,
+                                         "unmatched": unmatched(cfg), "aggregate": agg, "runs": runs}, table)
     print("\n" + table, end="")
-    (args.out_dir / "table.md").write_text(table)
     write_summary(summary, agg, args.target, args.summary)
-    print(f"\nwrote {args.out_dir / 'results.json'} and table.md")
+    print(f"\nwrote {args.out_dir / 'results.json'} and {args.out_dir / 'table.md'}")
     return 0 if all(a["seeds"] for a in agg.values()) else 1
 
 
