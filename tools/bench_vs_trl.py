@@ -310,7 +310,8 @@ def render(agg: dict[str, dict], target: float, host: str, notes: list[str]) -> 
              "launch to first step (s) | launch to last step (s) | final held-out |", "|---" * 8 + "|"]
     for row, a in agg.items():
         if not a["seeds"]:
-            why = "could not run: " + a["failed"][0].strip().splitlines()[-1][:200] if a["failed"] else "not run"
+            why = ("could not run: " + a["failed"][0].strip().splitlines()[0][:200].replace("|", "\\|")
+                   if a["failed"] else "not run")
             lines.append(f"| {ROWS[row]} | 0 | {why} | | | | | |")
             continue
         n = a["seeds"]
