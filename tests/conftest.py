@@ -178,7 +178,11 @@ def recompute_server(tiny_model_dir, tmp_path_factory):
 # Fixtures of the inference-server tests (tests/test_inference_*.py): each module defines its own
 # module-scoped `server` fixture ({"url", "run_dir", "token", "model"}); these resolve against it.
 GROUP_PORTS = iter(range(worker_port(18260), worker_port(18290)))  # one weight-update group port per connection
-GROUP_TIMEOUT_S = 6.0
+# A group's timeout bounds every wait of both sides of an update; the straddle tests freeze the engine core while
+# an update is sent, so it is generous (a loaded machine must never trip it). The stalled-update tests wait for one
+# to expire and form a group of their own with STALL_TIMEOUT_S.
+GROUP_TIMEOUT_S = 60.0
+STALL_TIMEOUT_S = 6.0
 
 
 @pytest.fixture(scope="module")
@@ -206,12 +210,12 @@ def broadcaster(server):
     b.close()
 
 
-def connect_broadcaster(server, delta: bool = False):
+def connect_broadcaster(server, delta: bool = False, timeout_s: float = GROUP_TIMEOUT_S):
     """A gloo weight-update group with the one test server, every update checksummed; `delta`: in delta
     mode (weights/delta.py), which encodes every tensor before it sends."""
     from pipelinerl.weights import WeightBroadcaster
 
-    b = WeightBroadcaster([server["url"]], "gloo", "127.0.0.1", next(GROUP_PORTS), GROUP_TIMEOUT_S,
+    b = WeightBroadcaster([server["url"]], "gloo", "127.0.0.1", next(GROUP_PORTS), timeout_s,
                           bucket_bytes=1 << 16, token=server["token"], checksum_every=1, delta=delta)
     b.connect()
     return b

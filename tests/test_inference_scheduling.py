@@ -14,7 +14,7 @@ import httpx
 import pytest
 from conftest import GROUP_TIMEOUT_S, connect_broadcaster
 from helpers import worker_port
-from test_inference_server import HTTP_TIMEOUT_S, _auth, _ids, _send, serve
+from test_inference_server import HTTP_TIMEOUT_S, _auth, _ids, _send, _until_claimed, serve
 
 from pipelinerl.control import ControlError
 from pipelinerl.weights import TensorMeta, dtype_name
@@ -31,23 +31,20 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 class Stream(threading.Thread):
-    """One streamed greedy request of `n` tokens (EOS ignored) at `priority`: `accepted` is set once the server
-    answered its headers (it then adds the request to the engine), `times[k]` is when chunk k arrived, `versions`
-    the tokens' policy versions (on the last chunk)."""
+    """One streamed greedy request of `n` tokens (EOS ignored) at `priority`: `times[k]` is when chunk k arrived,
+    `versions` the tokens' policy versions (on the last chunk)."""
 
     def __init__(self, server, ids: list[int], n: int, priority: int):
         super().__init__(daemon=True)
         self.body = {"model": server["model"], "prompt": ids, "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
                      "return_token_ids": True, "stream": True, "priority": priority}
         self.url, self.times, self.versions, self.error = server["url"] + "/v1/completions", [], [], None
-        self.accepted = threading.Event()
         self.start()
 
     def run(self) -> None:
         try:
             with httpx.stream("POST", self.url, json=self.body, timeout=HTTP_TIMEOUT_S) as resp:
                 resp.raise_for_status()
-                self.accepted.set()
                 for line in resp.iter_lines():
                     if line.startswith("data: {"):
                         self.times.append(time.monotonic())
@@ -92,34 +89,34 @@ class GatedUpdate(threading.Thread):
 
 
 def test_an_evaluation_request_queued_first_still_waits_for_a_training_request(server, models, broadcaster):
-    """One slot busy with a long training request, frozen by a weight update that waits for the test (GatedUpdate).
-    Meanwhile an evaluation request is accepted, and only then a training request; the update lands once both
-    are in. At the resume one slot is free and both wait for it: it goes by priority, to the training request that
-    arrived second, and the evaluation request starts only when one of the others ends (100 training tokens
-    later at the soonest). A round whose long request ended before the update paused it (it must straddle the
-    update to hold its slot) proves nothing and is run again (bounded)."""
+    """One slot busy with a long training request, frozen by a weight update that waits for the test (GatedUpdate)
+    and lands in it by construction (the engine held by its gate until the update is claimed). Meanwhile an
+    evaluation request is accepted, and only then a training request; the update completes once both are in. At
+    the resume one slot is free and both wait for it: it goes by priority, to the training request that arrived
+    second, and the evaluation request starts only when one of the others ends (100 training tokens later at the
+    soonest)."""
     ids = _ids(models, "12+34=")
-    status = server["url"] + "/status"
-    for attempt in range(4):
-        version = 300 + attempt
+    gate, version = server["gate"], 300
+    gate.hold(1)  # the long request is held once it has a token, so that the update lands in it
+    try:
         long_run = Stream(server, ids, 240, 0)
-        assert long_run.accepted.wait(HTTP_TIMEOUT_S)
+        gate.held()
         update = GatedUpdate(broadcaster, version, models["B"])
-        _until("the update claimed", lambda: httpx.get(status, timeout=HTTP_TIMEOUT_S).json()["updating"])
-        evaluation = Stream(server, ids, 20, EVAL_PRIORITY)
-        assert evaluation.accepted.wait(HTTP_TIMEOUT_S)
-        training = Stream(server, ids, 100, 0)
-        assert training.accepted.wait(HTTP_TIMEOUT_S)
-        time.sleep(0.5)  # the server hands an accepted request to its engine at once: margin for a loaded machine
-        update.gate.set()
-        update.join(HTTP_TIMEOUT_S)
-        assert update.reply is not None and update.reply["servers"][server["url"]]["version"] == version
-        first_eval, first_train = evaluation.finished()[0], training.finished()[0]
-        long_run.finished()
-        if version in long_run.versions and long_run.versions[0] != version:  # it held its slot across the update
-            assert first_train < first_eval, "the free slot went to the evaluation request queued before"
-            return
-    raise AssertionError("the long request ended before the update paused it, in every round")
+        _until_claimed(server)
+    finally:
+        gate.open()
+    added = gate.added()
+    evaluation = Stream(server, ids, 20, EVAL_PRIORITY)
+    _until("the evaluation request sent to the engine", lambda: gate.added() == added + 1)
+    training = Stream(server, ids, 100, 0)
+    _until("the training request sent to the engine", lambda: gate.added() == added + 2)
+    update.gate.set()
+    update.join(HTTP_TIMEOUT_S)
+    assert update.reply is not None and update.reply["servers"][server["url"]]["version"] == version
+    first_eval, first_train = evaluation.finished()[0], training.finished()[0]
+    long_run.finished()
+    assert version in long_run.versions and long_run.versions[0] != version, "the long request straddles the update"
+    assert first_train < first_eval, "the free slot went to the evaluation request queued before"
 
 
 def test_a_held_server_refuses_updates_and_serves_one_version_until_released(server, models):
