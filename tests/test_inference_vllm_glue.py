@@ -136,3 +136,32 @@ def test_a_failed_load_stops_the_server_instead_of_serving_a_half_loaded_model()
     assert err.value.status == 500 and updater.broken and stops == [True]
     assert [c[0] for c in engine.calls] == ["join_group", "pause", "receive", "load"]  # never resumed
     assert updater.status()["version"] == 3 and not updater.status()["updating"]
+
+
+def test_the_engine_spin_makes_an_idle_reader_look_at_its_queue_again_without_a_notification(monkeypatch):
+    """inference.engine_spin_s (spin.py) on vLLM's real SpinCondition: a reader spins the set time, then sleeps on its
+    notification socket at most RECHECK_MS at a time. Unpatched, a reader whose notification was lost and that has
+    no deadline (timeout None) sleeps until one comes: here, never."""
+    import threading
+
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from pipelinerl.inference.vllm_glue import spin
+
+    original_wait = SpinCondition.wait
+    monkeypatch.setattr(SpinCondition, "__init__", SpinCondition.__init__)  # put back after the test
+    monkeypatch.setattr(SpinCondition, "wait", SpinCondition.wait)
+    monkeypatch.setenv(spin.SPIN_ENV, "0.0")
+    spin.apply_spin()
+    spin.apply_spin()  # vLLM may load its plugins twice in one process: still one layer
+    assert SpinCondition.wait.__wrapped__ is original_wait
+    context = zmq.Context()
+    writer = SpinCondition(False, context, "inproc://pipelinerl-spin-test")
+    reader = SpinCondition(True, context, "inproc://pipelinerl-spin-test")
+    assert reader.busy_loop_s == 0.0
+    looked = threading.Event()
+    threading.Thread(target=lambda: (reader.wait(None), looked.set()), daemon=True).start()
+    assert looked.wait(60), "an idle reader without a notification never looked at its queue again"
+    writer.notify()  # and a notification still wakes it
+    reader.wait(None)

