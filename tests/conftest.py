@@ -178,9 +178,9 @@ def recompute_server(tiny_model_dir, tmp_path_factory):
 # Fixtures of the inference-server tests (tests/test_inference_*.py): each module defines its own
 # module-scoped `server` fixture ({"url", "run_dir", "token", "model"}); these resolve against it.
 GROUP_PORTS = iter(range(worker_port(18260), worker_port(18290)))  # one weight-update group port per connection
-# A group's timeout bounds every wait of both sides of an update; the straddle tests freeze the engine core while
-# an update is sent, so it is generous (a loaded machine must never trip it). The stalled-update tests wait for one
-# to expire and form a group of their own with STALL_TIMEOUT_S.
+# A group's timeout bounds every wait of both sides of an update; the straddle tests hold the engine at its gate
+# while an update is sent, so it is generous (a loaded machine must never trip it). The stalled-update test waits
+# for one to expire and forms a group of its own with STALL_TIMEOUT_S.
 GROUP_TIMEOUT_S = 60.0
 STALL_TIMEOUT_S = 6.0
 

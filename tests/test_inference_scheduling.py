@@ -91,7 +91,7 @@ class GatedUpdate(threading.Thread):
 def test_an_evaluation_request_queued_first_still_waits_for_a_training_request(server, models, broadcaster):
     """One slot busy with a long training request, frozen by a weight update that waits for the test (GatedUpdate)
     and lands in it by construction (the engine held by its gate until the update is claimed). Meanwhile an
-    evaluation request is accepted, and only then a training request; the update completes once both are in. At
+    evaluation request reaches the engine, and only then a training request; the update completes once both are in. At
     the resume one slot is free and both wait for it: it goes by priority, to the training request that arrived
     second, and the evaluation request starts only when one of the others ends (100 training tokens later at the
     soonest)."""

@@ -464,10 +464,7 @@ def test_stalled_broadcast_times_out_and_server_resumes_old_weights(server, mode
     stalled.start()
     # the stalled update holds the control lock for STALL_TIMEOUT_S once the server has claimed it: wait for the
     # claim (a thread under load may take longer than any fixed sleep to send its request)
-    deadline = time.monotonic() + 30
-    while not httpx.get(url + "/status", timeout=HTTP_TIMEOUT_S).json()["updating"]:
-        assert time.monotonic() < deadline, "the stalled update never reached the server"
-        time.sleep(0.05)
+    _until_claimed(server)
     waiting.start()
     concurrent = httpx.post(url + "/request_weight_update", json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
     assert concurrent.status_code == 409 and "another control operation" in concurrent.text
