@@ -9,6 +9,8 @@ slot drawn among the policy servers), after 1-3 more trainer steps and 0-2 s mor
 half the later ones, wait for a weight update instead: /status is polled until `updating` is true, then the
 server dies within a poll interval (bounded; a broadcast not seen in time is said in the table's note).
 Each kill waits for the previous one to heal: every role running, every server announced, a step done.
+With --stop-after-steps N the run gets SIGTERM N trainer steps after the last kill healed (the trainer
+checkpoints, the launcher exits 143): for a trainer.max_steps the kills must never reach.
 
 Kinds: `server`, `actor`, `trainer` (one role), `servers` (every policy server at once: no server at the
 trainer's version survives, the trap that weight delivery closes; with `actor.max_lag=0` or conventional mode
@@ -63,6 +65,9 @@ DEFAULT_KINDS = ("server", "actor", "trainer")
 _STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
 STEP_LINE = re.compile(_STAMP + r"INFO .*?: step (\d+): ", re.M)
 LOST_LINE = re.compile(_STAMP + r"WARNING .*? lost (\d+) group\(s\) in flight", re.M)
+
+
+STOPPED = 143  # the launcher's exit code after SIGTERM (128 + 15): every role stopped cleanly
 
 
 @dataclass
@@ -231,6 +236,18 @@ class Chaos:
               f"{', during a weight update' if broadcast else ''}", flush=True)
         return kill
 
+    def stop_after(self, steps: int) -> bool:
+        """Once the last kill healed, `steps` more trainer steps, then SIGTERM to the launcher, which stops every
+        role (the trainer checkpoints first) and exits STOPPED; False when the run ended first."""
+        if not self._wait("the last kill healed", self.healed, self.heal_timeout_s):
+            return False
+        target = self.last_step() + steps
+        if not self._wait(f"trainer step {target}", lambda: self.last_step() >= target, self.heal_timeout_s):
+            return False
+        self.proc.send_signal(signal.SIGTERM)
+        print(f"chaos: stopped the run (SIGTERM to the launcher) at step {self.last_step()}", flush=True)
+        return True
+
     def _catch_update(self, slot: int, timeout_s: float, poll_s: float = 0.01) -> bool:
         """Poll server `slot`'s /status until it reports a weight update in progress (True) or `timeout_s`."""
         import httpx
@@ -353,20 +370,27 @@ class Result:
 
 
 def run_chaos(config: str, plan: list[Planned], out: Path, overrides: list[str] = (),
-              timeout_s: float = 3600) -> Result:
-    """Run `config` under `plan`'s kills, then measure and check it."""
+              timeout_s: float = 3600, stop_after_steps: int | None = None) -> Result:
+    """Run `config` under `plan`'s kills, then measure and check it. `stop_after_steps`: once the plan is done and
+    healed, this many more trainer steps, then SIGTERM to the launcher (exit STOPPED; the trainer checkpoints
+    first), for a trainer.max_steps the plan must never reach: on a fast machine a run of a few dozen steps can
+    end between two of chaos's looks at the trainer's log, before its kills."""
     chaos = Chaos(config, list(overrides), out, max_restarts=len(plan) + 1, start_timeout_s=timeout_s)
     chaos.start()
+    clean = 0
     try:
         for p in plan:
             if chaos.execute(p) is None:
                 print(f"chaos: the run ended before kill {len(chaos.kills)} of {len(plan)}", flush=True)
                 break
+        else:
+            if stop_after_steps is not None and chaos.stop_after(stop_after_steps):
+                clean = STOPPED
     except BaseException:
         chaos.finish(0)  # stop the run now rather than let it go on unobserved
         raise
     code = chaos.finish(timeout_s)
-    ok, verdict = exactly_once(chaos.run_dir) if code == 0 else (False, "no verdict: the run failed")
+    ok, verdict = exactly_once(chaos.run_dir) if code == clean else (False, "no verdict: the run failed")
     return Result(code, ok, chaos.kills, table(chaos, code, verdict))
 
 
@@ -380,6 +404,9 @@ def main() -> int:
                         help=f"comma-separated kinds of {','.join(KINDS)} (see the module)")
     parser.add_argument("--out", type=Path, default=None, help="the run directory (default runs/chaos_<seed>)")
     parser.add_argument("--timeout-s", type=float, default=3600, help="the whole run's limit")
+    parser.add_argument("--stop-after-steps", type=int, default=None,
+                        help="SIGTERM the run this many trainer steps after the last kill healed (default: let it "
+                             "run to trainer.max_steps)")
     args, extra = parser.parse_known_args()
     kinds = tuple(args.roles.split(","))
     if set(kinds) - set(KINDS) or any("=" not in x for x in extra):
@@ -390,10 +417,10 @@ def main() -> int:
         parser.error("--roles reward needs a config with reward.kind=model")
     out = args.out or REPO / "runs" / f"chaos_{args.seed}"
     plan = make_plan(args.kills, args.seed, kinds, cfg.inference.num_servers, cfg.reward.servers_started)
-    result = run_chaos(args.config, plan, out, overrides, args.timeout_s)
+    result = run_chaos(args.config, plan, out, overrides, args.timeout_s, args.stop_after_steps)
     print(result.table, flush=True)
     (out / "chaos_table.txt").write_text(result.table + "\n")
-    return 0 if result.code == 0 and result.exactly_once else 1
+    return 0 if result.exactly_once else 1
 
 
 if __name__ == "__main__":
