@@ -157,6 +157,18 @@ def test_openai_client_chat_completion(server, models):
     assert [m.id for m in client.models.list()] == [server["model"]]
 
 
+def test_on_cpu_the_model_runs_in_the_engine_core_process(server):
+    """serving.setup_process: one tensor-parallel rank on CPU runs the model in vLLM's engine core process (its
+    "uni" executor): the server's processes are the API server, the engine core and multiprocessing's resource
+    tracker, with no worker process (vLLM's CPU default starts one, fed through a shared-memory queue)."""
+    import psutil
+
+    children = psutil.Process(server["pid"]).children(recursive=True)
+    titles = [" ".join(c.cmdline()) for c in children]
+    assert not any("Worker" in t for t in titles), titles
+    assert sum("EngineCore" in t for t in titles) == 1, titles
+
+
 def test_update_a_b_a_matches_transformers(server, models, broadcaster):
     for version, key in ((1, "B"), (2, "A")):
         reply = _send(broadcaster, version, models[key])

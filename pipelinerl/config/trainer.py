@@ -96,7 +96,8 @@ class TrainerConfig:
                "every server worker, and the whole gather happens before the send (no overlap)")
     data_timeout_s: float = doc(1500.0, "fail, naming the stream and cursor, if a step's data does not arrive "
                                         "within this long; must be < dist_timeout_s (the other ranks wait in a "
-                                        "collective meanwhile)", unit="s")
+                                        "collective meanwhile). `pipelinerl run` starts the trainer with the servers, "
+                                        "so the first step's wait includes their start-up", unit="s")
     delivery_fail_after_versions: int = doc(
         5, "weight delivery (rank 0's own thread: every announced server is brought to the newest published "
            "version) stops the run when every server failed every attempt for this many consecutive published "

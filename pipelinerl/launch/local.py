@@ -1,18 +1,17 @@
 """`pipelinerl run CONFIG`: the whole pipeline as child processes of one launcher on this machine.
 
-Order: run directory + resolved config -> (tiny model, built and warm-started if missing) -> inference
-servers, the reference servers when the RL objective needs reference log-probs, the reward servers with
-reward.kind=model and the eval servers (inference.eval_servers), healthy -> trainer (opens the
-weight-update groups) -> actor. The launcher then follows the trainer's progress through the
-servers' policy version until the trainer exits. Ctrl-C, SIGTERM or any child's failure stops every role
-(newest first) and names the role that failed and its log, unless launch.max_restarts allows starting it
-again (launch/restarts.py): a server restarts on its port, cores and environment (a policy or eval server
-from the latest checkpoint), the trainer resumes from it by itself, the actor continues its stream. A
-server that stops answering /health once announced counts as dead (launch.server_health_timeout_s,
-launch/health.py). Re-running with the same run directory resumes: the servers start from the latest
-checkpoint's weights at its version, and the trainer restores its state and stream cursor from the same
-checkpoint; reference servers always serve the initial model (`model.path`), reward servers
-reward.model_path.
+Order: run directory + resolved config -> (tiny model, built and warm-started if missing) -> inference servers, the
+reference servers when the RL objective needs reference log-probs, the reward servers with reward.kind=model and
+the eval servers (inference.eval_servers), then at once the trainer (opens the weight-update groups) and the actor:
+both find the servers as they announce themselves. Once the servers are healthy the launcher follows the trainer's
+progress through the servers' policy version until the trainer exits. Ctrl-C, SIGTERM or any child's failure stops
+every role (newest first) and names the role that failed and its log, unless launch.max_restarts allows starting it
+again (launch/restarts.py): a server restarts on its port, cores and environment (a policy or eval server from the
+latest checkpoint), the trainer resumes from it by itself, the actor continues its stream. A server that stops
+answering /health once announced counts as dead (launch.server_health_timeout_s, launch/health.py). Re-running with
+the same run directory resumes: the servers start from the latest checkpoint's weights at its version, and the
+trainer restores its state and stream cursor from the same checkpoint; reference servers always serve the initial
+model (`model.path`), reward servers reward.model_path.
 
 Placement (launch/placement.py): on a GPU machine the servers, eval servers included, take
 launch.inference_gpus (tensor-parallel groups of contiguous GPUs) and the trainer ranks
@@ -291,6 +290,12 @@ def start_servers(cfg: Config, sup: Supervisor, roles: list[Role], side: dict[st
     servers with it: `pipelinerl run`, the Slurm job (its servers steps) and `pipelinerl eval`."""
     for role in roles:
         sup.start(role)
+    return await_servers(cfg, sup, side, policy)
+
+
+def await_servers(cfg: Config, sup: Supervisor, side: dict[str, int] | None = None,
+                  policy: int | None = None) -> list[str]:
+    """start_servers' wait, for servers already started: the policy servers' URLs."""
     urls = wait_for_servers(cfg, sup, policy)
     log.info("servers healthy: %s", ", ".join(urls))
     for kind, n in (side or {}).items():
@@ -363,9 +368,12 @@ def _run_roles(cfg: Config, config_path: Path, where: Placement) -> None:
     sup = Supervisor.from_config(cfg)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally below
     try:
-        urls = start_servers(cfg, sup, servers, side_server_counts(cfg))
-        sup.start(trainer)
-        sup.start(actor)
+        # The trainer and the actor start with the servers, not after them: each finds the servers as they
+        # announce themselves (RUN_DIR/servers), so their start-up (imports, the trainer's model and optimizer)
+        # overlaps the servers'. Safe on a GPU node too: servers and trainer ranks have disjoint GPUs.
+        for role in (*servers, trainer, actor):
+            sup.start(role)
+        urls = await_servers(cfg, sup, side_server_counts(cfg))
         follow_trainer(cfg, sup, urls)
     except RoleFailed as err:
         log.error("%s", err)
