@@ -45,6 +45,7 @@ from pipelinerl.actor.evals import SampledItem, actor_suites, sample_suite, toke
 from pipelinerl.actor.judge import judge_messages, parse_verdict
 from pipelinerl.actor.resume import record_started, resume_position
 from pipelinerl.actor.rewards import RewardModelInputs, check_same_tokenizer
+from pipelinerl.actor.transport import actor_client
 from pipelinerl.config import Config
 from pipelinerl.config.actor import DEFAULT_EVAL_SET
 from pipelinerl.eval_metrics import scalars as eval_scalars
@@ -393,8 +394,7 @@ class Actor:
                 "unparsed": 0, "t0": time.monotonic()}
 
     async def run(self) -> None:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S)
-        async with httpx.AsyncClient(limits=limits) as http:
+        async with actor_client(KEEPALIVE_S) as http:
             prompts = (self.curriculum or self.task).iter_train(self.next_prompt)
             last_log = time.monotonic()
             self.version = await self.client.serving_version(http)
