@@ -278,7 +278,12 @@ def test_a_lag_bounded_client_reads_the_versions_itself_before_its_first_request
     assert len(asyncio.run(complete())) == 1 and asked == ["/status", "/v1/completions"]
 
 
-_ASYNC_CLIENT = httpx.AsyncClient
+def mock_actor_client(monkeypatch, handler) -> None:
+    """The actor's HTTP client (scheduler.actor_client) answered by `handler` (an httpx.MockTransport handler)."""
+    from pipelinerl.actor import scheduler
+
+    monkeypatch.setattr(scheduler, "actor_client",
+                        lambda keepalive_s: httpx.AsyncClient(transport=httpx.MockTransport(handler)))
 
 
 class _FakeServer:
@@ -299,7 +304,7 @@ class _FakeServer:
 def _run_actor_until(actor: Actor, server: _FakeServer, monkeypatch, done) -> None:
     """Run the actor's loop against `server` until `done(actor)`, then stop it as a SIGKILL would (its
     in-flight groups never finish), after its last finished group was published."""
-    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: _ASYNC_CLIENT(transport=httpx.MockTransport(server), **kw))
+    mock_actor_client(monkeypatch, server)
 
     async def run() -> None:
         loop = asyncio.create_task(actor.run())

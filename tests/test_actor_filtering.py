@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_actor import _ASYNC_CLIENT, G, _announce, _choice, _config, _scalars, _status
+from test_actor import G, _announce, _choice, _config, _scalars, _status, mock_actor_client
 
 from pipelinerl.actor import Actor
 from pipelinerl.actor.scheduler import informative
@@ -57,7 +57,7 @@ def _run_until_held(actor: Actor, server: _ScriptedServer, monkeypatch) -> None:
 
 def _run_until(actor: Actor, server: _ScriptedServer, monkeypatch, done) -> None:
     """The actor's loop until `done()` (within 60 s), then closed (publishing all)."""
-    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: _ASYNC_CLIENT(transport=httpx.MockTransport(server), **kw))
+    mock_actor_client(monkeypatch, server)
 
     async def run() -> None:
         loop = asyncio.create_task(actor.run())
