@@ -75,6 +75,7 @@ class Transport(AiohttpTransport):
 
 
 def actor_client(keepalive_s: float) -> httpx.AsyncClient:
-    """The actor's client: connections idle for `keepalive_s` are dropped (client.py KEEPALIVE_S says why)."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=keepalive_s)
+    """The actor's client: no connection limit; connections idle for `keepalive_s` are dropped (client.py
+    KEEPALIVE_S says why). aiohttp keeps every idle connection until then (it has no count of idle ones)."""
+    limits = httpx.Limits(max_connections=None, keepalive_expiry=keepalive_s)
     return httpx.AsyncClient(transport=Transport(limits))
