@@ -113,17 +113,26 @@ class BadEnv(Environment):
     def __init__(self, how: str):
         self.how, self.closed = how, False
 
+    async def start(self):
+        if self.how == "start_raise":
+            raise OSError("no server")
+        if self.how == "start_hang":
+            await asyncio.sleep(3600)
+
     def messages(self):
         return [{"role": "user", "content": "1+1="}]
 
     async def step(self, text):
+        if self.how.startswith("start"):
+            raise AssertionError("step() after a failed start()")
         if self.how == "raise":
             raise KeyError("boom")
         if self.how == "hang":
             await asyncio.sleep(3600)
         return {"raise": None, "dict": {"messages": []}, "nan": EnvReply(done=True, reward=float("nan")),
                 "no_messages": EnvReply(), "bad_role": EnvReply(messages=[{"role": "assistant", "content": "1"}]),
-                "counts": EnvReply(done=True, tool_calls=1, tool_errors=2)}[self.how]
+                "counts": EnvReply(done=True, tool_calls=1, tool_errors=2),
+                "scores": EnvReply(done=True, reward=1.0, scores={"exact": float("inf")})}[self.how]
 
     async def close(self):
         self.closed = True
@@ -132,18 +141,23 @@ class BadEnv(Environment):
 @pytest.mark.parametrize("how, reason", [("raise", "raised KeyError"), ("hang", "past its timeout of 0.2 s"),
                                          ("dict", "not an EnvReply"), ("nan", "finite number"),
                                          ("no_messages", "at least one message"), ("bad_role", "role in"),
-                                         ("counts", "2 tool errors but only 1")])
+                                         ("counts", "2 tool errors but only 1"), ("scores", "scores must map"),
+                                         ("start_raise", "start() raised OSError: no server"),
+                                         ("start_hang", "start() ran past its timeout of 0.2 s")])
 def test_a_failing_environment_ends_only_its_episode(tok, how, reason):
     env = BadEnv(how)
-    result = _run(ScriptedPolicy(tok, ["2"], [0]), env, tok, timeout_s=0.2)
+    policy = ScriptedPolicy(tok, ["2"], [0])
+    result = _run(policy, env, tok, timeout_s=0.2)
     assert result.end_reason == ENV_ERROR and result.reward == 0.0 and reason in result.error
     assert env.closed and not result.episode.truncated
+    assert len(policy.prefixes) == 1 and len(result.episode.model_turns) == 1  # a failed start too: one turn
 
 
 def test_reply_problem_accepts_good_replies():
     assert reply_problem(EnvReply(done=True, reward=1)) is None
     assert reply_problem(EnvReply(messages=[{"role": "tool", "content": "2"}], tool_calls=1, tool_errors=1)) is None
     assert "count" in reply_problem(EnvReply(done=True, tool_calls=True))
+    assert reply_problem(EnvReply(done=True, reward=0.5, scores={"exact": 0, "format": 1.0})) is None
 
 
 def test_an_episode_row_and_its_statistics(tok, task):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -89,6 +89,7 @@ class EpisodeStats:
     straddling: int = 0  # episodes whose model tokens come from more than one policy version
     env_tokens: int = 0
     model_tokens: int = 0
+    scores: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum, episodes that report it]
 
     def add(self, results: list[EpisodeResult]) -> None:
         for r in results:
@@ -103,10 +104,15 @@ class EpisodeStats:
             self.straddling += len(model_versions(r)) > 1
             self.model_tokens += model
             self.env_tokens += len(ep.token_ids) - ep.prompt_length - model
+            for name, value in r.scores.items():
+                total = self.scores.setdefault(name, [0.0, 0])
+                total[0] += value
+                total[1] += 1
 
     def scalars(self) -> dict[str, float]:
-        """actor/episode/*: means per episode, tool-call success, and the fractions that ended badly or
-        straddled a weight update (empty when no episode finished)."""
+        """actor/episode/*: means per episode, tool-call success, the fractions that ended badly or straddled
+        a weight update, and score/<name>: each reward part's mean over the episodes that report it (empty
+        when no episode finished)."""
         n = self.episodes
         if not n:
             return {}
@@ -116,4 +122,5 @@ class EpisodeStats:
                "actor/episode/env_tokens": self.env_tokens / n}
         if self.tool_calls:
             out["actor/episode/tool_call_success"] = 1 - self.tool_errors / self.tool_calls
+        out.update({f"actor/episode/score/{name}": total / count for name, (total, count) in self.scores.items()})
         return out

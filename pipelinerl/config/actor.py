@@ -195,6 +195,36 @@ class SandboxConfig:
 
 
 @dataclass
+class VerifiersConfig:
+    """A verifiers (v1) environment as the task (task.name=verifiers, `pip install -e '.[verifiers]'`):
+    its rows are the task's items, its rollouts our episodes (pipelinerl/envs/verifiers_env.py)."""
+
+    env: str | None = doc(None, "the taskset id verifiers loads: a module importable here (installed, or on "
+                                "PYTHONPATH) that exports one vf.Taskset subclass in `__all__`; a hub id "
+                                "owner/name@version names the module `name`", null="required by task.name=verifiers")
+    path: str | None = doc(None, "a folder the environment's module is imported from (put on sys.path, and on "
+                                 "PYTHONPATH for the tool servers verifiers starts), relative to the launch folder",
+                           null="the module is installed")
+    args: dict = doc({}, "the taskset's config fields (its vf.TasksetConfig subclass), e.g. {split: train}")
+    eval_args: dict | None = doc(None, "the held-out rows' taskset fields, over args (e.g. {split: test})",
+                                 null="hold out task.eval_fraction of the training rows")
+    harness: str = doc("pipelinerl_chat",
+                       "the harness (agent program) of each rollout, by verifiers id: pipelinerl_chat is a chat "
+                       "loop with the task's MCP tools in the actor's process (pipelinerl/envs/verifiers_harness.py); "
+                       "`null` or `bash` are verifiers' own programs (a process per rollout, prepared with uv)")
+    tool_format: str = doc("qwen", "how the model writes the tool calls the rollout's tools receive: qwen "
+                                   "(<tool_call>{json}</tool_call>) | compact (the tiny model's ==expression=)")
+    max_rows: int = doc(100_000, "rows read from the taskset (a generated taskset may be endless)")
+
+    def __post_init__(self) -> None:
+        check_choice(self.tool_format, ("qwen", "compact"), "task.verifiers.tool_format")
+        check_positive(self.max_rows, "task.verifiers.max_rows")
+        check(isinstance(self.args, dict), "task.verifiers.args", "must be a mapping of taskset fields")
+        check(self.eval_args is None or isinstance(self.eval_args, dict), "task.verifiers.eval_args",
+              "must be a mapping of taskset fields, or null")
+
+
+@dataclass
 class TaskConfig:
     """The data set and its reward."""
 
@@ -204,7 +234,8 @@ class TaskConfig:
                                 "actor.episode and task.sandbox; the final answer graded as math's) | tool_sums "
                                 "(3-digit sums with a calculator tool: multi-turn episodes, actor.episode; CPU) | "
                                 "instructions (prompts without answers, e.g. a chat data set's: scored only by a "
-                                "reward model, reward.kind=model)")
+                                "reward model, reward.kind=model) | verifiers (a verifiers environment: "
+                                "task.verifiers; multi-turn episodes, actor.episode)")
     dataset_path: str | None = doc(None, "math training rows: a .jsonl/.json/.parquet file (or a Hugging Face "
                                          "`datasets` folder) of {question, answer} "
                                          "rows (or problem/answer, or Open-Reasoner-Zero pairs)",
@@ -246,10 +277,13 @@ class TaskConfig:
     curriculum_min_groups: int = doc(2, "groups of a prompt before its pass rate may lower its weight")
     curriculum_weight: float = doc(0.1, "sampling weight of a saturated prompt (always or never solved), in (0, 1]")
     sandbox: SandboxConfig = section(SandboxConfig)
+    verifiers: VerifiersConfig = section(VerifiersConfig)
 
     def __post_init__(self) -> None:
-        check_choice(self.name, ("addition", "arithmetic", "math", "math_tir", "tool_sums", "instructions"),
-                     "task.name")
+        check_choice(self.name, ("addition", "arithmetic", "math", "math_tir", "tool_sums", "instructions",
+                                 "verifiers"), "task.name")
+        check(self.name != "verifiers" or bool(self.verifiers.env), "task.verifiers.env",
+              "the verifiers task needs the id of the environment's taskset module")
         check(self.name not in ("math", "math_tir") or bool(self.dataset_path), "task.dataset_path",
               f"the {self.name} task needs a file of {{question, answer}} rows (.jsonl, .json or .parquet)")
         check(self.name != "instructions" or bool(self.dataset_path), "task.dataset_path",

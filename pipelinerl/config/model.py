@@ -31,11 +31,16 @@ class TinyModelConfig:
     warm_start_check_every: int = doc(20, "held-out greedy success is checked every this many warm-start steps "
                                           "(and after the last)", unit="steps")
     warm_start_lr: float = doc(1e-3, "AdamW learning rate of the warm start")
+    warm_start_task: str | None = doc(None, "the tiny task (addition, arithmetic, tool_sums) whose demonstrations "
+                                            "warm-start the model, for a task that has none (a verifiers "
+                                            "environment of the same problem)", null="task.name")
     teacher_warm_start_target: float = doc(0.9, "rl.teacher, when missing and build_tiny_if_missing: the tiny model "
                                                 "warm-started (same seed and steps) until this held-out greedy "
                                                 "success, a strong teacher for a weak student")
 
     def __post_init__(self) -> None:
+        check(self.warm_start_task in (None, "addition", "arithmetic", "tool_sums"), "model.tiny.warm_start_task",
+              "must be null or a tiny task: addition, arithmetic or tool_sums")
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
                      "intermediate_size", "max_position_embeddings"):
             check_positive(getattr(self, name), f"model.tiny.{name}")

@@ -8,16 +8,20 @@ the end of the episode with its reward. `step` may be slow (a sandboxed script):
 episodes run at once on the actor's event loop, so blocking work belongs on a thread
 (`asyncio.to_thread`) or in a process pool such as the Python sandbox's.
 
-What an environment may not do is stop the actor: a `step` that raises, runs past its timeout or returns
-anything but an `EnvReply` with well-formed messages ends only its own episode, with reward 0 and end
-reason "env_error" (runner.py logs the reason and the actor counts it).
+An environment that must reach something before its first message (a rollout of another framework, a
+server) does it in `start()`, awaited once before `messages()`.
+
+What an environment may not do is stop the actor: a `start` or `step` that raises, runs past its timeout or
+returns anything but an `EnvReply` with well-formed messages ends only its own episode, with reward 0 and end
+reason "env_error" (runner.py logs the reason and the actor counts it). A failed `start` still lets the model
+take its first turn (every episode row holds one), then ends the episode.
 """
 
 from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 MESSAGE_ROLES = ("user", "tool")  # what an environment may answer with (the assistant's turns are the model's)
@@ -27,13 +31,15 @@ MESSAGE_ROLES = ("user", "tool")  # what an environment may answer with (the ass
 class EnvReply:
     """The environment's answer to one model turn: `messages` to continue with, or `done` with `reward`.
     `tool_calls` / `tool_errors`: the calls the turn made and how many of them failed (malformed, unknown
-    tool, refused input), counted per episode in the stream and in TensorBoard."""
+    tool, refused input), counted per episode in the stream and in TensorBoard. `scores`: with `done`, the
+    reward's parts by name (an environment with several reward functions), each logged as its mean."""
 
     messages: Sequence[dict] = field(default_factory=tuple)
     done: bool = False
     reward: float = 0.0
     tool_calls: int = 0
     tool_errors: int = 0
+    scores: Mapping[str, float] = field(default_factory=dict)
 
 
 class Environment(abc.ABC):
@@ -41,6 +47,9 @@ class Environment(abc.ABC):
     rendered at every turn; None when the template should not list any."""
 
     tools: list[dict] | None = None
+
+    async def start(self) -> None:  # noqa: B027 - a hook: only environments that reach something override it
+        """Prepare the episode; awaited once, before `messages()` and `tools` are read."""
 
     @abc.abstractmethod
     def messages(self) -> list[dict]:
@@ -66,6 +75,10 @@ def reply_problem(reply: object) -> str | None:
             return f"{name} must be a count (an int >= 0), got {value!r}"
     if reply.tool_errors > reply.tool_calls:
         return f"{reply.tool_errors} tool errors but only {reply.tool_calls} tool calls"
+    if not isinstance(reply.scores, Mapping) or not all(
+            isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+            for k, v in reply.scores.items()):
+        return f"scores must map names to finite numbers, got {str(reply.scores)[:200]}"
     if reply.done:
         return None
     if isinstance(reply.messages, (str, bytes)) or not isinstance(reply.messages, Sequence) or not reply.messages:

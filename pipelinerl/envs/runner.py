@@ -1,6 +1,6 @@
 """Run one multi-turn episode: model turns from the servers, answers from its environment.
 
-    episode = Episode(tokenizer, env.messages(), limits, tools=env.tools)
+    await env.start(); episode = Episode(tokenizer, env.messages(), limits, tools=env.tools)
     loop: completion of episode.prefix()  ->  add_model_turn  ->  env.step(turn text)
           -> done (reward) | add_env_turn(messages) | a limit ends it (truncated, reward 0)
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from pipelinerl.envs.environment import Environment, EnvReply, reply_problem
@@ -46,6 +46,7 @@ class EpisodeResult:
     tool_calls: int = 0
     tool_errors: int = 0
     error: str | None = None  # why the environment failed (end_reason is then ENV_ERROR)
+    scores: dict[str, float] = field(default_factory=dict)  # the reward's parts by name (EnvReply.scores)
 
     @property
     def end_reason(self) -> str:
@@ -57,6 +58,7 @@ async def run_episode(generate: Generate, env: Environment, tokenizer, limits: E
     """Run `env`'s episode to its end; `step_timeout_s` bounds each `env.step`. `name` goes into the log
     line of a failure. Server errors (after the client's retries) propagate, as for single-turn groups."""
     try:
+        start_error = await _start(env, step_timeout_s)
         episode = Episode(tokenizer, env.messages(), limits, tools=env.tools)
         result = EpisodeResult(episode, 0.0)
         while True:
@@ -64,7 +66,7 @@ async def run_episode(generate: Generate, env: Environment, tokenizer, limits: E
             turn = episode.add_model_turn(sampled.token_ids, sampled.logprobs, sampled.versions, sampled.finished)
             if episode.done:  # cut at a token limit: truncated, reward 0
                 return result
-            reply, error = await _step(env, turn.text, step_timeout_s)
+            reply, error = (None, start_error) if start_error else await _step(env, turn.text, step_timeout_s)
             if error is not None:
                 log.warning("%s: the environment failed at turn %d (the episode ends with reward 0): %s", name,
                             len(episode.model_turns), error)
@@ -75,11 +77,23 @@ async def run_episode(generate: Generate, env: Environment, tokenizer, limits: E
             if reply.done:
                 episode.finish()
                 result.reward = float(reply.reward)
+                result.scores = {k: float(v) for k, v in reply.scores.items()}
                 return result
             if episode.add_env_turn(reply.messages) is None:  # max_turns / max_total_tokens: truncated
                 return result
     finally:
         await _close(env, name)
+
+
+async def _start(env: Environment, timeout_s: float) -> str | None:
+    """None, or why `env.start()` failed."""
+    try:
+        await asyncio.wait_for(env.start(), timeout_s)
+    except TimeoutError:
+        return f"start() ran past its timeout of {timeout_s:g} s"
+    except Exception as err:  # noqa: BLE001 -- any failure of the environment ends only its episode
+        return f"start() raised {type(err).__name__}: {err}"
+    return None
 
 
 async def _step(env: Environment, text: str, timeout_s: float) -> tuple[EnvReply | None, str | None]:

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pipelinerl.config import Config, ConfigError, save_config
+from pipelinerl.config import Config, ConfigError, TaskConfig, save_config
 from pipelinerl.launch.commands import (
     cli,
     discovery_file,
@@ -105,8 +105,10 @@ def _ensure_policy_model(cfg: Config) -> None:
                          "(or set model.build_tiny_if_missing=true for the tiny CPU model)")
     from pipelinerl.tasks.warm_start import build_warm_tiny_model
 
-    log.info("building the tiny model in %s and warm-starting it on `%s`...", model_dir, cfg.task.name)
-    result = build_warm_tiny_model(model_dir, cfg.model.tiny, cfg.task)
+    task = cfg.task if cfg.model.tiny.warm_start_task is None else TaskConfig(name=cfg.model.tiny.warm_start_task,
+                                                                              seed=cfg.task.seed)
+    log.info("building the tiny model in %s and warm-starting it on `%s`...", model_dir, task.name)
+    result = build_warm_tiny_model(model_dir, cfg.model.tiny, task)
     log.info("warm start: %d steps in %.0f s, held-out greedy success %.3f", result["steps"], result["seconds"],
              result["heldout_greedy"])
 

@@ -34,7 +34,12 @@ def task_class(name: str) -> type[Task]:
         from pipelinerl.tasks.instructions import InstructionsTask
 
         return InstructionsTask
-    raise ValueError(f"unknown task {name!r}; choose addition, arithmetic, math, math_tir, tool_sums or instructions")
+    if name == "verifiers":
+        from pipelinerl.tasks.verifiers_task import VerifiersTask
+
+        return VerifiersTask
+    raise ValueError(f"unknown task {name!r}; choose addition, arithmetic, math, math_tir, tool_sums, instructions "
+                     "or verifiers")
 
 
 def get_task(cfg: TaskConfig) -> Task:
