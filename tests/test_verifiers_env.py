@@ -165,6 +165,18 @@ def test_a_reward_function_that_raises_ends_the_episode_as_an_env_error(loop, re
     assert "the reward function failed on purpose" in result.error
 
 
+def test_a_rollout_that_fails_before_its_first_call_ends_after_one_turn(loop, request, tok):
+    task = _task(loop, request, "vf_tiny_sums", args={"num_rows": 10, "task": {"raise_in_setup": True}},
+                 tool_format="compact")
+    item = task.train_items[0]
+    result, policy = _episode(loop, task, item, tok, [_call(item), item.answer])
+    assert (result.end_reason, result.reward, len(policy.prefixes)) == (ENV_ERROR, 0.0, 1)
+    assert "before its first model call" in result.error and "setup failed on purpose" in result.error
+    # the row's opening is the task's own prompt, as the harness would have sent it
+    assert result.episode.token_ids[:result.episode.prompt_length] == [tok.bos_token_id] + tok.encode(
+        item.prompt, add_special_tokens=False)
+
+
 def test_a_single_turn_environment_with_weighted_rewards(loop, request, tok):
     task = _task(loop, request, "vf_tiny_add", args={"num_rows": 40})
     assert len(task.train_items) + len(task.eval_items) == 40  # held out: task.eval_fraction of the rows
@@ -174,3 +186,21 @@ def test_a_single_turn_environment_with_weighted_rewards(loop, request, tok):
     assert result.episode.tools is None and len(result.episode.model_turns) == 1
     wrong, _ = _episode(loop, task, item, tok, ["1"])
     assert (wrong.reward, wrong.scores) == (0.0, {"exact": 0.0, "right_length": 0.0})
+
+
+def test_a_call_that_rewrites_the_conversation_cannot_be_continued():
+    from pipelinerl.envs.tool_calls import call_format
+    from pipelinerl.envs.verifiers_env import VerifiersEnv, _Call
+
+    env = VerifiersEnv(None, None, None, call_format("compact"), serve=None)
+    before = [{"role": "user", "content": "1+2+3="}]
+    turn = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}
+    env.pending = _Call(before + [turn, {"role": "tool", "content": "6", "tool_call_id": "c1"}], None, None)
+    assert env._new_messages(before) == [{"role": "tool", "content": "6"}]
+    for now in ([{"role": "user", "content": "1+2+4="}, turn, {"role": "tool", "content": "7"}],  # edited
+                [turn, {"role": "tool", "content": "6"}],  # the first message dropped
+                before + [turn],  # nothing new after the model's turn
+                before + [turn, {"role": "system", "content": "be brief"}]):  # not a tool or user message
+        env.pending = _Call(now, None, None)
+        with pytest.raises(RuntimeError):
+            env._new_messages(before)

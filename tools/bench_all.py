@@ -57,6 +57,8 @@ BENCHES = {
                                            "--new-tokens", "16")),
     "grading": Bench(quick_args=("--completions", "60", "--workers", "1", "2"), timeout_s=900, quick_timeout_s=300),
     "placement": Bench(quick_args=("--steps", "8"), timeout_s=3600, quick_timeout_s=1800),
+    # needs the `verifiers` extra (installed by the test set-up)
+    "env_adapters": Bench(quick_args=("--episodes", "64", "--concurrency", "16")),
     # needs the `trl` extra (pip install -e '.[trl]'); without it, a FAILED row saying how to install it
     "vs_trl": Bench(quick_args=("--quick",), timeout_s=7200, quick_timeout_s=1800),
     "pipeline_vs_conventional": Bench(quick_args=("--steps", "8"), timeout_s=7200, quick_timeout_s=1800),

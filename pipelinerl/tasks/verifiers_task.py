@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import sys
 from contextlib import AsyncExitStack
@@ -24,6 +25,10 @@ from pathlib import Path
 from pipelinerl.config import TaskConfig
 from pipelinerl.envs.tool_calls import call_format
 from pipelinerl.tasks.base import PromptItem, Task, split_held_out
+
+# A line per rollout (verifiers) and per HTTP request (its interception server, the harness's model and MCP
+# clients) at INFO: thousands a step. Their warnings and errors still show.
+QUIET_LOGGERS = ("verifiers", "aiohttp.access", "httpx", "httpx2", "mcp")
 
 
 def _import_verifiers():
@@ -62,6 +67,8 @@ class VerifiersTask(Task):
         vf = _import_verifiers()
         from pipelinerl.envs import verifiers_env
 
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
         v = cfg.verifiers
         if v.path:
             _import_from(v.path)

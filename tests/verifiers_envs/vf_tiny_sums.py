@@ -24,10 +24,15 @@ class Calculator(vf.Toolset[vf.ToolsetConfig]):
 
 
 class SumsTaskConfig(vf.TaskConfig):
-    raise_in_reward: bool = False  # the reward function raises (the tests' failing environment)
+    raise_in_reward: bool = False  # the reward function raises (the tests' failing environments)
+    raise_in_setup: bool = False  # the task's setup raises: the rollout fails before its first model call
 
 
 class SumsTask(vf.Task[SumsData, vf.State, SumsTaskConfig]):
+    async def setup(self, trace, runtime) -> None:
+        if self.config.raise_in_setup:
+            raise OSError("the task's setup failed on purpose")
+
     @vf.reward(weight=1.0)
     async def correct(self, trace: vf.Trace) -> float:
         if self.config.raise_in_reward:
