@@ -26,9 +26,9 @@ from pipelinerl.config import TaskConfig
 from pipelinerl.envs.tool_calls import call_format
 from pipelinerl.tasks.base import PromptItem, Task, split_held_out
 
-# A line per rollout (verifiers) and per HTTP request (its interception server, the harness's model and MCP
-# clients) at INFO: thousands a step. Their warnings and errors still show.
-QUIET_LOGGERS = ("verifiers", "aiohttp.access", "httpx", "httpx2", "mcp")
+# A line per rollout (verifiers) and per HTTP request (its interception server, the harness's MCP clients) at
+# INFO: thousands a step. Their warnings and errors still show.
+QUIET_LOGGERS = ("verifiers", "aiohttp.access", "httpx2", "mcp")
 
 
 def _import_verifiers():
@@ -121,7 +121,10 @@ class VerifiersTask(Task):
     async def stop_serving(self) -> None:
         """Leave the serving context (its tool servers stop); the next episode serves again."""
         if self._stack is not None:
+            from pipelinerl.envs.verifiers_harness import close_connections
+
             stack, self._stack, self._loop = self._stack, None, None
+            await close_connections()
             await stack.aclose()
 
     def close(self) -> None:
