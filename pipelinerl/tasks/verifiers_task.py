@@ -27,8 +27,10 @@ from pipelinerl.envs.tool_calls import call_format
 from pipelinerl.tasks.base import PromptItem, Task, split_held_out
 
 # A line per rollout (verifiers) and per HTTP request (its interception server, the harness's MCP clients) at
-# INFO: thousands a step. Their warnings and errors still show.
-QUIET_LOGGERS = ("verifiers", "aiohttp.access", "httpx2", "mcp")
+# INFO: thousands a step. Their warnings and errors still show, but for the interception server's warning on each
+# model call refused because our episode had ended (a limit: counted as a truncation in actor/episode/*).
+QUIET_LOGGERS = {"verifiers": logging.WARNING, "aiohttp.access": logging.WARNING, "httpx2": logging.WARNING,
+                 "mcp": logging.WARNING, "verifiers.v1.interception.server": logging.ERROR}
 
 
 def _import_verifiers():
@@ -67,8 +69,8 @@ class VerifiersTask(Task):
         vf = _import_verifiers()
         from pipelinerl.envs import verifiers_env
 
-        for name in QUIET_LOGGERS:
-            logging.getLogger(name).setLevel(logging.WARNING)
+        for name, level in QUIET_LOGGERS.items():
+            logging.getLogger(name).setLevel(level)
         v = cfg.verifiers
         if v.path:
             _import_from(v.path)
