@@ -211,7 +211,8 @@ class VerifiersConfig:
     harness: str = doc("pipelinerl_chat",
                        "the harness (agent program) of each rollout, by verifiers id: pipelinerl_chat is a chat "
                        "loop with the task's MCP tools in the actor's process (pipelinerl/envs/verifiers_harness.py); "
-                       "`null` or `bash` are verifiers' own programs (a process per rollout, prepared with uv)")
+                       "`null` or `bash` are verifiers' own programs (a process per rollout, prepared with uv: "
+                       "untested here)")
     tool_format: str = doc("qwen", "how the model writes the tool calls the rollout's tools receive: qwen "
                                    "(<tool_call>{json}</tool_call>) | compact (the tiny model's ==expression=)")
     max_rows: int = doc(100_000, "rows read from the taskset (a generated taskset may be endless)")
