@@ -226,6 +226,40 @@ class VerifiersConfig:
 
 
 @dataclass
+class OpenEnvConfig:
+    """An OpenEnv environment server as the task (task.name=openenv, `pip install -e '.[openenv]'`): each item is a
+    reset seed, each episode one WebSocket session (pipelinerl/envs/openenv_env.py)."""
+
+    url: str | None = doc(None, "the environment server's base URL, http://host:port (sessions on its /ws); its "
+                                "max_concurrent_envs must hold actor.max_groups_in_flight x actor.attempts episodes",
+                          null="required by task.name=openenv")
+    action_field: str = doc("message", "the action's field that carries the model turn's text")
+    observation_fields: list = doc(["prompt", "message", "text"], "the observation's fields the model reads: the "
+                                                                  "first non-empty string of them")
+    message_role: str = doc("user", "the role of the messages made of step observations: user | tool")
+    reset_args: dict = doc({}, "more keyword arguments of every reset (the server drops those its environment's "
+                               "reset does not take)")
+    num_items: int = doc(10_000, "training items: reset seeds 0 .. num_items-1")
+    num_eval_items: int = doc(200, "held-out items: seeds from eval_seed_start on")
+    eval_seed_start: int = doc(1_000_000_000, "the first held-out seed (never a training seed)")
+    connect_timeout_s: float = doc(10.0, "to open a session's WebSocket", unit="s")
+    message_timeout_s: float = doc(600.0, "the client's own bound on each reply; actor.episode.step_timeout_s "
+                                          "bounds each step as well", unit="s")
+
+    def __post_init__(self) -> None:
+        check_choice(self.message_role, ("user", "tool"), "task.openenv.message_role")
+        check_positive(self.num_items, "task.openenv.num_items")
+        check_positive(self.num_eval_items, "task.openenv.num_eval_items")
+        check(self.eval_seed_start >= self.num_items, "task.openenv.eval_seed_start",
+              "must be >= num_items: held-out seeds are never training seeds")
+        check(isinstance(self.observation_fields, list) and bool(self.observation_fields)
+              and all(isinstance(f, str) for f in self.observation_fields), "task.openenv.observation_fields",
+              "must be a non-empty list of field names")
+        check_positive(self.connect_timeout_s, "task.openenv.connect_timeout_s")
+        check_positive(self.message_timeout_s, "task.openenv.message_timeout_s")
+
+
+@dataclass
 class TaskConfig:
     """The data set and its reward."""
 
@@ -236,7 +270,8 @@ class TaskConfig:
                                 "(3-digit sums with a calculator tool: multi-turn episodes, actor.episode; CPU) | "
                                 "instructions (prompts without answers, e.g. a chat data set's: scored only by a "
                                 "reward model, reward.kind=model) | verifiers (a verifiers environment: "
-                                "task.verifiers; multi-turn episodes, actor.episode)")
+                                "task.verifiers; multi-turn episodes, actor.episode) | openenv (an OpenEnv "
+                                "environment server: task.openenv; multi-turn episodes)")
     dataset_path: str | None = doc(None, "math training rows: a .jsonl/.json/.parquet file (or a Hugging Face "
                                          "`datasets` folder) of {question, answer} "
                                          "rows (or problem/answer, or Open-Reasoner-Zero pairs)",
@@ -279,10 +314,13 @@ class TaskConfig:
     curriculum_weight: float = doc(0.1, "sampling weight of a saturated prompt (always or never solved), in (0, 1]")
     sandbox: SandboxConfig = section(SandboxConfig)
     verifiers: VerifiersConfig = section(VerifiersConfig)
+    openenv: OpenEnvConfig = section(OpenEnvConfig)
 
     def __post_init__(self) -> None:
         check_choice(self.name, ("addition", "arithmetic", "math", "math_tir", "tool_sums", "instructions",
-                                 "verifiers"), "task.name")
+                                 "verifiers", "openenv"), "task.name")
+        check(self.name != "openenv" or bool(self.openenv.url), "task.openenv.url",
+              "the openenv task needs the environment server's URL")
         check(self.name != "verifiers" or bool(self.verifiers.env), "task.verifiers.env",
               "the verifiers task needs the id of the environment's taskset module")
         check(self.name not in ("math", "math_tir") or bool(self.dataset_path), "task.dataset_path",

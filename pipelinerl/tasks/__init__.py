@@ -38,8 +38,12 @@ def task_class(name: str) -> type[Task]:
         from pipelinerl.tasks.verifiers_task import VerifiersTask
 
         return VerifiersTask
-    raise ValueError(f"unknown task {name!r}; choose addition, arithmetic, math, math_tir, tool_sums, instructions "
-                     "or verifiers")
+    if name == "openenv":
+        from pipelinerl.tasks.openenv_task import OpenEnvTask
+
+        return OpenEnvTask
+    raise ValueError(f"unknown task {name!r}; choose addition, arithmetic, math, math_tir, tool_sums, instructions, "
+                     "verifiers or openenv")
 
 
 def get_task(cfg: TaskConfig) -> Task:

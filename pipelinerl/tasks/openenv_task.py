@@ -1,0 +1,38 @@
+"""An OpenEnv environment server as the task: `task.name=openenv`, `task.openenv.url=http://host:port`.
+
+OpenEnv environments draw their own problems at `reset(seed)`, so the items are seeds: training items
+`seed-0 .. seed-<num_items - 1>`, held-out items from `task.openenv.eval_seed_start` on. Every sample is an
+episode of envs/openenv_env.py (one session of the server); its reward is the sum of the episode's step rewards.
+"""
+
+from __future__ import annotations
+
+from pipelinerl.config import TaskConfig
+from pipelinerl.tasks.base import PromptItem, Task
+
+
+def _items(seeds: range) -> list[PromptItem]:
+    return [PromptItem(id=f"seed-{s}", prompt=f"reset(seed={s})", answer="") for s in seeds]
+
+
+class OpenEnvTask(Task):
+    name = "openenv"
+    multi_turn = True
+
+    def __init__(self, cfg: TaskConfig):
+        try:
+            import openenv.core  # noqa: F401 -- the extra's check, before any episode
+        except ImportError as err:
+            raise ImportError("task.name=openenv needs openenv-core: pip install -e '.[openenv]'") from err
+        o = self.openenv = cfg.openenv
+        super().__init__(_items(range(o.num_items)),
+                         _items(range(o.eval_seed_start, o.eval_seed_start + o.num_eval_items)), cfg.seed)
+
+    def environment(self, item: PromptItem):
+        from pipelinerl.envs.openenv_env import OpenEnvEnv
+
+        return OpenEnvEnv(self.openenv, int(item.id.removeprefix("seed-")), self.openenv.message_timeout_s)
+
+    def reward(self, item: PromptItem, completion_text: str, finished: bool, *, num_tokens: int | None = None,
+               max_new_tokens: int | None = None) -> float:
+        raise NotImplementedError("an openenv task's samples are episodes: the environment's step rewards score them")
