@@ -41,4 +41,4 @@ class SumsEnv(Environment):
         return self._state
 
 
-app = create_app(SumsEnv, SumsAction, SumsObservation, env_name="tiny_sums", max_concurrent_envs=64)
+app = create_app(SumsEnv, SumsAction, SumsObservation, env_name="tiny_sums", max_concurrent_envs=512)
