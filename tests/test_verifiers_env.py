@@ -113,7 +113,7 @@ def test_the_environments_stop_condition_ends_the_episode_scored(loop, sums, tok
     policy = ScriptedPolicy(tok, [_call(item)] * 6, versions=[0] * 6)
     limits = EpisodeLimits(max_turns=6, max_tokens_per_turn=20, max_total_tokens=200)
     result = loop.run_until_complete(run_episode(policy, env, tok, limits, 60.0))
-    trace = env.rollout.result().traces[0]
+    trace = env.episode.traces[0]
     # @vf.stop three_tool_calls sees a call's tool message once the next call commits it: the 4th call is
     # answered, the 5th refused
     assert (trace.stop_condition, len(trace.tool_messages), len(policy.prefixes)) == ("three_tool_calls", 3, 4)
@@ -137,8 +137,8 @@ def test_our_limits_end_the_episode_and_wind_the_rollout_down(loop, sums, tok):
     limits = EpisodeLimits(max_turns=2, max_tokens_per_turn=20, max_total_tokens=96)
     result = loop.run_until_complete(run_episode(policy, env, tok, limits, 60.0))
     assert (result.end_reason, result.error, result.reward) == ("max_turns", None, 0.0)
-    assert env.rollout.done() and not env.rollout.cancelled()  # verifiers ended its rollout itself
-    assert env.rollout.result().traces[0].stop_condition is not None
+    assert env.program.done() and not env.program.cancelled()  # verifiers ended its rollout itself
+    assert env.episode.traces[0].stop_condition is not None
     assert not CLIENT.episodes  # no route left to an ended episode
 
 
@@ -189,18 +189,19 @@ def test_a_single_turn_environment_with_weighted_rewards(loop, request, tok):
 
 
 def test_a_call_that_rewrites_the_conversation_cannot_be_continued():
+    from pipelinerl.envs.chat_program import ModelCall
     from pipelinerl.envs.tool_calls import call_format
-    from pipelinerl.envs.verifiers_env import VerifiersEnv, _Call
+    from pipelinerl.envs.verifiers_env import VerifiersEnv
 
     env = VerifiersEnv(None, None, None, call_format("compact"), serve=None)
     before = [{"role": "user", "content": "1+2+3="}]
     turn = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}
-    env.pending = _Call(before + [turn, {"role": "tool", "content": "6", "tool_call_id": "c1"}], None, None)
-    assert env._new_messages(before) == [{"role": "tool", "content": "6"}]
+    env.pending = ModelCall(before + [turn, {"role": "tool", "content": "6", "tool_call_id": "c1"}], None, None)
+    assert env.new_messages(before) == [{"role": "tool", "content": "6"}]
     for now in ([{"role": "user", "content": "1+2+4="}, turn, {"role": "tool", "content": "7"}],  # edited
                 [turn, {"role": "tool", "content": "6"}],  # the first message dropped
                 before + [turn],  # nothing new after the model's turn
                 before + [turn, {"role": "system", "content": "be brief"}]):  # not a tool or user message
-        env.pending = _Call(now, None, None)
+        env.pending = ModelCall(now, None, None)
         with pytest.raises(RuntimeError):
-            env._new_messages(before)
+            env.new_messages(before)

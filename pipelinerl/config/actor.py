@@ -260,6 +260,30 @@ class OpenEnvConfig:
 
 
 @dataclass
+class AgentTaskConfig:
+    """A black-box agent on the OpenAI API as the task (task.name=agent): each episode runs the agent against the
+    actor's agent gateway under a key of its own (pipelinerl/envs/agent_gateway.py)."""
+
+    program: str | None = doc(None, "the agent: `module:function`, an `async def agent(client_kwargs, item) -> "
+                                    "float | None` (client_kwargs: base_url and api_key for openai.AsyncOpenAI; "
+                                    "item: id, prompt, answer)", null="required by task.name=agent")
+    path: str | None = doc(None, "a folder the agent's module is imported from (put on sys.path)",
+                           null="the module is installed")
+    items: str = doc("tool_sums", "the tiny task whose train and held-out items the agent gets: addition | "
+                                  "arithmetic | tool_sums")
+    tool_format: str = doc("qwen", "how the model writes the tool calls returned as `tool_calls`: qwen | compact")
+    max_wall_s: float = doc(600.0, "one episode's agent, start to return; past it the episode ends as an "
+                                   "environment error", unit="s")
+
+    def __post_init__(self) -> None:
+        check(self.program is None or (isinstance(self.program, str) and self.program.count(":") == 1),
+              "task.agent.program", "must be `module:function`")
+        check_choice(self.items, ("addition", "arithmetic", "tool_sums"), "task.agent.items")
+        check_choice(self.tool_format, ("qwen", "compact"), "task.agent.tool_format")
+        check_positive(self.max_wall_s, "task.agent.max_wall_s")
+
+
+@dataclass
 class TaskConfig:
     """The data set and its reward."""
 
@@ -271,7 +295,8 @@ class TaskConfig:
                                 "instructions (prompts without answers, e.g. a chat data set's: scored only by a "
                                 "reward model, reward.kind=model) | verifiers (a verifiers environment: "
                                 "task.verifiers; multi-turn episodes, actor.episode) | openenv (an OpenEnv "
-                                "environment server: task.openenv; multi-turn episodes)")
+                                "environment server: task.openenv; multi-turn episodes) | agent (a black-box "
+                                "agent on the OpenAI API: task.agent; its requests are an episode's turns)")
     dataset_path: str | None = doc(None, "math training rows: a .jsonl/.json/.parquet file (or a Hugging Face "
                                          "`datasets` folder) of {question, answer} "
                                          "rows (or problem/answer, or Open-Reasoner-Zero pairs)",
@@ -315,10 +340,13 @@ class TaskConfig:
     sandbox: SandboxConfig = section(SandboxConfig)
     verifiers: VerifiersConfig = section(VerifiersConfig)
     openenv: OpenEnvConfig = section(OpenEnvConfig)
+    agent: AgentTaskConfig = section(AgentTaskConfig)
 
     def __post_init__(self) -> None:
         check_choice(self.name, ("addition", "arithmetic", "math", "math_tir", "tool_sums", "instructions",
-                                 "verifiers", "openenv"), "task.name")
+                                 "verifiers", "openenv", "agent"), "task.name")
+        check(self.name != "agent" or bool(self.agent.program), "task.agent.program",
+              "the agent task needs the agent program: module:function")
         check(self.name != "openenv" or bool(self.openenv.url), "task.openenv.url",
               "the openenv task needs the environment server's URL")
         check(self.name != "verifiers" or bool(self.verifiers.env), "task.verifiers.env",

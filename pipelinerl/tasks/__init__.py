@@ -42,8 +42,12 @@ def task_class(name: str) -> type[Task]:
         from pipelinerl.tasks.openenv_task import OpenEnvTask
 
         return OpenEnvTask
+    if name == "agent":
+        from pipelinerl.tasks.agent_task import AgentTask
+
+        return AgentTask
     raise ValueError(f"unknown task {name!r}; choose addition, arithmetic, math, math_tir, tool_sums, instructions, "
-                     "verifiers or openenv")
+                     "verifiers, openenv or agent")
 
 
 def get_task(cfg: TaskConfig) -> Task:

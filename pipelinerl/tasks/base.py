@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
+import os
 import random
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +111,19 @@ class Task(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - a hook: only tasks holding workers override it
         """Release what the task holds (worker processes); the task stays usable and reopens them."""
+
+
+def add_import_path(folder: str, setting: str) -> None:
+    """Make the modules of `folder` (the config's `setting`) importable here and in the processes this one starts
+    (PYTHONPATH): a task's environment or agent module that is not installed."""
+    path = str(Path(folder).resolve())
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"{setting}: {path} is not a folder")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if path not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([path, *parts])
 
 
 def split_held_out(items: list, eval_fraction: float, seed: int) -> tuple[list, list]:

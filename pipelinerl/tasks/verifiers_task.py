@@ -17,14 +17,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
-import sys
 from contextlib import AsyncExitStack
-from pathlib import Path
 
 from pipelinerl.config import TaskConfig
 from pipelinerl.envs.tool_calls import call_format
-from pipelinerl.tasks.base import PromptItem, Task, split_held_out
+from pipelinerl.tasks.base import PromptItem, Task, add_import_path, split_held_out
 
 # A line per rollout (verifiers) and per HTTP request (its interception server, the harness's MCP clients) at
 # INFO: thousands a step. Their warnings and errors still show, but for the interception server's warning on each
@@ -39,18 +36,6 @@ def _import_verifiers():
     except ImportError as err:
         raise ImportError("task.name=verifiers needs the verifiers package: pip install -e '.[verifiers]'") from err
     return vf
-
-
-def _import_from(folder: str) -> None:
-    """Make the modules of `folder` importable here and in the processes verifiers starts (its tool servers)."""
-    path = str(Path(folder).resolve())
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"task.verifiers.path: {path} is not a folder")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if path not in parts:
-        os.environ["PYTHONPATH"] = os.pathsep.join([path, *parts])
 
 
 def _prompt_text(prompt) -> str:
@@ -73,7 +58,7 @@ class VerifiersTask(Task):
             logging.getLogger(name).setLevel(level)
         v = cfg.verifiers
         if v.path:
-            _import_from(v.path)
+            add_import_path(v.path, "task.verifiers.path")
         self.vf_cfg, self.format = v, call_format(v.tool_format)
         self.env = vf.load_environment(vf.resolve_env_config({
             "taskset": {"id": v.env, **v.args},

@@ -1,0 +1,177 @@
+"""Black-box agents on the OpenAI API, trained as they are: the actor's agent gateway.
+
+For each episode the actor starts the user's agent, an `async def agent(client_kwargs: dict, item: dict) ->
+float | None` (`task.agent.program`), with `client_kwargs = {"base_url": <the gateway>/v1, "api_key": <a key of
+this episode only>}`, what `openai.AsyncOpenAI(**client_kwargs)` takes, and `item = {"id", "prompt", "answer"}`.
+Every chat completion the agent asks with that key is one turn of the episode (envs/chat_program.py): the
+messages it sends must extend those of its previous request (the stored conversation, our turn, then its new
+tool or user messages), which our Episode renders after the exact tokens so far; the model's turn comes back as
+an OpenAI chat completion, its tool calls (written in task.agent.tool_format) as `tool_calls`, so an SDK runs
+its function tools unchanged. The agent's return value is the episode's reward; an agent that returns None
+must have posted one (`POST /rl/reward {"reward": x}` with its key).
+
+The gateway answers bad requests with a clear error and never lets one touch another episode:
+  401  no key, or a key of no running episode;   409  the episode has ended (a limit ended it first)
+  400  a body that is not JSON, no `messages` list, `stream: true` (not supported), a reward not a number
+  429  a second request with a key whose previous one is still being answered (one turn at a time)
+An agent that raises, or runs past task.agent.max_wall_s, ends its own episode as an environment error.
+Not yet: an agent that rewrites its history (an edited, dropped or retried turn) ends its episode as an
+environment error too, instead of starting a branch whose drifted tokens are masked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from pipelinerl.envs.chat_program import ChatProgramEnv, ProgramEnd
+from pipelinerl.envs.tool_calls import CallFormat
+
+Agent = Callable[[dict, dict], Awaitable[float | None]]
+
+
+class EpisodeEnded(Exception):
+    """A request of an episode our runner has already ended."""
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+def completion(model: str, content: str | None, calls: list[dict]) -> dict:
+    """An OpenAI chat.completion of one assistant message."""
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    return {"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": [{"index": 0, "message": message,
+                                         "finish_reason": "tool_calls" if calls else "stop"}]}
+
+
+class Gateway:
+    """The OpenAI-compatible endpoint on 127.0.0.1, served in the actor's event loop from the first episode on;
+    each key routes to its episode."""
+
+    def __init__(self):
+        self.episodes: dict[str, AgentEnv] = {}
+        self.runner: web.AppRunner | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # where it serves
+        self.url = ""
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        async with self._lock:
+            if self.runner is not None:
+                return
+            app = web.Application(client_max_size=32 * 2**20)
+            app.router.add_post("/v1/chat/completions", self._chat)
+            app.router.add_post("/rl/reward", self._reward)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.runner, self.url = runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+            self.loop = asyncio.get_running_loop()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            runner, self.runner, self.loop = self.runner, None, None
+            await runner.cleanup()
+
+    async def _request(self, request: web.Request) -> tuple[AgentEnv, dict] | web.Response:
+        """The request's episode (by its key) and its JSON body, or the error response."""
+        auth = request.headers.get("Authorization", "")
+        env = self.episodes.get(auth.removeprefix("Bearer ").strip()) if auth.startswith("Bearer ") else None
+        if env is None:
+            return _error(401, "no running episode has this API key (a key is valid for its own episode only)")
+        if env.ended:
+            return _error(409, "the episode of this key has ended")
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            return _error(400, f"the body is not JSON: {err}")
+        return (env, body) if isinstance(body, dict) else _error(400, "the body must be a JSON object")
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        got = await self._request(request)
+        if isinstance(got, web.Response):
+            return got
+        env, body = got
+        messages, tools = body.get("messages"), body.get("tools")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            return _error(400, "`messages` must be a non-empty list of message objects")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) and "function" in t
+                                                                         for t in tools)):
+            return _error(400, "`tools` must be a list of function tools")
+        if body.get("stream"):
+            return _error(400, "streaming is not supported: send stream=false")
+        if env.busy:
+            return _error(429, "this episode's previous request is still being answered: one turn at a time")
+        env.busy = True
+        try:
+            content, calls = await env.model_call(messages, tools or None)
+        except EpisodeEnded:
+            return _error(409, "the episode of this key has ended")
+        finally:
+            env.busy = False
+        return web.json_response(completion(str(body.get("model", "policy")), content, calls))
+
+    async def _reward(self, request: web.Request) -> web.Response:
+        got = await self._request(request)
+        if isinstance(got, web.Response):
+            return got
+        env, body = got
+        reward = body.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            return _error(400, f"`reward` must be a finite number, got {reward!r}")
+        env.posted_reward = float(reward)
+        return web.json_response({"ok": True})
+
+
+class AgentEnv(ChatProgramEnv):
+    """One episode of `agent` on `item` through `gateway`, under its own key."""
+
+    def __init__(self, gateway: Gateway, agent: Agent, item: dict, call_format: CallFormat, max_wall_s: float):
+        super().__init__(call_format)
+        self.gateway, self.agent, self.item, self.max_wall_s = gateway, agent, item, max_wall_s
+        self.key = f"pl-{secrets.token_urlsafe(24)}"
+        self.busy = False
+        self.posted_reward: float | None = None
+
+    async def start(self) -> None:
+        await self.gateway.start()
+        self.gateway.episodes[self.key] = self
+        await super().start()
+
+    async def run_program(self) -> ProgramEnd:
+        client_kwargs = {"base_url": f"{self.gateway.url}/v1", "api_key": self.key}
+        try:
+            reward = await asyncio.wait_for(self.agent(client_kwargs, dict(self.item)), self.max_wall_s)
+        except TimeoutError:
+            raise RuntimeError(f"the agent ran past task.agent.max_wall_s ({self.max_wall_s:g} s)") from None
+        if reward is None:
+            reward = self.posted_reward
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise RuntimeError(f"the agent's reward must be a finite number (returned, or posted to /rl/reward), "
+                               f"got {reward!r}")
+        return ProgramEnd(float(reward))
+
+    def opening_messages(self) -> list[dict]:
+        return [{"role": "user", "content": self.item["prompt"]}]
+
+    def ended_error(self) -> Exception:
+        return EpisodeEnded()
+
+    async def close(self) -> None:
+        try:
+            await super().close()
+        finally:
+            self.gateway.episodes.pop(self.key, None)
