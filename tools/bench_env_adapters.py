@@ -1,13 +1,14 @@
-"""What an environment adapter costs the actor: the tiny tool task's episodes run natively (`tool_sums`) and as
-a verifiers environment (`task.name=verifiers`, tests/verifiers_envs/vf_tiny_sums.py), side by side in one
-run, each through the actor's episode runner with an instant scripted policy (a calculator call, then the
-sum), so that only the environment's side is timed: the actor's CPU ms per episode and per model turn, and
-the adapter's ratio to native.
+"""What an environment adapter costs the actor: the tiny tool task's episodes run natively (`tool_sums`), as a
+verifiers environment (`task.name=verifiers`, tests/verifiers_envs/vf_tiny_sums.py) and as a black-box agent on
+the `openai` client through the agent gateway (`task.name=agent`, tests/agents/calculator_agent.py), side by
+side in one run, each through the actor's episode runner with an instant scripted policy (a calculator call,
+then the sum), so that only the environment's side is timed: the actor's CPU ms per episode and per model
+turn (the agent's own client included), and each adapter's overhead per turn over native.
 
     python tools/bench_env_adapters.py [--episodes 512] [--concurrency 64]
 
-Needs the verifiers extra (`pip install -e '.[verifiers]'`). The verifiers environment serves first (its tool
-server starts: not timed) and one warm-up batch runs before each measured run.
+Needs the verifiers extra (`pip install -e '.[verifiers]'`). One warm-up batch runs before each measured run
+(the verifiers environment's tool server and the gateway start then: not timed).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_summary import Summary  # noqa: E402
 
 from pipelinerl.config import TaskConfig  # noqa: E402
-from pipelinerl.config.actor import VerifiersConfig  # noqa: E402
+from pipelinerl.config.actor import AgentTaskConfig, VerifiersConfig  # noqa: E402
 from pipelinerl.envs.episode import EpisodeLimits  # noqa: E402
 from pipelinerl.envs.runner import run_episode  # noqa: E402
 from pipelinerl.tasks import get_task  # noqa: E402
@@ -85,12 +86,17 @@ def main() -> None:
     adapted = get_task(TaskConfig(name="verifiers", verifiers=VerifiersConfig(
         env="vf_tiny_sums", path=str(REPO / "tests" / "verifiers_envs"), args={"num_rows": 4 * args.episodes},
         tool_format="compact")))
+    agent = get_task(TaskConfig(name="agent", agent=AgentTaskConfig(
+        program="calculator_agent:agent", path=str(REPO / "tests" / "agents"), tool_format="compact")))
     loop = asyncio.new_event_loop()
     try:
         rows = {"native (tool_sums)": loop.run_until_complete(measure(native, tok, args.episodes, args.concurrency)),
                 "verifiers (vf_tiny_sums)": loop.run_until_complete(
-                    measure(adapted, tok, args.episodes, args.concurrency))}
+                    measure(adapted, tok, args.episodes, args.concurrency)),
+                "agent gateway (calculator_agent)": loop.run_until_complete(
+                    measure(agent, tok, args.episodes, args.concurrency))}
         loop.run_until_complete(adapted.stop_serving())
+        loop.run_until_complete(agent.gateway.stop())
     finally:
         loop.close()
     print(f"{args.episodes} episodes, {args.concurrency} at a time, instant scripted policy\n")
@@ -99,16 +105,18 @@ def main() -> None:
     for name, r in rows.items():
         print(f"| {name} | {r['cpu_ms_per_episode']:.2f} | {r['cpu_ms_per_turn']:.2f} | {r['turns']} | "
               f"{r['wall_s']:.2f} | {r['reward']:.2f} |")
-    base, vf = rows["native (tool_sums)"], rows["verifiers (vf_tiny_sums)"]
-    extra = vf["cpu_ms_per_turn"] - base["cpu_ms_per_turn"]
-    print(f"\nverifiers / native CPU per episode: {vf['cpu_ms_per_episode'] / base['cpu_ms_per_episode']:.1f}x; "
-          f"the adapter's overhead per model turn: {extra:.2f} ms")
+    base = rows["native (tool_sums)"]
+    summary = Summary("env_adapters")
+    summary.add("native episode, actor CPU", base["cpu_ms_per_episode"], "ms")
+    print()
+    for name, r in list(rows.items())[1:]:
+        extra = r["cpu_ms_per_turn"] - base["cpu_ms_per_turn"]
+        print(f"{name}: {r['cpu_ms_per_episode'] / base['cpu_ms_per_episode']:.1f}x native's CPU per episode; "
+              f"overhead per model turn {extra:.2f} ms")
+        summary.add(f"{name.split(' (')[0]} episode, actor CPU", r["cpu_ms_per_episode"], "ms")
+        summary.add(f"{name.split(' (')[0]} overhead per model turn", extra, "ms")
     if args.summary:
-        s = Summary("env_adapters")
-        s.add("native episode, actor CPU", base["cpu_ms_per_episode"], "ms")
-        s.add("verifiers episode, actor CPU", vf["cpu_ms_per_episode"], "ms")
-        s.add("verifiers adapter overhead per model turn", extra, "ms")
-        s.write(args.summary)
+        summary.write(args.summary)
 
 
 if __name__ == "__main__":
