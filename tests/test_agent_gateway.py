@@ -74,10 +74,11 @@ def test_a_posted_reward_counts_when_the_agent_returns_none(tok):
 
 
 @pytest.mark.parametrize("program, reason", [("calculator_agent:crash", "the agent failed on purpose"),
-                                             ("calculator_agent:hang", "past its timeout")])
+                                             ("calculator_agent:hang", "ran past task.agent.max_wall_s (5 s)")])
 def test_an_agent_that_crashes_or_hangs_ends_only_its_episode(tok, program, reason):
-    task = _task(program)
-    result = _run(task, task.train_items[0], ScriptedPolicy(tok, ["12"], versions=[0]), tok, timeout_s=2.0)
+    # the hanging agent is stopped by its own wall-clock bound, not by the runner's (60 s) step timeout
+    task = _task(program, max_wall_s=5.0)
+    result = _run(task, task.train_items[0], ScriptedPolicy(tok, ["12"], versions=[0]), tok, timeout_s=60.0)
     assert (result.end_reason, result.reward) == (ENV_ERROR, 0.0) and reason in result.error, result.error
     assert not task.gateway.episodes  # the key is gone with its episode
 
@@ -104,14 +105,20 @@ def test_bad_requests_get_their_4xx_and_touch_no_episode(task, tok):
                 "second at once": (await http.post(url, json=body, headers=auth)).status_code,
                 "bad reward": (await http.post(f"{task.gateway.url}/rl/reward", json={"reward": "high"},
                                                headers=auth)).status_code,
+                "nested 10,000 deep": (await http.post(url, content=b"[" * 10_000 + b"]" * 10_000,
+                                                       headers=auth)).status_code,
+                "10 MB": (await http.post(url, content=b"{" + b" " * 10 * 2**20 + b"}", headers=auth)).status_code,
             }
+            # the same client's connection still serves: the parked episode is still there, one request at a time
+            codes["after"] = (await http.post(url, json=body, headers=auth)).status_code
             await env.close()
             codes["ended"] = (await http.post(url, json=body, headers=auth)).status_code
         await task.gateway.stop()
         return codes
 
     assert asyncio.run(go()) == {"no key": 401, "unknown key": 401, "malformed JSON": 400, "no messages": 400,
-                                 "stream": 400, "second at once": 429, "bad reward": 400, "ended": 401}
+                                 "stream": 400, "second at once": 429, "bad reward": 400, "nested 10,000 deep": 400,
+                                 "10 MB": 413, "after": 429, "ended": 401}
 
 
 def test_bad_settings_are_refused():

@@ -12,7 +12,8 @@ must have posted one (`POST /rl/reward {"reward": x}` with its key).
 
 The gateway answers bad requests with a clear error and never lets one touch another episode:
   401  no key, or a key of no running episode;   409  the episode has ended (a limit ended it first)
-  400  a body that is not JSON, no `messages` list, `stream: true` (not supported), a reward not a number
+  400  a body that is not JSON (or nested past the parser's depth), no `messages` list, `stream: true` (not
+       supported), a reward not a finite number;   413  a body over MAX_BODY_BYTES
   429  a second request with a key whose previous one is still being answered (one turn at a time)
 An agent that raises, or runs past task.agent.max_wall_s, ends its own episode as an environment error.
 Not yet: an agent that rewrites its history (an edited, dropped or retried turn) ends its episode as an
@@ -22,7 +23,6 @@ environment error too, instead of starting a branch whose drifted tokens are mas
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import secrets
 import time
@@ -35,6 +35,7 @@ from pipelinerl.envs.chat_program import ChatProgramEnv, ProgramEnd
 from pipelinerl.envs.tool_calls import CallFormat
 
 Agent = Callable[[dict, dict], Awaitable[float | None]]
+MAX_BODY_BYTES = 8 * 2**20  # a request's body; larger ones get 413 (a conversation this size exceeds any episode)
 
 
 class EpisodeEnded(Exception):
@@ -71,7 +72,7 @@ class Gateway:
         async with self._lock:
             if self.runner is not None:
                 return
-            app = web.Application(client_max_size=32 * 2**20)
+            app = web.Application(client_max_size=MAX_BODY_BYTES)
             app.router.add_post("/v1/chat/completions", self._chat)
             app.router.add_post("/rl/reward", self._reward)
             runner = web.AppRunner(app, access_log=None)
@@ -96,8 +97,10 @@ class Gateway:
             return _error(409, "the episode of this key has ended")
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            return _error(400, f"the body is not JSON: {err}")
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"the body is over {MAX_BODY_BYTES} bytes")
+        except (ValueError, RecursionError) as err:  # not JSON, not UTF-8, or nested past the parser's depth
+            return _error(400, f"the body is not JSON: {type(err).__name__}: {str(err)[:200]}")
         return (env, body) if isinstance(body, dict) else _error(400, "the body must be a JSON object")
 
     async def _chat(self, request: web.Request) -> web.Response:
