@@ -156,6 +156,23 @@ def test_episodes_run_side_by_side(loop, sums, tok):
         assert tok.decode(r.episode.token_ids).count(item.answer) == 2
 
 
+def test_more_rollouts_than_an_http_pool_park_their_first_calls_together(loop, sums, tok):
+    """Each parked model call holds its connection to the interception endpoint until our turn answers it: 150
+    rollouts (more than aiohttp's default pool of 100) all reach their first call, and none waits for a slot."""
+    items = [sums.train_items[i % 50] for i in range(150)]
+    envs = [sums.environment(i) for i in items]
+
+    async def start_then_close():
+        started = await asyncio.gather(*[asyncio.wait_for(e.start(), 120.0) for e in envs], return_exceptions=True)
+        asked = [e.pending.messages[-1]["content"] if e.pending else None for e in envs]
+        await asyncio.gather(*[e.close() for e in envs])
+        return started, asked
+
+    started, asked = loop.run_until_complete(start_then_close())
+    assert [r for r in started if r is not None] == []
+    assert asked == [i.prompt for i in items]
+
+
 def test_a_reward_function_that_raises_ends_the_episode_as_an_env_error(loop, request, tok):
     task = _task(loop, request, "vf_tiny_sums", args={"num_rows": 10, "task": {"raise_in_reward": True}},
                  tool_format="compact")

@@ -68,13 +68,17 @@ class InProcessChat(vf.Harness[InProcessChatConfig]):
 async def _chat(endpoint: str, secret: str, body: dict) -> dict | None:
     """The assistant message of one chat completion from the rollout's interception endpoint (None: refused,
     HTTP 400). Plain aiohttp on one session per event loop: the OpenAI SDK's request building and httpx's
-    pool cost ~4 ms of CPU per call at a few hundred rollouts in flight."""
+    pool cost ~4 ms of CPU per call at a few hundred rollouts in flight. Each parked call holds its connection
+    until the runner's turn answers it, so the pool is unbounded (aiohttp's default of 100 made the 101st
+    rollout in flight wait for a slot, and its `connect` timeout counts that wait); only opening a socket to the
+    endpoint, which lives in this process, is bounded."""
     loop = asyncio.get_running_loop()
     session = _SESSIONS.get(loop)
     if session is None or session.closed:
         for old in [lp for lp in _SESSIONS if lp.is_closed()]:
             del _SESSIONS[old]
-        session = _SESSIONS[loop] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=10))
+        session = _SESSIONS[loop] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30))
     async with session.post(f"{endpoint.rstrip('/')}/chat/completions", json=body,
                             headers={"Authorization": f"Bearer {secret}"}) as response:
         if response.status == 400:
