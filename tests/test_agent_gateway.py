@@ -11,6 +11,7 @@ import httpx
 import pytest
 from test_envs_runner import ScriptedPolicy
 
+from pipelinerl.actor.episodes import EpisodeStats, episode_rollout
 from pipelinerl.config import ConfigError, TaskConfig
 from pipelinerl.config.actor import AgentTaskConfig
 from pipelinerl.envs.episode import EpisodeLimits
@@ -119,6 +120,126 @@ def test_bad_requests_get_their_4xx_and_touch_no_episode(task, tok):
     assert asyncio.run(go()) == {"no key": 401, "unknown key": 401, "malformed JSON": 400, "no messages": 400,
                                  "stream": 400, "second at once": 429, "bad reward": 400, "nested 10,000 deep": 400,
                                  "10 MB": 413, "after": 429, "ended": 401}
+
+
+class HeldPolicy(ScriptedPolicy):
+    """A ScriptedPolicy whose first turn is sampled only once `hold()` is true (a bounded wait)."""
+
+    def __init__(self, tok, texts, hold):
+        super().__init__(tok, texts, versions=list(range(len(texts))))
+        self.hold = hold
+
+    async def __call__(self, prefix, max_tokens):
+        for _ in range(6000):
+            if self.prefixes or self.hold():
+                return await super().__call__(prefix, max_tokens)
+            await asyncio.sleep(0.01)
+        raise AssertionError("the first turn's condition never held")
+
+
+def _branched(program, tok, texts, hold=None):
+    """One episode of a calculator agent that goes back in its conversation; (result, policy, item)."""
+    task = _task(f"calculator_agent:{program}")
+    item = task.train_items[2]
+
+    async def go():
+        env = task.environment(item)
+        policy = HeldPolicy(tok, texts, hold(env)) if hold else ScriptedPolicy(tok, texts, list(range(len(texts))))
+        try:
+            return await run_episode(policy, env, tok, LIMITS, 30.0), policy
+        finally:
+            await task.gateway.stop()
+    return (*asyncio.run(go()), item)
+
+
+@pytest.mark.parametrize("program", ["retry_turn", "gives_up"])
+def test_a_retried_turn_is_sampled_again_and_only_the_answer_the_agent_read_is_trained(tok, program):
+    """retry_turn asks its first turn twice and reads both answers; gives_up times out on its first request
+    (held until its retry has replaced it at the gateway), so that first answer reaches nobody. Either way the
+    row is the conversation the agent went on with, and the first answer's tokens are drift."""
+    hold = (lambda env: lambda: not env.calls.empty()) if program == "gives_up" else None
+    item = _task().train_items[2]
+    texts = ["==1=", _call(item), item.answer]
+    result, policy, item = _branched(program, tok, texts, hold)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    eos = tok.eos_token_id
+    assert (result.end_reason, result.error, result.reward) == ("finished", None, 1.0)
+    assert result.episode.token_ids == ([tok.bos_token_id] + enc(item.prompt) + enc(_call(item)) + [eos]
+                                        + enc(item.answer) + enc(item.answer) + [eos])
+    assert result.drift_tokens == len(enc("==1=")) + 1 and result.episode.sampled_turns == 3
+    assert policy.prefixes[1] == policy.prefixes[0]  # the retry continued the very prompt of the first try
+    assert sum(result.episode.loss_mask) == len(enc(_call(item))) + len(enc(item.answer)) + 2
+    assert [v for v, m in zip(result.episode.versions, result.episode.loss_mask) if m] == (
+        [1] * (len(enc(_call(item))) + 1) + [2] * (len(enc(item.answer)) + 1))
+
+
+@pytest.mark.parametrize("program", ["edit_reply", "summarise"])
+def test_an_agent_that_rewrites_its_history_starts_a_branch_with_the_rewrite_rendered_untrained(tok, program):
+    """edit_reply sends our tool-call turn back as its own text and the result as a user message; summarise
+    starts over from one message with the result. The rewritten conversation is the row's prompt (loss mask 0)
+    and the cut-off call turn is drift."""
+    item = _task().train_items[2]
+    result, _, item = _branched(program, tok, [_call(item), item.answer])
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    a, b, c = map(int, item.prompt[:-1].split("+"))
+    opening = item.prompt + ("==" if program == "edit_reply" else "") + str(a + b + c)
+    assert (result.end_reason, result.reward, result.drift_tokens) == ("finished", 1.0, len(enc(_call(item))) + 1)
+    ep = result.episode
+    assert ep.token_ids == [tok.bos_token_id] + enc(opening) + enc(item.answer) + [tok.eos_token_id]
+    assert ep.prompt_length == 1 + len(enc(opening)) and len(ep.model_turns) == 1
+
+
+def test_an_answer_the_agent_never_read_at_its_end_is_kept_untrained_and_counted(tok):
+    item = _task().train_items[2]
+    result, _, item = _branched("gives_up_last", tok, [item.answer], hold=lambda env: lambda: bool(
+        env.inflight and env.inflight()))
+    n = len(tok.encode(item.answer, add_special_tokens=False)) + 1
+    assert (result.end_reason, result.reward, result.drift_tokens) == ("finished", 0.0, n)
+    assert len(result.episode.model_turns) == 1 and sum(result.episode.loss_mask) == 0
+    stats = EpisodeStats()
+    stats.add([result])
+    assert stats.scalars()["actor/agent_drift_tokens"] == n
+    row = episode_rollout("run", "g", 0, item, result, "agent", "actor0", {})
+    assert row.metadata["drift_tokens"] == n and sum(row.loss_mask) == 0
+
+
+def test_where_a_call_continues_the_conversation():
+    """ChatProgramEnv.place: the calls a program made so far and the answers it got, then a new call's messages."""
+    from pipelinerl.envs.agent_gateway import AgentEnv
+    from pipelinerl.envs.chat_program import Answered, ModelCall
+    from pipelinerl.envs.tool_calls import call_format
+
+    user, tool = {"role": "user", "content": "1+2+3="}, {"role": "tool", "tool_call_id": "c1", "content": "6"}
+    echo = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "calculator",
+                                                                         "arguments": '{ "expression":"1+2+3" }'}}]}
+
+    def env_after_two_calls():
+        env = AgentEnv(None, None, {}, call_format("compact"), 1.0)
+        env.opening, env.turn_texts = [user], {"c1": "==1+2+3="}
+        env.answered = [Answered(ModelCall([user], None, None), "==1+2+3=", "", [("c1", "calculator",
+                                                                                  {"expression": "1+2+3"})]),
+                        Answered(ModelCall([user, echo, tool], None, None), "6", "6", [])]
+        return env
+
+    final = {"role": "assistant", "content": "6"}
+    more = {"role": "user", "content": "again"}
+    env = env_after_two_calls()  # extends the last call and its answer: appended, nothing kept back
+    assert env.place([user, echo, tool, final, more]) == (None, [more]) and len(env.answered) == 2
+    env = env_after_two_calls()  # the last turn retried
+    assert env.place([user, echo, tool]) == (3, []) and len(env.answered) == 1
+    env = env_after_two_calls()  # the last answer edited: back to before that turn
+    assert env.place([user, echo, tool, {"role": "assistant", "content": "7"}, more]) == (
+        3, [{"role": "assistant", "content": "7"}, more])
+    env = env_after_two_calls()  # the tool's result rewritten: after the first turn, whose call the echo repeats
+    assert env.place([user, echo, {**tool, "content": "9"}]) == (2, [{**tool, "content": "9"}])
+    assert len(env.answered) == 1 and env.as_text(echo) == {"role": "assistant", "content": "==1+2+3="}
+    env = env_after_two_calls()  # the opening rewritten: the episode restarts from it
+    summary = [{"role": "user", "content": "1+2+3=6"}]
+    assert env.place(summary) == (0, summary) and env.answered == [] and env.opening == summary
+    foreign = {"role": "assistant", "content": None, "tool_calls": [{"id": "x9", "function": {}}]}
+    with pytest.raises(RuntimeError, match="no model turn of this episode made"):
+        env.as_text(foreign)
 
 
 def test_bad_settings_are_refused():

@@ -370,3 +370,72 @@ def test_tiny_episode_with_compact_calls_answered_by_the_calculator(tiny):
     assert episode.end_reason == "finished" and len(episode.model_turns) == 4
     assert_prefixes_kept(episode, server)
     assert_columns(episode, server)
+
+
+# ------------------------------------------------------------ branches (a program going back in its conversation)
+
+
+def two_calls(qwen, max_turns: int = 8) -> tuple[Episode, ScriptedServer, list[list[int]]]:
+    """user | call 12*34 | tool 408 | call 408+5 | tool 413, ready for a third model turn."""
+    turns = [qwen_turn(qwen, call_text("12*34")), qwen_turn(qwen, call_text("408+5"))]
+    server = ScriptedServer([(t, True) for t in turns])
+    episode = Episode(qwen, [{"role": "user", "content": "What is 12*34+5?"}], tools=[CALC.template_entry()],
+                      limits=EpisodeLimits(max_turns=max_turns))
+    play(episode, server, [[{"role": "tool", "content": "408"}], [{"role": "tool", "content": "413"}]])
+    return episode, server, turns
+
+
+def test_a_branch_after_a_model_turn_is_the_sequence_built_along_it(qwen):
+    episode, server, turns = two_calls(qwen)
+    drift, turn = episode.branch(2, [{"role": "tool", "content": "999"}])  # the first call's answer rewritten
+    assert (drift, turn.kind, episode.sampled_turns) == (len(turns[1]), "env", 2)
+    along = Episode(qwen, [{"role": "user", "content": "What is 12*34+5?"}], tools=[CALC.template_entry()])
+    play(along, ScriptedServer([(turns[0], True)]), [[{"role": "tool", "content": "999"}]])
+    assert episode.token_ids == along.token_ids and episode.messages == along.messages
+    assert (episode.loss_mask, episode.versions, episode.logprobs) == (along.loss_mask, along.versions,
+                                                                       along.logprobs)
+    assert episode.prefix() == render_ids(qwen, along.messages, generation_prompt=True)
+
+
+def test_a_retried_call_goes_back_to_before_its_turn_token_for_token(qwen):
+    episode, server, turns = two_calls(qwen)
+    drift, turn = episode.branch(3, [])  # user, call, tool 408 again: the second call retried
+    assert drift == len(turns[1]) and turn.kind == "env"
+    assert episode.prefix() == server.prefixes[1]  # exactly the tokens its first try was sampled from
+    assert len(episode.model_turns) == 1 and episode.sampled_turns == 2
+
+
+def test_a_branch_that_keeps_no_model_turn_restarts_from_a_prompt_with_nothing_trained(qwen):
+    episode, _, turns = two_calls(qwen)
+    summary = [{"role": "user", "content": "What is 12*34+5?"}, {"role": "assistant", "content": "12*34 is 408."},
+               {"role": "user", "content": "Now add 5."}]
+    drift, turn = episode.branch(1, summary[1:])
+    assert (drift, turn.kind, [t.kind for t in episode.turns]) == (sum(map(len, turns)), "prompt", ["prompt"])
+    assert episode.token_ids == render_ids(qwen, summary, generation_prompt=True)
+    assert set(episode.loss_mask) == {0} and episode.messages == summary
+
+
+def test_mask_after_takes_the_last_turns_out_of_the_loss_and_keeps_them(qwen):
+    episode, _, turns = two_calls(qwen)
+    before = list(episode.token_ids)
+    assert episode.mask_after(3) == len(turns[1])
+    assert episode.token_ids == before and sum(episode.loss_mask) == len(turns[0])
+    assert episode.mask_after(0) == len(turns[0]) and sum(episode.loss_mask) == 0
+
+
+def test_max_turns_counts_the_turns_a_branch_cut_off(qwen):
+    episode, _, turns = two_calls(qwen, max_turns=3)
+    assert episode.branch(3, [])[1] is not None  # the second call retried: 2 turns sampled of 3
+    episode.add_model_turn(turns[1], [0.0] * len(turns[1]), [0] * len(turns[1]), finished=True)
+    drift, turn = episode.branch(3, [])  # and retried again: a fourth turn would be one too many
+    assert (drift, turn, episode.end_reason, episode.sampled_turns) == (len(turns[1]), None, "max_turns", 3)
+
+
+def test_a_branch_out_of_the_conversation_or_past_the_token_limit_is_refused_and_changes_nothing(qwen):
+    episode, _, _ = two_calls(qwen)
+    before = (list(episode.token_ids), list(episode.messages))
+    with pytest.raises(ValueError, match="within the conversation"):
+        episode.branch(6, [])
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        episode.branch(0, [{"role": "user", "content": "hello world " * 2000}])
+    assert (episode.token_ids, episode.messages) == before

@@ -203,22 +203,3 @@ def test_a_single_turn_environment_with_weighted_rewards(loop, request, tok):
     assert result.episode.tools is None and len(result.episode.model_turns) == 1
     wrong, _ = _episode(loop, task, item, tok, ["1"])
     assert (wrong.reward, wrong.scores) == (0.0, {"exact": 0.0, "right_length": 0.0})
-
-
-def test_a_call_that_rewrites_the_conversation_cannot_be_continued():
-    from pipelinerl.envs.chat_program import ModelCall
-    from pipelinerl.envs.tool_calls import call_format
-    from pipelinerl.envs.verifiers_env import VerifiersEnv
-
-    env = VerifiersEnv(None, None, None, call_format("compact"), serve=None)
-    before = [{"role": "user", "content": "1+2+3="}]
-    turn = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}
-    env.pending = ModelCall(before + [turn, {"role": "tool", "content": "6", "tool_call_id": "c1"}], None, None)
-    assert env.new_messages(before) == [{"role": "tool", "content": "6"}]
-    for now in ([{"role": "user", "content": "1+2+4="}, turn, {"role": "tool", "content": "7"}],  # edited
-                [turn, {"role": "tool", "content": "6"}],  # the first message dropped
-                before + [turn],  # nothing new after the model's turn
-                before + [turn, {"role": "system", "content": "be brief"}]):  # not a tool or user message
-        env.pending = ModelCall(now, None, None)
-        with pytest.raises(RuntimeError):
-            env.new_messages(before)

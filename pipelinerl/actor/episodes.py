@@ -68,7 +68,8 @@ def episode_rollout(run_id: str, group_id: str, k: int, item: PromptItem, result
                    truncated=ep.truncated and result.error is None, task=task, actor_id=actor_id,
                    turns=len(ep.model_turns), tool_calls=result.tool_calls, tool_errors=result.tool_errors,
                    end_reason=result.end_reason,
-                   metadata={"prompt_id": item.id, **metadata, **({"env_error": result.error} if result.error else {})})
+                   metadata={"prompt_id": item.id, **metadata, **({"env_error": result.error} if result.error else {}),
+                             **({"drift_tokens": result.drift_tokens} if result.drift_tokens else {})})
 
 
 def model_versions(result: EpisodeResult) -> set[int]:
@@ -89,6 +90,7 @@ class EpisodeStats:
     straddling: int = 0  # episodes whose model tokens come from more than one policy version
     env_tokens: int = 0
     model_tokens: int = 0
+    drift_tokens: int = 0  # sampled, then cut off or masked by a program's branch (EpisodeResult.drift_tokens)
     scores: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum, episodes that report it]
 
     def add(self, results: list[EpisodeResult]) -> None:
@@ -103,6 +105,7 @@ class EpisodeStats:
             self.truncated += ep.truncated and r.error is None
             self.straddling += len(model_versions(r)) > 1
             self.model_tokens += model
+            self.drift_tokens += r.drift_tokens
             self.env_tokens += len(ep.token_ids) - ep.prompt_length - model
             for name, value in r.scores.items():
                 total = self.scores.setdefault(name, [0.0, 0])
@@ -112,14 +115,14 @@ class EpisodeStats:
     def scalars(self) -> dict[str, float]:
         """actor/episode/*: means per episode, tool-call success, the fractions that ended badly or straddled
         a weight update, and score/<name>: each reward part's mean over the episodes that report it (empty
-        when no episode finished)."""
+        when no episode finished); actor/agent_drift_tokens: the model tokens branches took out of training."""
         n = self.episodes
         if not n:
             return {}
         out = {"actor/episode/turns": self.turns / n, "actor/episode/tool_calls": self.tool_calls / n,
                "actor/episode/env_errors": float(self.env_errors), "actor/episode/truncated": self.truncated / n,
                "actor/episode/straddling": self.straddling / n, "actor/episode/model_tokens": self.model_tokens / n,
-               "actor/episode/env_tokens": self.env_tokens / n}
+               "actor/episode/env_tokens": self.env_tokens / n, "actor/agent_drift_tokens": float(self.drift_tokens)}
         if self.tool_calls:
             out["actor/episode/tool_call_success"] = 1 - self.tool_errors / self.tool_calls
         out.update({f"actor/episode/score/{name}": total / count for name, (total, count) in self.scores.items()})

@@ -3,9 +3,11 @@
 For each episode the actor starts the user's agent, an `async def agent(client_kwargs: dict, item: dict) ->
 float | None` (`task.agent.program`), with `client_kwargs = {"base_url": <the gateway>/v1, "api_key": <a key of
 this episode only>}`, what `openai.AsyncOpenAI(**client_kwargs)` takes, and `item = {"id", "prompt", "answer"}`.
-Every chat completion the agent asks with that key is one turn of the episode (envs/chat_program.py): the
-messages it sends must extend those of its previous request (the stored conversation, our turn, then its new
-tool or user messages), which our Episode renders after the exact tokens so far; the model's turn comes back as
+Every chat completion the agent asks with that key is one turn of the episode (envs/chat_program.py): messages
+that extend those of its previous request (the stored conversation, our turn, then its new tool or user messages)
+are rendered after the exact tokens so far; a request that goes back (a retried turn, an edited or dropped
+message, a summarised context) branches the episode, and the model tokens it cuts off are counted
+(actor/agent_drift_tokens), never trained. The model's turn comes back as
 an OpenAI chat completion, its tool calls (written in task.agent.tool_format) as `tool_calls`, so an SDK runs
 its function tools unchanged. The agent's return value is the episode's reward; an agent that returns None
 must have posted one (`POST /rl/reward {"reward": x}` with its key).
@@ -14,10 +16,10 @@ The gateway answers bad requests with a clear error and never lets one touch ano
   401  no key, or a key of no running episode;   409  the episode has ended (a limit ended it first)
   400  a body that is not JSON (or nested past the parser's depth), no `messages` list, `stream: true` (not
        supported), a reward not a finite number;   413  a body over MAX_BODY_BYTES
-  429  a second request with a key whose previous one is still being answered (one turn at a time)
+  429  a second request with a key whose previous one is still being answered (one turn at a time), with
+       `retry-after-ms`; once the previous request's client has given up (closed its connection: a client
+       timeout), the new request replaces it, and the turn answering the abandoned one is not trained
 An agent that raises, or runs past task.agent.max_wall_s, ends its own episode as an environment error.
-Not yet: an agent that rewrites its history (an edited, dropped or retried turn) ends its episode as an
-environment error too, instead of starting a branch whose drifted tokens are masked.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pipelinerl.envs.tool_calls import CallFormat
 
 Agent = Callable[[dict, dict], Awaitable[float | None]]
 MAX_BODY_BYTES = 8 * 2**20  # a request's body; larger ones get 413 (a conversation this size exceeds any episode)
+RETRY_AFTER_MS = 200  # what a 429 asks the client to wait (the openai client honours it in its own retries)
 
 
 class EpisodeEnded(Exception):
@@ -116,15 +119,18 @@ class Gateway:
             return _error(400, "`tools` must be a list of function tools")
         if body.get("stream"):
             return _error(400, "streaming is not supported: send stream=false")
-        if env.busy:
-            return _error(429, "this episode's previous request is still being answered: one turn at a time")
-        env.busy = True
+        if env.inflight is not None and not env.inflight():
+            response = _error(429, "this episode's previous request is still being answered: one turn at a time")
+            response.headers["retry-after-ms"] = str(RETRY_AFTER_MS)
+            return response
+        env.inflight = gone = _gone(request)  # replaces a request whose client is gone, if any
         try:
-            content, calls = await env.model_call(messages, tools or None)
+            content, calls = await env.model_call(messages, tools or None, gone)
         except EpisodeEnded:
             return _error(409, "the episode of this key has ended")
         finally:
-            env.busy = False
+            if env.inflight is gone:
+                env.inflight = None
         return web.json_response(completion(str(body.get("model", "policy")), content, calls))
 
     async def _reward(self, request: web.Request) -> web.Response:
@@ -139,6 +145,11 @@ class Gateway:
         return web.json_response({"ok": True})
 
 
+def _gone(request: web.Request) -> Callable[[], bool]:
+    """Whether the request's client has closed its connection (aiohttp drops the transport when it sees that)."""
+    return lambda: request.transport is None
+
+
 class AgentEnv(ChatProgramEnv):
     """One episode of `agent` on `item` through `gateway`, under its own key."""
 
@@ -146,7 +157,7 @@ class AgentEnv(ChatProgramEnv):
         super().__init__(call_format)
         self.gateway, self.agent, self.item, self.max_wall_s = gateway, agent, item, max_wall_s
         self.key = f"pl-{secrets.token_urlsafe(24)}"
-        self.busy = False
+        self.inflight: Callable[[], bool] | None = None  # the request being answered: whether its client is gone
         self.posted_reward: float | None = None
 
     async def start(self) -> None:

@@ -12,8 +12,14 @@ token-in/token-out, and answers it with the turn's text and the tool calls parse
     close():     if our episode ended first (a limit), the parked call fails with the subclass's `ended_error()`
                  and the program gets CLOSE_TIMEOUT_S to wind down before it is cancelled
 
-A call that does not extend the conversation of the call before (an earlier message edited or dropped) cannot be
-continued token-exactly: the episode ends as an environment error with that reason, as when the program raises.
+A call that does not extend the conversation of the call before goes back in it (a retried turn, an earlier
+message edited or dropped, a summarised context): the episode branches (episode.py) from the last of its calls
+whose messages the new call still starts with, after that call's model turn if the new call repeats the answer
+it got, before it otherwise (no call's: the longest run of opening messages they share). The messages after that
+point are rendered again (assistant messages included, loss mask 0), and the model tokens of the turns cut off
+are counted as drift, never trained. A call the program gave up on (`gone`: the gateway's client closed its
+connection) has an answer nobody read: the next call cannot extend it, and if the program ends instead, that
+turn stays in the sequence with loss mask 0.
 """
 
 from __future__ import annotations
@@ -22,10 +28,10 @@ import abc
 import asyncio
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pipelinerl.envs.environment import MESSAGE_ROLES, Environment, EnvReply
+from pipelinerl.envs.environment import BRANCH_ROLES, MESSAGE_ROLES, Environment, EnvReply
 from pipelinerl.envs.tool_calls import CallFormat, ToolCall, ToolSpec
 
 CLOSE_TIMEOUT_S = 30.0  # for a program to wind down once our episode has ended it
@@ -39,6 +45,20 @@ class ModelCall:
     messages: list[dict]
     tools: list[dict] | None
     answer: asyncio.Future
+    gone: Callable[[], bool] = lambda: False  # whether the caller gave up waiting (nobody will read the answer)
+    abandoned: bool = False  # the caller was gone once the answer was ready
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # set once `abandoned` is known
+
+
+@dataclass
+class Answered:
+    """A call the episode's sequence answered: the call, the model turn's text and the assistant message the
+    program got ((content, [(call id, name, arguments)]))."""
+
+    call: ModelCall
+    text: str
+    content: str
+    tool_calls: list[tuple[str, str, object]]
 
 
 @dataclass
@@ -64,8 +84,11 @@ class ChatProgramEnv(Environment):
         self.calls: asyncio.Queue[ModelCall | None] = asyncio.Queue()
         self.pending: ModelCall | None = None
         self.prompt: list[dict] = []
+        self.opening: list[dict] = []
         self.program: asyncio.Task | None = None
         self.ended = False
+        self.answered: list[Answered] = []  # the calls the sequence's model turns answered, in order
+        self.turn_texts: dict[str, str] = {}  # tool call id -> the text of the model turn that made the call
 
     @abc.abstractmethod
     async def run_program(self) -> ProgramEnd:
@@ -85,14 +108,21 @@ class ChatProgramEnv(Environment):
         if self.pending is None:
             raise RuntimeError(f"the program ended before its first model call: {self.failure()}")
         self.prompt, self.tools = self.pending.messages, self.pending.tools
+        self.opening = self.prompt  # the messages the episode's sequence opens with (a branch may restart it)
 
-    async def model_call(self, messages: list[dict], tools: list[dict] | None) -> tuple[str | None, list[dict]]:
-        """(content, tool calls) of the model's turn that answers this call of the program."""
+    async def model_call(self, messages: list[dict], tools: list[dict] | None,
+                         gone: Callable[[], bool] | None = None) -> tuple[str | None, list[dict]]:
+        """(content, tool calls) of the model's turn that answers this call of the program. `gone`: whether the
+        caller has given up waiting, checked once the answer is ready."""
         if self.ended:
             raise self.ended_error()
-        call = ModelCall(messages, tools, asyncio.get_running_loop().create_future())
+        call = ModelCall(messages, tools, asyncio.get_running_loop().create_future(), gone or (lambda: False))
         self.calls.put_nowait(call)
-        return await call.answer
+        try:
+            return await call.answer
+        finally:
+            call.abandoned = call.gone()
+            call.settled.set()
 
     def messages(self) -> list[dict]:
         return [dict(m) for m in self.prompt] if self.prompt else self.opening_messages()
@@ -103,28 +133,70 @@ class ChatProgramEnv(Environment):
         content = text
         for c in calls:
             content = content.replace(c.text, "", 1)
-        self.pending.answer.set_result((content if content.strip() or not calls else None,
-                                        [{"id": f"call_{uuid.uuid4().hex[:12]}", "name": c.name,
-                                          "arguments": json.dumps(c.arguments)} for c in calls]))
+        content = content if content.strip() or not calls else None
+        answer = [{"id": f"call_{uuid.uuid4().hex[:12]}", "name": c.name, "arguments": json.dumps(c.arguments)}
+                  for c in calls]
+        self.pending.answer.set_result((content, answer))
+        self.answered.append(Answered(self.pending, text, content or "",
+                                      [(a["id"], a["name"], c.arguments) for a, c in zip(answer, calls, strict=True)]))
+        self.turn_texts.update((a["id"], text) for a in answer)
         counts = {"tool_calls": len(parsed), "tool_errors": len(parsed) - len(calls)}
         asked, self.pending = self.pending, await self.calls.get()
         if self.pending is None:
             end = await self.program
-            return EnvReply(done=True, reward=float(end.reward), scores=end.scores, **counts)
-        return EnvReply(messages=self.new_messages(asked.messages), **counts)
+            await asyncio.wait_for(asked.settled.wait(), CLOSE_TIMEOUT_S)  # its caller's check follows the answer
+            keep = len(asked.messages) if asked.abandoned else None
+            return EnvReply(done=True, reward=float(end.reward), scores=end.scores, keep_messages=keep, **counts)
+        keep, new = self.place(self.pending.messages)
+        if keep is None:
+            if any(m.get("role") not in MESSAGE_ROLES or not isinstance(m.get("content"), str) for m in new):
+                raise RuntimeError(f"the program added messages other than {MESSAGE_ROLES} with text after the "
+                                   f"model's turn: {str(new)[:300]}")
+            return EnvReply(messages=[{"role": m["role"], "content": m["content"]} for m in new], **counts)
+        return EnvReply(messages=[self.as_text(m) for m in new], keep_messages=keep, **counts)
 
-    def new_messages(self, before: list[dict]) -> list[dict]:
-        """The messages the program added after our last turn: the previous call's messages, our turn, then
-        these (tool results, a user's reply)."""
-        now = self.pending.messages
-        if now[:len(before)] != before or len(now) <= len(before) + 1 or now[len(before)]["role"] != "assistant":
-            raise RuntimeError("the program's model call does not extend the conversation it sent before (an "
-                               "earlier message edited or dropped): the episode cannot be continued token-exactly")
-        new = now[len(before) + 1:]
-        if any(m.get("role") not in MESSAGE_ROLES or not isinstance(m.get("content"), str) for m in new):
-            raise RuntimeError(f"the program added messages other than {MESSAGE_ROLES} with text after the "
-                               f"model's turn: {str(new)[:300]}")
-        return [{"role": m["role"], "content": m["content"]} for m in new]
+    def place(self, now: list[dict]) -> tuple[int | None, list[dict]]:
+        """Where the call with messages `now` continues the conversation: (None, its new messages) when it extends
+        the last answered call and the answer it got with more messages; else (the messages kept, the messages
+        after them), and the answered calls after that point are forgotten (module doc)."""
+        keep = None
+        for j in range(len(self.answered) - 1, -1, -1):
+            done = self.answered[j]
+            before = done.call.messages
+            if now[:len(before)] == before:
+                extends = not done.call.abandoned and len(now) > len(before) and _same_answer(now[len(before)], done)
+                if extends and j == len(self.answered) - 1 and len(now) > len(before) + 1:
+                    return None, now[len(before) + 1:]
+                del self.answered[j + extends:]
+                keep = len(before) + extends
+                break
+        if keep is None:
+            self.answered.clear()
+            keep = next((i for i, (a, b) in enumerate(zip(now, self.opening)) if a != b),
+                        min(len(now), len(self.opening)))
+        if not self.answered:  # no model turn kept: the episode restarts from these messages
+            self.opening = now
+        return keep, now[keep:]
+
+    def as_text(self, message: dict) -> dict:
+        """A message of a branch as the chat template renders it: role and text. An assistant message is the text
+        of the model turn whose tool calls it carries, or its content; tool calls that none of our turns made
+        cannot be written in the model's format."""
+        role, content = message.get("role"), message.get("content")
+        if role not in MESSAGE_ROLES + BRANCH_ROLES:
+            raise RuntimeError(f"a message of role {role!r} cannot be rendered: {str(message)[:300]}")
+        if isinstance(content, list):  # content parts: their text
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        ids = [c.get("id") for c in message.get("tool_calls") or () if isinstance(c, dict)]
+        if role == "assistant" and (message.get("tool_calls") or ids):
+            texts = {self.turn_texts.get(i) for i in ids}
+            if len(texts) != 1 or None in texts or len(ids) != len(message["tool_calls"]):
+                raise RuntimeError(f"an assistant message with tool calls no model turn of this episode made cannot "
+                                   f"be rendered in the model's format: {str(message)[:300]}")
+            return {"role": role, "content": texts.pop()}
+        if not isinstance(content, str | None):
+            raise RuntimeError(f"a message without text content cannot be rendered: {str(message)[:300]}")
+        return {"role": role, "content": content or ""}
 
     def failure(self) -> str:
         """Why the program ended."""
@@ -148,3 +220,18 @@ class ChatProgramEnv(Environment):
             self.program.cancel()
         except Exception:  # noqa: BLE001, S110 -- the program's own failure after our episode ended changes nothing
             pass
+
+
+def _same_answer(message: dict, done: Answered) -> bool:
+    """Whether the program's copy of an assistant message is the answer it got: the same content (None as "") and
+    the same tool calls (ids, names, and arguments as JSON values)."""
+    if not isinstance(message, dict) or message.get("role") != "assistant":
+        return False
+    if (message.get("content") or "") != done.content:
+        return False
+    try:
+        calls = [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+                 for c in message.get("tool_calls") or ()]
+    except (KeyError, TypeError, ValueError, RecursionError):
+        return False
+    return calls == done.tool_calls

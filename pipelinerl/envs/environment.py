@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 MESSAGE_ROLES = ("user", "tool")  # what an environment may answer with (the assistant's turns are the model's)
+BRANCH_ROLES = ("assistant", "system")  # what a branch may render again as well (EnvReply.keep_messages)
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,11 @@ class EnvReply:
     """The environment's answer to one model turn: `messages` to continue with, or `done` with `reward`.
     `tool_calls` / `tool_errors`: the calls the turn made and how many of them failed (malformed, unknown
     tool, refused input), counted per episode in the stream and in TensorBoard. `scores`: with `done`, the
-    reward's parts by name (an environment with several reward functions), each logged as its mean."""
+    reward's parts by name (an environment with several reward functions), each logged as its mean.
+    `keep_messages`: a program that went back in its conversation (an agent that retried a turn or edited its
+    history): the episode continues from its first `keep_messages` messages, then `messages` (which may then be
+    empty, or hold assistant and system messages: rendered, not trained); with `done`, the model turns after them
+    are not trained (episode.py's branches)."""
 
     messages: Sequence[dict] = field(default_factory=tuple)
     done: bool = False
@@ -40,6 +45,7 @@ class EnvReply:
     tool_calls: int = 0
     tool_errors: int = 0
     scores: Mapping[str, float] = field(default_factory=dict)
+    keep_messages: int | None = None
 
 
 class Environment(abc.ABC):
@@ -79,12 +85,18 @@ def reply_problem(reply: object) -> str | None:
             isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
             for k, v in reply.scores.items()):
         return f"scores must map names to finite numbers, got {str(reply.scores)[:200]}"
+    branch = reply.keep_messages is not None
+    if branch and (isinstance(reply.keep_messages, bool) or not isinstance(reply.keep_messages, int)
+                   or reply.keep_messages < 0):
+        return f"keep_messages must be a message count (an int >= 0), got {reply.keep_messages!r}"
     if reply.done:
         return None
-    if isinstance(reply.messages, (str, bytes)) or not isinstance(reply.messages, Sequence) or not reply.messages:
+    if isinstance(reply.messages, (str, bytes)) or not isinstance(reply.messages, Sequence):
+        return "messages must be a sequence of message dicts"
+    if not reply.messages and not branch:
         return "a reply that does not end the episode needs at least one message"
+    roles = MESSAGE_ROLES + BRANCH_ROLES if branch else MESSAGE_ROLES
     for m in reply.messages:
-        if not isinstance(m, dict) or m.get("role") not in MESSAGE_ROLES or not isinstance(m.get("content"), str):
-            return (f"every message must be a dict with a role in {MESSAGE_ROLES} and a string content, "
-                    f"got {str(m)[:200]}")
+        if not isinstance(m, dict) or m.get("role") not in roles or not isinstance(m.get("content"), str):
+            return f"every message must be a dict with a role in {roles} and a string content, got {str(m)[:200]}"
     return None

@@ -29,6 +29,15 @@ environment's text starts at a special token, so tokenising it alone splits noth
 Templates that are not prefix-stable (a later message changes the rendering of earlier ones, e.g. one
 that drops past reasoning) cannot be continued by appending: `ValueError`.
 
+Branches. A program that drives the conversation itself (an agent on the OpenAI API) may go back in it: retry a
+turn, edit or drop earlier messages. `branch(keep, messages)` continues the episode from its first `keep`
+messages followed by `messages`: the sequence is cut after the last model turn within those messages, the kept
+messages after it are rendered again with the new ones as one environment turn, and the model tokens cut off
+(the drift) are no longer in the sequence, so never trained; with no model turn kept, the episode restarts from
+a prompt of those messages. `mask_after(keep)` is the same at the end of an episode: the model turns after
+`keep` messages stay in the sequence with loss mask 0. `max_turns` counts every model turn sampled, cut ones
+included, so a program that retries forever still ends.
+
 Only the prompt gets BOS (from the template); environment text is tokenised without adding special tokens.
 Text that spells one (a tool printing `<|im_end|>`) becomes that token, as in a full rendering: an
 environment that must prevent it escapes its messages.
@@ -91,13 +100,19 @@ class Episode:
         self.logprobs: list[float] = []
         self.turns: list[Turn] = []
         self.end_reason: str | None = None
+        self.sampled_turns = 0  # model turns sampled, those a branch cut off included (what max_turns counts)
         self._owed = ""  # what the template's close of the last model turn needs beyond the sampled tokens
-        prompt = self._render(self.messages, generation_prompt=True)
+        self._marks: list[tuple[int, str]] = []  # per turn: (messages so far, owed) after it, to go back to
+        prompt, ids = self._prompt(self.messages)
+        self._append("prompt", ids, prompt)
+
+    def _prompt(self, messages: list[dict]) -> tuple[str, list[int]]:
+        prompt = self._render(messages, generation_prompt=True)
         ids = self._encode(prompt)
         if len(ids) >= self.limits.max_total_tokens:
             raise ValueError(f"the prompt has {len(ids)} tokens, no fewer than max_total_tokens="
                              f"{self.limits.max_total_tokens}: raise the limit or shorten the prompt")
-        self._append("prompt", ids, prompt)
+        return prompt, ids
 
     # ------------------------------------------------------------ state
 
@@ -150,6 +165,7 @@ class Episode:
         end_text = self.tokenizer.decode(token_ids[-1:], skip_special_tokens=False) if ended else ""
         self._owed = close[len(end_text):] if ended and close.startswith(end_text) else close
         self.messages.append({"role": "assistant", "content": content})
+        self.sampled_turns += 1
         turn = self._append("model", token_ids, content, list(logprobs), list(versions))
         if not finished:
             self.end_reason = ("max_tokens_per_turn" if budget == self.limits.max_tokens_per_turn
@@ -163,7 +179,7 @@ class Episode:
         "max_total_tokens" when the reply would leave no room for one new token)."""
         assert not self.done, "the episode has ended"
         assert self.turns[-1].kind == "model", "an environment turn follows a model turn"
-        if len(self.model_turns) >= self.limits.max_turns:
+        if self.sampled_turns >= self.limits.max_turns:
             self.end_reason = "max_turns"
             return None
         before = self._render(self.messages, generation_prompt=False)
@@ -179,6 +195,50 @@ class Episode:
             return None
         self.messages.extend(messages)
         return self._append("env", ids, text)
+
+    def branch(self, keep: int, messages: Sequence[dict]) -> tuple[int, Turn | None]:
+        """Continue from the first `keep` messages of the conversation followed by `messages` (module doc).
+        Returns (the model tokens cut off, the turn that now ends the sequence: an environment turn, or the
+        prompt when no model turn was kept; None when a limit ends the episode instead, as in add_env_turn).
+        ValueError when the restarted prompt would exceed max_total_tokens (nothing changed), or when the template
+        cannot render the tail after the kept turns (as in add_env_turn; the sequence is then cut)."""
+        assert not self.done, "the episode has ended"
+        if not 0 <= keep <= len(self.messages):
+            raise ValueError(f"keep must be within the conversation's {len(self.messages)} messages, got {keep}")
+        messages = [dict(m) for m in messages]
+        cut = self._last_model_turn_within(keep)
+        if cut is None:
+            start = self.messages[:keep] + messages
+            prompt, ids = self._prompt(start)
+            drift = sum(self.loss_mask)
+            self._truncate(0, [], "")
+            self.messages = start
+            return drift, self._append("prompt", ids, prompt)
+        tail = self.messages[self._marks[cut][0]:keep] + messages
+        drift = sum(self.loss_mask[self.turns[cut].end:])
+        self._truncate(cut + 1, self.messages[:self._marks[cut][0]], self._marks[cut][1])
+        return drift, self.add_env_turn(tail)
+
+    def mask_after(self, keep: int) -> int:
+        """Take the model turns after the first `keep` messages out of the loss (loss mask 0, kept in the
+        sequence); returns how many model tokens that was."""
+        cut = self._last_model_turn_within(keep)
+        start = self.turns[cut].end if cut is not None else self.prompt_length
+        dropped = sum(self.loss_mask[start:])
+        self.loss_mask[start:] = [0] * (len(self.loss_mask) - start)
+        return dropped
+
+    def _last_model_turn_within(self, keep: int) -> int | None:
+        """The index of the last model turn whose assistant message is among the first `keep` messages."""
+        return max((i for i, t in enumerate(self.turns) if t.kind == "model" and self._marks[i][0] <= keep),
+                   default=None)
+
+    def _truncate(self, turns: int, messages: list[dict], owed: str) -> None:
+        end = self.turns[turns - 1].end if turns else 0
+        for seq in (self.token_ids, self.loss_mask, self.versions, self.logprobs):
+            del seq[end:]
+        del self.turns[turns:], self._marks[turns:]
+        self.messages, self._owed = messages, owed
 
     def finish(self) -> None:
         """The environment ends the episode after the last model turn (nothing more is appended)."""
@@ -214,4 +274,5 @@ class Episode:
         self.logprobs.extend(logprobs if model else [NO_LOGPROB] * len(ids))
         turn = Turn(kind, start, len(self.token_ids), text)
         self.turns.append(turn)
+        self._marks.append((len(self.messages), self._owed))
         return turn

@@ -2,7 +2,8 @@
 
     await env.start(); episode = Episode(tokenizer, env.messages(), limits, tools=env.tools)
     loop: completion of episode.prefix()  ->  add_model_turn  ->  env.step(turn text)
-          -> done (reward) | add_env_turn(messages) | a limit ends it (truncated, reward 0)
+          -> done (reward) | add_env_turn(messages) | branch(keep_messages, messages) | a limit ends it
+             (truncated, reward 0)
 
 Every call continues the episode's exact token prefix, so a weight update that lands between (or
 during) turns costs nothing: the servers keep every running sequence, and the episode's model tokens
@@ -47,6 +48,7 @@ class EpisodeResult:
     tool_errors: int = 0
     error: str | None = None  # why the environment failed (end_reason is then ENV_ERROR)
     scores: dict[str, float] = field(default_factory=dict)  # the reward's parts by name (EnvReply.scores)
+    drift_tokens: int = 0  # model tokens a branch took out of the training (EnvReply.keep_messages)
 
     @property
     def end_reason(self) -> str:
@@ -75,11 +77,24 @@ async def run_episode(generate: Generate, env: Environment, tokenizer, limits: E
             result.tool_calls += reply.tool_calls
             result.tool_errors += reply.tool_errors
             if reply.done:
+                if reply.keep_messages is not None:
+                    result.drift_tokens += episode.mask_after(reply.keep_messages)
                 episode.finish()
                 result.reward = float(reply.reward)
                 result.scores = {k: float(v) for k, v in reply.scores.items()}
                 return result
-            if episode.add_env_turn(reply.messages) is None:  # max_turns / max_total_tokens: truncated
+            if reply.keep_messages is None:
+                appended = episode.add_env_turn(reply.messages)
+            else:
+                try:
+                    drift, appended = episode.branch(reply.keep_messages, reply.messages)
+                except ValueError as err:
+                    log.warning("%s: the program's branch cannot be continued (the episode ends with reward 0): %s",
+                                name, err)
+                    result.error = f"the program's branch cannot be continued: {err}"
+                    return result
+                result.drift_tokens += drift
+            if appended is None:  # max_turns / max_total_tokens: truncated
                 return result
     finally:
         await _close(env, name)

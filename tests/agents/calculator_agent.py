@@ -1,7 +1,8 @@
 """An agent program as users write them, on the plain `openai` client with a function tool, for the tests and
 configs/tiny_agent.yaml: the tiny tool task (three 3-digit numbers to sum) with a calculator the agent runs
 itself. Its reward: 1 for the exact sum as its final reply. `hang`, `crash` and `post_reward` are the tests'
-misbehaving variants.
+misbehaving variants; `retry_turn`, `edit_reply`, `summarise`, `gives_up` and `gives_up_last` go back in their
+conversation.
 
 The episodes' clients share one HTTP client per event loop: an `AsyncOpenAI` of its own builds an SSL context
 (~30 ms of CPU), and hundreds of episodes starting at once on the actor's loop would hold the gateway (on the
@@ -35,9 +36,9 @@ def calculate(expression: str) -> str:
     return str(sum(map(int, terms))) if all(t.isdigit() for t in terms) else "*"
 
 
-async def agent(client_kwargs: dict, item: dict) -> float:
+async def agent(client_kwargs: dict, item: dict, messages: list[dict] | None = None) -> float:
     openai_client = client(client_kwargs)
-    messages = [{"role": "user", "content": item["prompt"]}]
+    messages = messages or [{"role": "user", "content": item["prompt"]}]
     for _ in range(3):
         reply = (await openai_client.chat.completions.create(model="policy", messages=messages,
                                                              tools=[CALCULATOR])).choices[0].message
@@ -73,3 +74,54 @@ async def hang(client_kwargs: dict, item: dict) -> float:
                                                                                    "content": item["prompt"]}])
     await asyncio.sleep(3600)
     return 0.0
+
+
+async def _ask(client_kwargs: dict, messages: list[dict], **kwargs):
+    return (await client(client_kwargs).chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR],
+                                                                **kwargs)).choices[0].message
+
+
+async def retry_turn(client_kwargs: dict, item: dict) -> float:
+    """Asks its first turn twice (as an agent whose check rejected the first answer), then goes on as `agent`."""
+    opening = [{"role": "user", "content": item["prompt"]}]
+    await _ask(client_kwargs, opening)
+    return await agent(client_kwargs, item, opening)
+
+
+async def edit_reply(client_kwargs: dict, item: dict) -> float:
+    """Runs the calculator call it gets, then sends the conversation with the model's turn rewritten as its own
+    text and the result as a user message (an agent that keeps its own history format)."""
+    opening = [{"role": "user", "content": item["prompt"]}]
+    reply = await _ask(client_kwargs, opening)
+    result = calculate(json.loads(reply.tool_calls[0].function.arguments)["expression"])
+    final = await _ask(client_kwargs, opening + [{"role": "assistant", "content": "=="},
+                                                 {"role": "user", "content": result}])
+    return float(final.content == item["answer"])
+
+
+async def summarise(client_kwargs: dict, item: dict) -> float:
+    """Runs the calculator call it gets, then starts over from one message holding the prompt and the result."""
+    reply = await _ask(client_kwargs, [{"role": "user", "content": item["prompt"]}])
+    result = calculate(json.loads(reply.tool_calls[0].function.arguments)["expression"])
+    final = await _ask(client_kwargs, [{"role": "user", "content": item["prompt"] + result}])
+    return float(final.content == item["answer"])
+
+
+async def gives_up(client_kwargs: dict, item: dict) -> float:
+    """Its first request times out (the test holds its turn until the gateway has seen the client go), and it
+    sends the same request again, then goes on as `agent`."""
+    opening = [{"role": "user", "content": item["prompt"]}]
+    try:
+        await _ask(client_kwargs, opening, timeout=0.5)
+    except openai.APITimeoutError:
+        pass
+    return await agent(client_kwargs, item, opening)
+
+
+async def gives_up_last(client_kwargs: dict, item: dict) -> float:
+    """Its only request times out, and it returns 0 without the answer."""
+    try:
+        await _ask(client_kwargs, [{"role": "user", "content": item["prompt"]}], timeout=0.5)
+    except openai.APITimeoutError:
+        return 0.0
+    return 1.0
