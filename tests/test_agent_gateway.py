@@ -1,8 +1,9 @@
-"""The agent gateway (envs/agent_gateway.py, tasks/agent_task.py): an agent program on the real `openai` client
-with a function tool (tests/agents/calculator_agent.py) trained as it is. Its chat completions are the turns of
-one episode, token for token, sampled here by a scripted policy on the tiny tokenizer; its tool calls reach it as
-OpenAI `tool_calls`; its return value (or posted reward) is the reward. Bad requests get their 4xx, and a
-misbehaving agent ends only its own episode."""
+"""The agent gateway (envs/agent_gateway.py, tasks/agent_task.py): agent programs on the real `openai` client and
+on the OpenAI Agents SDK, with a function tool (tests/agent_programs/), trained as they are. Their chat completions
+are the turns of one episode, token for token, sampled here by a scripted policy on the tiny tokenizer; tool calls
+reach them as OpenAI `tool_calls`; the return value (or posted reward) is the reward. A request that goes back in
+the conversation branches the episode, its cut-off tokens counted and never trained. Bad requests get their 4xx,
+and a misbehaving agent ends only its own episode."""
 
 import asyncio
 from pathlib import Path
@@ -19,7 +20,7 @@ from pipelinerl.envs.runner import ENV_ERROR, run_episode
 from pipelinerl.tasks import get_task
 from pipelinerl.tiny_model import build_tokenizer
 
-AGENTS = str(Path(__file__).parent / "agents")
+AGENTS = str(Path(__file__).parent / "agent_programs")
 LIMITS = EpisodeLimits(max_turns=4, max_tokens_per_turn=20, max_total_tokens=96)
 
 
@@ -66,6 +67,21 @@ def test_an_agents_requests_are_one_episode_token_for_token(task, tok):
     assert all(result.episode.token_ids[:len(p)] == p for p in policy.prefixes)
     wrong = _run(task, item, ScriptedPolicy(tok, ["1"], versions=[0]), tok)
     assert (wrong.end_reason, wrong.reward) == ("finished", 0.0)
+
+
+def test_an_openai_agents_sdk_agent_runs_its_function_tool_on_the_turns_of_one_episode(tok):
+    """tests/agent_programs/sdk_agent.py: an `agents.Agent` with a `function_tool`, run by `Runner.run`."""
+    task = _task("sdk_agent:agent")
+    item = task.train_items[0]
+    policy = ScriptedPolicy(tok, [_call(item), item.answer], versions=[0, 1])
+    result = _run(task, item, policy, tok)
+    assert (result.end_reason, result.error, result.reward, result.drift_tokens) == ("finished", None, 1.0, 0)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    eos = tok.eos_token_id
+    # the SDK ran the calculator tool on the parsed call and sent its output as the tool message
+    assert result.episode.token_ids == ([tok.bos_token_id] + enc(item.prompt) + enc(_call(item)) + [eos]
+                                        + enc(item.answer) + enc(item.answer) + [eos])
+    assert all(result.episode.token_ids[:len(p)] == p for p in policy.prefixes)
 
 
 def test_a_posted_reward_counts_when_the_agent_returns_none(tok):

@@ -1,6 +1,6 @@
 """What an environment adapter costs the actor: the tiny tool task's episodes run natively (`tool_sums`), as a
 verifiers environment (`task.name=verifiers`, tests/verifiers_envs/vf_tiny_sums.py) and as a black-box agent on
-the `openai` client through the agent gateway (`task.name=agent`, tests/agents/calculator_agent.py), side by
+the `openai` client through the agent gateway (`task.name=agent`, tests/agent_programs/calculator_agent.py), side by
 side in one run, each through the actor's episode runner with an instant scripted policy (a calculator call,
 then the sum), so that only the environment's side is timed: the actor's CPU ms per episode and per model
 turn (the agent's own client included), and each adapter's overhead per turn over native.
@@ -87,7 +87,7 @@ def main() -> None:
         env="vf_tiny_sums", path=str(REPO / "tests" / "verifiers_envs"), args={"num_rows": 4 * args.episodes},
         tool_format="compact")))
     agent = get_task(TaskConfig(name="agent", agent=AgentTaskConfig(
-        program="calculator_agent:agent", path=str(REPO / "tests" / "agents"), tool_format="compact")))
+        program="calculator_agent:agent", path=str(REPO / "tests" / "agent_programs"), tool_format="compact")))
     loop = asyncio.new_event_loop()
     try:
         rows = {"native (tool_sums)": loop.run_until_complete(measure(native, tok, args.episodes, args.concurrency)),

