@@ -69,9 +69,11 @@ def test_an_agents_requests_are_one_episode_token_for_token(task, tok):
     assert (wrong.end_reason, wrong.reward) == ("finished", 0.0)
 
 
-def test_an_openai_agents_sdk_agent_runs_its_function_tool_on_the_turns_of_one_episode(tok):
-    """tests/agent_programs/sdk_agent.py: an `agents.Agent` with a `function_tool`, run by `Runner.run`."""
-    task = _task("sdk_agent:agent")
+@pytest.mark.parametrize("program", ["sdk_agent:agent", "sdk_agent:streamed"])
+def test_an_openai_agents_sdk_agent_runs_its_function_tool_on_the_turns_of_one_episode(tok, program):
+    """tests/agent_programs/sdk_agent.py: an `agents.Agent` with a `function_tool`, run by `Runner.run`, and by
+    `Runner.run_streamed` (stream=true requests, answered as server-sent chunks)."""
+    task = _task(program)
     item = task.train_items[0]
     policy = ScriptedPolicy(tok, [_call(item), item.answer], versions=[0, 1])
     result = _run(task, item, policy, tok)
@@ -118,7 +120,7 @@ def test_bad_requests_get_their_4xx_and_touch_no_episode(task, tok):
                 "unknown key": (await http.post(url, json=body, headers={"Authorization": "Bearer pl-x"})).status_code,
                 "malformed JSON": (await http.post(url, content=b"{not json", headers=auth)).status_code,
                 "no messages": (await http.post(url, json={"model": "m"}, headers=auth)).status_code,
-                "stream": (await http.post(url, json={**body, "stream": True}, headers=auth)).status_code,
+                "stream": (await http.post(url, json={**body, "stream": "yes"}, headers=auth)).status_code,
                 "second at once": (await http.post(url, json=body, headers=auth)).status_code,
                 "bad reward": (await http.post(f"{task.gateway.url}/rl/reward", json={"reward": "high"},
                                                headers=auth)).status_code,

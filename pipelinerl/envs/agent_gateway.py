@@ -9,13 +9,14 @@ are rendered after the exact tokens so far; a request that goes back (a retried 
 message, a summarised context) branches the episode, and the model tokens it cuts off are counted
 (actor/agent_drift_tokens), never trained. The model's turn comes back as
 an OpenAI chat completion, its tool calls (written in task.agent.tool_format) as `tool_calls`, so an SDK runs
-its function tools unchanged. The agent's return value is the episode's reward; an agent that returns None
-must have posted one (`POST /rl/reward {"reward": x}` with its key).
+its function tools unchanged. With `stream: true` the same completion comes as server-sent chunks (the whole
+turn in one chunk, once sampled), as SDKs that stream expect. The agent's return value is the episode's reward;
+an agent that returns None must have posted one (`POST /rl/reward {"reward": x}` with its key).
 
 The gateway answers bad requests with a clear error and never lets one touch another episode:
   401  no key, or a key of no running episode;   409  the episode has ended (a limit ended it first)
-  400  a body that is not JSON (or nested past the parser's depth), no `messages` list, `stream: true` (not
-       supported), a reward not a finite number;   413  a body over MAX_BODY_BYTES
+  400  a body that is not JSON (or nested past the parser's depth), no `messages` list, `stream` not a boolean,
+       a reward not a finite number;   413  a body over MAX_BODY_BYTES
   429  a second request with a key whose previous one is still being answered (one turn at a time), with
        `retry-after-ms`; once the previous request's client has given up (closed its connection: a client
        timeout), the new request replaces it, and the turn answering the abandoned one is not trained
@@ -25,6 +26,7 @@ An agent that raises, or runs past task.agent.max_wall_s, ends its own episode a
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import secrets
 import time
@@ -58,6 +60,28 @@ def completion(model: str, content: str | None, calls: list[dict]) -> dict:
     return {"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "message": message,
                                          "finish_reason": "tool_calls" if calls else "stop"}]}
+
+
+def chunks(reply: dict) -> list[dict]:
+    """A chat.completion as the chat.completion.chunk objects of a stream: the message in one delta (tool calls
+    with their index), then the finish reason."""
+    choice = reply["choices"][0]
+    delta = {"role": "assistant", "content": choice["message"]["content"]}
+    if "tool_calls" in choice["message"]:
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(choice["message"]["tool_calls"])]
+    head = {k: reply[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    return [{**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+            {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]}]
+
+
+async def _stream(request: web.Request, reply: dict) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    for chunk in chunks(reply):
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
 
 
 class Gateway:
@@ -117,8 +141,8 @@ class Gateway:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) and "function" in t
                                                                          for t in tools)):
             return _error(400, "`tools` must be a list of function tools")
-        if body.get("stream"):
-            return _error(400, "streaming is not supported: send stream=false")
+        if not isinstance(body.get("stream", False), bool):
+            return _error(400, "`stream` must be true or false")
         if env.inflight is not None and not env.inflight():
             response = _error(429, "this episode's previous request is still being answered: one turn at a time")
             response.headers["retry-after-ms"] = str(RETRY_AFTER_MS)
@@ -131,7 +155,8 @@ class Gateway:
         finally:
             if env.inflight is gone:
                 env.inflight = None
-        return web.json_response(completion(str(body.get("model", "policy")), content, calls))
+        reply = completion(str(body.get("model", "policy")), content, calls)
+        return await _stream(request, reply) if body.get("stream") else web.json_response(reply)
 
     async def _reward(self, request: web.Request) -> web.Response:
         got = await self._request(request)
