@@ -6,6 +6,7 @@ the conversation branches the episode, its cut-off tokens counted and never trai
 and a misbehaving agent ends only its own episode."""
 
 import asyncio
+import sys
 from pathlib import Path
 
 import httpx
@@ -84,6 +85,41 @@ def test_an_openai_agents_sdk_agent_runs_its_function_tool_on_the_turns_of_one_e
     assert result.episode.token_ids == ([tok.bos_token_id] + enc(item.prompt) + enc(_call(item)) + [eos]
                                         + enc(item.answer) + enc(item.answer) + [eos])
     assert all(result.episode.token_ids[:len(p)] == p for p in policy.prefixes)
+
+
+def _command_task(*flags, **fields):
+    cli = [sys.executable, str(Path(AGENTS) / "calculator_cli.py"), *flags]
+    return get_task(TaskConfig(name="agent", agent=AgentTaskConfig(command=cli, tool_format="compact", **fields)))
+
+
+def _running(flag: str) -> bool:
+    """Whether a calculator_cli.py process with `flag` is alive (its /proc cmdline)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"calculator_cli.py") for a in argv) and flag.encode() in argv:
+            return True
+    return False
+
+
+def test_a_command_line_agent_is_a_process_per_episode_on_the_standard_openai_variables(tok):
+    task = _command_task()
+    item = task.train_items[0]
+    policy = ScriptedPolicy(tok, [_call(item), item.answer], versions=[0, 1])
+    result = _run(task, item, policy, tok)
+    assert (result.end_reason, result.error, result.reward) == ("finished", None, 1.0)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    eos = tok.eos_token_id
+    assert result.episode.token_ids == ([tok.bos_token_id] + enc(item.prompt) + enc(_call(item)) + [eos]
+                                        + enc(item.answer) + enc(item.answer) + [eos])
+    failed = _run(task := _command_task("--fail"), task.train_items[0], ScriptedPolicy(tok, ["12"], [0]), tok)
+    assert failed.end_reason == ENV_ERROR and "exited with code 1: failed on purpose" in failed.error, failed.error
+    hung = _run(task := _command_task("--hang", max_wall_s=5.0), task.train_items[0],
+                ScriptedPolicy(tok, ["12"], [0]), tok, timeout_s=60.0)
+    assert hung.end_reason == ENV_ERROR and "max_wall_s" in hung.error, hung.error
+    assert not _running("--hang")  # killed with its process group
 
 
 def test_a_posted_reward_counts_when_the_agent_returns_none(tok):
@@ -263,5 +299,9 @@ def test_where_a_call_continues_the_conversation():
 def test_bad_settings_are_refused():
     with pytest.raises(ConfigError, match="task.agent.program"):
         TaskConfig(name="agent")
+    with pytest.raises(ConfigError, match="not both"):
+        TaskConfig(name="agent", agent=AgentTaskConfig(program="m:f", command=["python", "a.py"]))
+    with pytest.raises(ConfigError, match="task.agent.command"):
+        AgentTaskConfig(command="python a.py")
     with pytest.raises(ConfigError, match="module:function"):
         AgentTaskConfig(program="no_colon")

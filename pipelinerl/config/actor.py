@@ -266,7 +266,12 @@ class AgentTaskConfig:
 
     program: str | None = doc(None, "the agent: `module:function`, an `async def agent(client_kwargs, item) -> "
                                     "float | None` (client_kwargs: base_url and api_key for openai.AsyncOpenAI; "
-                                    "item: id, prompt, answer)", null="required by task.name=agent")
+                                    "item: id, prompt, answer)", null="task.agent.command is the agent")
+    command: list | None = doc(None, "the agent as a command line (argv list), one process per episode: it gets "
+                                     "OPENAI_BASE_URL, OPENAI_API_KEY (what the openai client reads) and "
+                                     "PIPELINERL_ITEM (the item as JSON); the last line it prints is its reward "
+                                     "(or `None`: posted to /rl/reward); a non-zero exit is an environment error",
+                               null="task.agent.program is the agent")
     path: str | None = doc(None, "a folder the agent's module is imported from (put on sys.path)",
                            null="the module is installed")
     items: str = doc("tool_sums", "the tiny task whose train and held-out items the agent gets: addition | "
@@ -278,6 +283,9 @@ class AgentTaskConfig:
     def __post_init__(self) -> None:
         check(self.program is None or (isinstance(self.program, str) and self.program.count(":") == 1),
               "task.agent.program", "must be `module:function`")
+        check(self.command is None or (isinstance(self.command, list) and bool(self.command)
+                                       and all(isinstance(a, str) for a in self.command)),
+              "task.agent.command", "must be a non-empty list of strings (an argv)")
         check_choice(self.items, ("addition", "arithmetic", "tool_sums"), "task.agent.items")
         check_choice(self.tool_format, ("qwen", "compact"), "task.agent.tool_format")
         check_positive(self.max_wall_s, "task.agent.max_wall_s")
@@ -345,8 +353,9 @@ class TaskConfig:
     def __post_init__(self) -> None:
         check_choice(self.name, ("addition", "arithmetic", "math", "math_tir", "tool_sums", "instructions",
                                  "verifiers", "openenv", "agent"), "task.name")
-        check(self.name != "agent" or bool(self.agent.program), "task.agent.program",
-              "the agent task needs the agent program: module:function")
+        check(self.name != "agent" or (self.agent.program is None) != (self.agent.command is None),
+              "task.agent.program", "the agent task needs its agent: a program (module:function) or a command, "
+                                    "not both")
         check(self.name != "openenv" or bool(self.openenv.url), "task.openenv.url",
               "the openenv task needs the environment server's URL")
         check(self.name != "verifiers" or bool(self.verifiers.env), "task.verifiers.env",
