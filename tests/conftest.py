@@ -119,6 +119,23 @@ def warm_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tools_model_dir(tmp_path_factory) -> Path:
+    """The tiny model after 56 supervised steps on tool_sums' demonstrated episodes: it calls the calculator and
+    copies its answer part of the time (held-out greedy success jumps: 0 at step 40, 0.44 at 52, 0.94 at 60),
+    so that groups of differing rewards are common. Checked here: a model that solves none or all would stall a
+    run with dynamic sampling behind a stream of filtered groups."""
+    from pipelinerl.config import TaskConfig, TinyModelConfig
+    from pipelinerl.tasks.warm_start import build_warm_tiny_model
+
+    out = tmp_path_factory.mktemp("models") / "tools"
+    shape = TinyModelConfig(seed=0, warm_start_steps=56, warm_start_target=1.0, warm_start_check_every=56)
+    built = build_warm_tiny_model(out, shape, TaskConfig(name="tool_sums"))
+    assert 0.05 <= built["heldout_greedy"] <= 0.99, built
+    print(f"warm start: {built}")
+    return out
+
+
+@pytest.fixture(scope="session")
 def conventional_g1_kl_value_run(tmp_path_factory, warm_model_dir) -> Path:
     """Conventional RL, G = 1, on 1 trainer rank, four optimizer steps of GRPO with a KL to the frozen
     reference model and a critic head, from the warm model. One run for two modules' assertions that do

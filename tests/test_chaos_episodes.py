@@ -32,23 +32,6 @@ PLAN = [chaos.Planned("actor"), chaos.Planned("server", during_broadcast=True)]
 
 
 @pytest.fixture(scope="module")
-def tools_model_dir(tmp_path_factory) -> Path:
-    """The tiny model after 56 supervised steps on tool_sums' demonstrated episodes: it calls the calculator and
-    copies its answer part of the time (held-out greedy success jumps: 0 at step 40, 0.44 at 52, 0.94 at 60),
-    so that groups of differing rewards, the only ones dynamic sampling trains, are common. Checked here: a
-    model that solves none or all would stall the run behind a stream of filtered groups."""
-    from pipelinerl.config import TaskConfig, TinyModelConfig
-    from pipelinerl.tasks.warm_start import build_warm_tiny_model
-
-    out = tmp_path_factory.mktemp("models") / "tools"
-    shape = TinyModelConfig(seed=0, warm_start_steps=56, warm_start_target=1.0, warm_start_check_every=56)
-    built = build_warm_tiny_model(out, shape, TaskConfig(name="tool_sums"))
-    assert 0.05 <= built["heldout_greedy"] <= 0.99, built
-    print(f"warm start: {built}")
-    return out
-
-
-@pytest.fixture(scope="module")
 def result(tmp_path_factory, tools_model_dir):
     overrides = [f"model.path={tools_model_dir}", "model.build_tiny_if_missing=false", "trainer.max_steps=100000",
                  "trainer.samples_per_step=64", "trainer.warmup_steps=0", f"actor.max_lag={MAX_LAG}",

@@ -366,11 +366,25 @@ def _server_turn(url: str):
     return generate
 
 
-def episode_straddles_updates(server, broadcaster, warm_dir) -> None:
+def _updating(generate, between):
+    """`generate` with `between()` (a weight update) run before every turn but the first."""
+    turns = []
+
+    async def wrapped(prefix: list[int], max_tokens: int) -> Completion:
+        if turns:
+            await asyncio.to_thread(between)
+        turns.append(len(prefix))
+        return await generate(prefix, max_tokens)
+    return wrapped
+
+
+def episode_straddles_updates(server, broadcaster, warm_dir, agent: bool = False) -> None:
     """A three-turn episode on the server with a weight update between turns (the warm model's weights
     again, under a new version): every turn continues the episode's exact token prefix, its tokens carry
     the version that produced them, and the sequence is transformers' greedy episode token for token.
-    The prompts are the first whose reference episode ends every turn with EOS (so, by construction)."""
+    The prompts are the first whose reference episode ends every turn with EOS (so, by construction).
+    `agent`: the episode is a black-box agent's (tests/agent_programs/calculator_agent.py's `relay`, on the
+    real openai client) through the agent gateway, its requests the turns."""
     warm = AutoModelForCausalLM.from_pretrained(warm_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(warm_dir)
     limits = EpisodeLimits(max_turns=3, max_tokens_per_turn=6, max_total_tokens=128)
@@ -385,8 +399,12 @@ def episode_straddles_updates(server, broadcaster, warm_dir) -> None:
         v0 = httpx.get(server["url"] + "/status", timeout=HTTP_TIMEOUT_S).json()["version"] + 1
         _send(broadcaster, v0, warm)
         versions = iter([v0 + 1, v0 + 2])
-        env = RelayEnv(prompts, lambda: _send(broadcaster, next(versions), warm))
-        result = asyncio.run(run_episode(_server_turn(server["url"]), env, tok, limits, HTTP_TIMEOUT_S))
+        update = lambda: _send(broadcaster, next(versions), warm)  # noqa: E731
+        if agent:
+            result = asyncio.run(_agent_episode(_updating(_server_turn(server["url"]), update), prompts, tok, limits))
+        else:
+            env = RelayEnv(prompts, update)
+            result = asyncio.run(run_episode(_server_turn(server["url"]), env, tok, limits, HTTP_TIMEOUT_S))
     ep = result.episode
     assert result.end_reason == "finished" and ep.token_ids == reference.episode.token_ids
     turns = ep.model_turns
@@ -395,8 +413,28 @@ def episode_straddles_updates(server, broadcaster, warm_dir) -> None:
     assert sum(ep.loss_mask) == sum(t.end - t.start for t in turns)
 
 
+async def _agent_episode(generate, prompts: list[str], tok, limits: EpisodeLimits):
+    from pipelinerl.envs.agent_gateway import AgentEnv, Gateway
+    from pipelinerl.envs.tool_calls import call_format
+
+    sys.path.insert(0, str(Path(__file__).parent / "agent_programs"))
+    from calculator_agent import relay
+
+    gateway = Gateway()
+    try:
+        env = AgentEnv(gateway, relay, {"id": "x", "prompt": " ".join(prompts), "answer": ""}, call_format("compact"),
+                       HTTP_TIMEOUT_S)
+        return await run_episode(generate, env, tok, limits, HTTP_TIMEOUT_S)
+    finally:
+        await gateway.stop()
+
+
 def test_an_episode_straddles_updates_between_turns(server, broadcaster, warm_model_dir):
     episode_straddles_updates(server, broadcaster, warm_model_dir)  # kv_on_update=keep
+
+
+def test_an_agent_episode_straddles_updates_between_its_requests(server, broadcaster, warm_model_dir):
+    episode_straddles_updates(server, broadcaster, warm_model_dir, agent=True)
 
 
 def test_control_routes_need_the_token(server):

@@ -2,7 +2,7 @@
 configs/tiny_agent.yaml: the tiny tool task (three 3-digit numbers to sum) with a calculator the agent runs
 itself. Its reward: 1 for the exact sum as its final reply. `hang`, `crash` and `post_reward` are the tests'
 misbehaving variants; `retry_turn`, `edit_reply`, `summarise`, `gives_up` and `gives_up_last` go back in their
-conversation.
+conversation; `relay` asks several prompts in turn.
 
 The episodes' clients share one HTTP client per event loop: an `AsyncOpenAI` of its own builds an SSL context
 (~30 ms of CPU), and hundreds of episodes starting at once on the actor's loop would hold the gateway (on the
@@ -124,4 +124,14 @@ async def gives_up_last(client_kwargs: dict, item: dict) -> float:
         await _ask(client_kwargs, [{"role": "user", "content": item["prompt"]}], timeout=0.5)
     except openai.APITimeoutError:
         return 0.0
+    return 1.0
+
+
+async def relay(client_kwargs: dict, item: dict) -> float:
+    """Asks the item's space-separated prompts in turn, each as a user message after the model's last answer."""
+    messages = []
+    for prompt in item["prompt"].split():
+        messages.append({"role": "user", "content": prompt})
+        reply = (await client(client_kwargs).chat.completions.create(model="policy", messages=messages)).choices[0]
+        messages.append(reply.message.model_dump(exclude_none=True))
     return 1.0
