@@ -439,3 +439,62 @@ def test_a_branch_out_of_the_conversation_or_past_the_token_limit_is_refused_and
     with pytest.raises(ValueError, match="max_total_tokens"):
         episode.branch(0, [{"role": "user", "content": "hello world " * 2000}])
     assert (episode.token_ids, episode.messages) == before
+
+
+# ------------------------------------------------------------ per-turn cost (issue 46)
+
+
+class CountingTokenizer:
+    """The tokenizer, recording how many messages each rendering is given and how long each encoded text is."""
+
+    def __init__(self, tok):
+        self.tok, self.rendered, self.encoded = tok, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def apply_chat_template(self, messages, **kwargs):
+        self.rendered.append(len(messages))
+        return self.tok.apply_chat_template(messages, **kwargs)
+
+    def encode(self, text, **kwargs):
+        self.encoded.append(len(text))
+        return self.tok.encode(text, **kwargs)
+
+
+def long_episode(tok, turns: int) -> Episode:
+    """`turns` calculator calls, each answered, on the Qwen-style template."""
+    episode = Episode(tok, [{"role": "user", "content": "What is 12*34+5?"}], tools=[CALC.template_entry()],
+                      limits=EpisodeLimits(max_turns=turns + 1, max_total_tokens=10**6))
+    turn = qwen_turn(tok.tok if isinstance(tok, CountingTokenizer) else tok, "Let me compute.\n" + call_text("12*34"))
+    for _ in range(turns):
+        episode.add_model_turn(turn, [0.0] * len(turn), [0] * len(turn), finished=True)
+        episode.add_env_turn([{"role": "tool", "content": "408"}, {"role": "tool", "content": "413"}])
+    return episode
+
+
+def test_a_turn_renders_and_encodes_only_the_end_of_the_conversation(qwen):
+    counting = CountingTokenizer(qwen)
+    episode = long_episode(counting, 60)
+    # at most the first message, the last episode.CONTEXT_MESSAGES and a turn's new ones (two tool messages),
+    # once each episode's few checked renderings are done; and only a turn's new text is ever encoded
+    assert max(counting.rendered[-100:]) <= 1 + 3 + 2 and max(counting.rendered) < 20
+    assert max(counting.encoded[1:]) < 200 and len(episode.token_ids) > 4000
+    # and the sequence is the one full renderings give
+    assert episode.token_ids == render_ids(qwen, episode.messages, generation_prompt=True)
+
+
+def test_a_template_that_numbers_its_messages_is_rendered_on_the_whole_history(qwen, monkeypatch):
+    import copy
+
+    from pipelinerl.envs import episode as module
+
+    numbered = copy.deepcopy(qwen)
+    numbered.chat_template = qwen.chat_template.replace("'\\n<tool_response>\\n'",
+                                                        "'\\n<tool_response ' + (loop.index | string) + '>\\n'")
+    assert numbered.chat_template != qwen.chat_template
+    monkeypatch.setattr(module, "_WHOLE_TEMPLATES", set())
+    counting = CountingTokenizer(numbered)
+    episode = long_episode(counting, 8)
+    assert numbered.chat_template in module._WHOLE_TEMPLATES and max(counting.rendered) > 12
+    assert episode.token_ids == render_ids(numbered, episode.messages, generation_prompt=True)

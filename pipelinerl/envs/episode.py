@@ -29,6 +29,14 @@ environment's text starts at a special token, so tokenising it alone splits noth
 Templates that are not prefix-stable (a later message changes the rendering of earlier ones, e.g. one
 that drops past reasoning) cannot be continued by appending: `ValueError`.
 
+Per-turn cost. A turn renders only the end of the conversation: the first message (a template may treat it
+apart: a system prompt, the tool list), the last CONTEXT_MESSAGES (a message's rendering may depend on its
+neighbours: Qwen2.5 groups consecutive tool messages) and the new ones; what the template writes after them is
+what it writes after the whole history for every template that renders each message from its neighbours only,
+so a turn's work does not grow with the episode. The first CHECKED_DELTAS such renderings of each episode are
+checked against the full history's; a template that differs (it numbers messages, say) is rendered whole from
+then on, in every episode (logged once).
+
 Branches. A program that drives the conversation itself (an agent on the OpenAI API) may go back in it: retry a
 turn, edit or drop earlier messages. `branch(keep, messages)` continues the episode from its first `keep`
 messages followed by `messages`: the sequence is cut after the last model turn within those messages, the kept
@@ -45,9 +53,15 @@ environment that must prevent it escapes its messages.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+CONTEXT_MESSAGES = 3  # the last messages of the history rendered with a turn's new ones (module doc)
+CHECKED_DELTAS = 2  # per episode, renderings of a shortened history checked against the full one
+_WHOLE_TEMPLATES: set[str] = set()  # chat templates whose turns must be rendered on the whole history
+log = logging.getLogger(__name__)
 
 NO_VERSION = -1  # per-token version of prompt and environment tokens
 NO_LOGPROB = 0.0  # per-token behaviour logprob of prompt and environment tokens
@@ -103,6 +117,7 @@ class Episode:
         self.sampled_turns = 0  # model turns sampled, those a branch cut off included (what max_turns counts)
         self._owed = ""  # what the template's close of the last model turn needs beyond the sampled tokens
         self._marks: list[tuple[int, str]] = []  # per turn: (messages so far, owed) after it, to go back to
+        self._checked = 0  # shortened renderings checked so far (CHECKED_DELTAS)
         prompt, ids = self._prompt(self.messages)
         self._append("prompt", ids, prompt)
 
@@ -182,9 +197,8 @@ class Episode:
         if self.sampled_turns >= self.limits.max_turns:
             self.end_reason = "max_turns"
             return None
-        before = self._render(self.messages, generation_prompt=False)
         messages = [dict(m) for m in messages]
-        after = self._render(self.messages + messages, generation_prompt=True)
+        before, after = self._render_after(messages, False, True)
         if not after.startswith(before):
             raise ValueError("the chat template renders the earlier turns differently once the environment's "
                              "messages are added, so the episode cannot be continued by appending")
@@ -255,10 +269,29 @@ class Episode:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
+    def _render_after(self, new: list[dict], generation_before: bool, generation_after: bool) -> tuple[str, str]:
+        """(the history rendered, the history and `new` rendered), each with its generation prompt or not: what
+        the second adds to the first is the template's text for `new` after the history. The history is
+        shortened to its first and last CONTEXT_MESSAGES messages when the template allows (module doc)."""
+        history, template = self.messages, str(self.tokenizer.chat_template)
+        short = history
+        if len(history) > CONTEXT_MESSAGES + 1 and template not in _WHOLE_TEMPLATES:
+            short = history[:1] + history[-CONTEXT_MESSAGES:]
+        before, after = self._render(short, generation_before), self._render(short + new, generation_after)
+        if short is history or self._checked >= CHECKED_DELTAS:
+            return before, after
+        self._checked += 1
+        whole = self._render(history, generation_before), self._render(history + new, generation_after)
+        if (whole[1].startswith(whole[0]), whole[1][len(whole[0]):]) != (after.startswith(before), after[len(before):]):
+            _WHOLE_TEMPLATES.add(template)
+            log.warning("the chat template renders a message differently on a shortened history: its episodes' "
+                        "turns are rendered on the whole history from now on (their cost grows with the episode)")
+            return whole
+        return before, after
+
     def _close(self, content: str) -> str:
         """The text the template renders after an assistant message's content."""
-        opened = self._render(self.messages, generation_prompt=True)
-        rendered = self._render(self.messages + [{"role": "assistant", "content": content}], generation_prompt=False)
+        opened, rendered = self._render_after([{"role": "assistant", "content": content}], True, False)
         if not (rendered.startswith(opened) and rendered[len(opened):].startswith(content)):
             raise ValueError("the chat template does not render an assistant message as its content verbatim "
                              "after the generation prompt, so model tokens cannot be appended as sampled")
