@@ -163,6 +163,8 @@ def test_bad_requests_get_their_4xx_and_touch_no_episode(task, tok):
                 "nested 10,000 deep": (await http.post(url, content=b"[" * 10_000 + b"]" * 10_000,
                                                        headers=auth)).status_code,
                 "10 MB": (await http.post(url, content=b"{" + b" " * 10 * 2**20 + b"}", headers=auth)).status_code,
+                "text completions": (await http.post(f"{task.gateway.url}/v1/completions", json={"prompt": "1+2="},
+                                                     headers=auth)).status_code,
             }
             # the same client's connection still serves: the parked episode is still there, one request at a time
             codes["after"] = (await http.post(url, json=body, headers=auth)).status_code
@@ -173,7 +175,7 @@ def test_bad_requests_get_their_4xx_and_touch_no_episode(task, tok):
 
     assert asyncio.run(go()) == {"no key": 401, "unknown key": 401, "malformed JSON": 400, "no messages": 400,
                                  "stream": 400, "second at once": 429, "bad reward": 400, "nested 10,000 deep": 400,
-                                 "10 MB": 413, "after": 429, "ended": 401}
+                                 "10 MB": 413, "text completions": 404, "after": 429, "ended": 401}
 
 
 class HeldPolicy(ScriptedPolicy):

@@ -17,6 +17,7 @@ The gateway answers bad requests with a clear error and never lets one touch ano
   401  no key, or a key of no running episode;   409  the episode has ended (a limit ended it first)
   400  a body that is not JSON (or nested past the parser's depth), no `messages` list, `stream` not a boolean,
        a reward not a finite number;   413  a body over MAX_BODY_BYTES
+  404  /v1/completions (text completions): turns are chat turns, rendered by the policy's chat template
   429  a second request with a key whose previous one is still being answered (one turn at a time), with
        `retry-after-ms`; once the previous request's client has given up (closed its connection: a client
        timeout), the new request replaces it, and the turn answering the abandoned one is not trained
@@ -102,6 +103,7 @@ class Gateway:
             app = web.Application(client_max_size=MAX_BODY_BYTES)
             app.router.add_post("/v1/chat/completions", self._chat)
             app.router.add_post("/rl/reward", self._reward)
+            app.router.add_post("/v1/completions", self._text_completions)
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -157,6 +159,10 @@ class Gateway:
                 env.inflight = None
         reply = completion(str(body.get("model", "policy")), content, calls)
         return await _stream(request, reply) if body.get("stream") else web.json_response(reply)
+
+    async def _text_completions(self, request: web.Request) -> web.Response:
+        return _error(404, "text completions are not served: an episode's turns are chat turns, rendered by the "
+                           "policy's chat template; use /v1/chat/completions")
 
     async def _reward(self, request: web.Request) -> web.Response:
         got = await self._request(request)
