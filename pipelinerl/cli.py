@@ -94,6 +94,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(cfg, args.port if args.port is not None else cfg.inference.base_port, args.version, kind)
 
 
+def cmd_openenv_serve(args: argparse.Namespace) -> None:
+    from pipelinerl.envs.openenv_server import serve
+    from pipelinerl.launch.commands import server_port
+
+    cfg = load_config(args.config, args.overrides)
+    if not cfg.task.openenv.serve:
+        raise ConfigError("config `task.openenv.serve`: openenv-serve serves it; set it to the app, module:app")
+    serve(cfg, args.port if args.port is not None else server_port(cfg, 0, "openenv"))
+
+
 # `train --nproc` takes the first free port from here for rank 0; PIPELINERL_MASTER_PORT_BASE moves the range
 # (runs started side by side, e.g. the test suite's workers, each in a range of their own).
 MASTER_PORT_BASE = 29400
@@ -232,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="an eval server (inference.eval_servers): a policy server that only evaluates, announced in "
                            "RUN_DIR/eval_servers/ (the trainer updates it over a weight group of its own)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("openenv-serve", help="run one OpenEnv environment server of task.openenv.serve (uvicorn), "
+                                             "announced in RUN_DIR/openenv_servers/ once its /health answers")
+    _add_config_args(p)
+    p.add_argument("--port", type=int, default=None,
+                   help="TCP port (default: the first OpenEnv server's, after every vLLM server's)")
+    p.set_defaults(func=cmd_openenv_serve)
 
     p = sub.add_parser("train", help="run one trainer rank (RANK, WORLD_SIZE, ... from torchrun or srun), or "
                                      "--nproc local ranks")

@@ -8,15 +8,15 @@ What is evaluated (resolve_target):
     (../meta.json), else 0. The config is `--config`; without it, a checkpoint's weights folder
     (RUN_DIR/checkpoints/step_K/hf) takes its run's RUN_DIR/config.yaml, any other folder is an error.
 
-How: the policy servers are started as the launchers start theirs (launch/commands.py's `serve` command line,
-under launch/procs.py's Supervisor, by launch/local.py's start_servers) with a scratch run directory of their own
-(a fresh temporary folder: discovery files, auth token, logs) on free ports from inference.base_port, so a
-live run on the same machine is never disturbed. The eval sets of `--sets a,b` (default: `default`) are read
-before any server starts (a missing file is an error naming the set), sampled through the actor's
-CompletionsClient and graded with task.reward / task.is_success, exactly as the actor evaluates them
-(pipelinerl/actor/evals.py). The JSON report (per set and mode: pass@k, mean length, truncation rate, every
-item's outcomes; eval_metrics.py) is written atomically and printed as a table. The scratch folder is
-deleted on success and kept (its path logged) when a server fails.
+How: the policy servers (and the OpenEnv environment servers of task.openenv.serve) are started as the launchers
+start theirs (launch/commands.py's command lines, under launch/procs.py's Supervisor, by launch/local.py's
+start_servers) with a scratch run directory of their own (a fresh temporary folder: discovery files, auth token,
+logs) on free ports from inference.base_port, so a live run on the same machine is never disturbed. The eval sets
+of `--sets a,b` (default: `default`) are read before any server starts (a missing file is an error naming the
+set), sampled through the actor's CompletionsClient and graded with task.reward / task.is_success, exactly as the
+actor evaluates them (pipelinerl/actor/evals.py). The JSON report (per set and mode: pass@k, mean length,
+truncation rate, every item's outcomes; eval_metrics.py) is written atomically and printed as a table. The scratch
+folder is deleted on success and kept (its path logged) when a server fails.
 
 Eval sets:
   - `default`: the first actor.eval_samples items of the task's held-out split (task.eval_dataset_path, or
@@ -111,19 +111,24 @@ def free_base_port(start: int, count: int) -> int:
 
 def eval_config(target: Target, overrides: list[str], scratch: Path, temperature: float | None) -> Config:
     """The run's config with the command's overrides, the scratch run directory and free server ports."""
+    from pipelinerl.launch.commands import server_port
+
     extra = [f"run_dir={scratch}"]
     if temperature is not None:
         extra.append(f"actor.sampling.temperature={temperature}")
     cfg = load_config(target.config, [*overrides, *extra])
-    port = free_base_port(cfg.inference.base_port, cfg.inference.num_servers)
+    envs = cfg.task.openenv_servers_started  # their ports come after every vLLM kind's: the span through them
+    span = server_port(cfg, envs - 1, "openenv") - cfg.inference.base_port + 1 if envs else cfg.inference.num_servers
+    port = free_base_port(cfg.inference.base_port, span)
     return load_config(target.config, [*overrides, *extra, f"inference.base_port={port}"])
 
 
 def server_roles(cfg: Config, config_path: Path, target: Target) -> list:
     """One Role per policy server of `cfg`, serving the target; on a GPU machine, server i takes GPUs
-    i*tp .. (i+1)*tp - 1 of those visible (no trainer to share them with)."""
+    i*tp .. (i+1)*tp - 1 of those visible (no trainer to share them with). Then the OpenEnv environment
+    servers, as `pipelinerl run` starts them."""
     from pipelinerl.launch.commands import policy_server, server_env
-    from pipelinerl.launch.local import machine_gpus
+    from pipelinerl.launch.local import machine_gpus, openenv_roles
     from pipelinerl.launch.procs import Role
 
     gpus, tp = machine_gpus(), cfg.inference.tensor_parallel_size
@@ -137,7 +142,7 @@ def server_roles(cfg: Config, config_path: Path, target: Target) -> list:
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * tp:(i + 1) * tp])
         roles.append(Role(name, argv, Path(cfg.run_dir) / "logs" / f"{name}.log", env))
-    return roles
+    return roles + openenv_roles(cfg, config_path)
 
 
 def check_request(sets: list[str], samples: int, greedy: bool) -> list[str]:
@@ -223,7 +228,7 @@ def run_eval(target_arg: str, overrides: list[str], *, config: str | None = None
     target = resolve_target(target_arg, step, config, overrides)
     scratch = Path(tempfile.mkdtemp(prefix="pipelinerl-eval-"))
     cfg = eval_config(target, overrides, scratch, temperature)
-    task = get_task(cfg.task)
+    task = get_task(cfg.task, cfg.run_dir)
     try:
         suites = eval_suites(cfg, task, names, samples, greedy)  # the sets' files, read before any server starts
         report = _serve_and_sample(cfg, target, task, suites)
@@ -253,7 +258,8 @@ def _serve_and_sample(cfg: Config, target: Target, task, suites: list) -> dict:
              target.version, ", ".join(dict.fromkeys(s.name for s in suites)), scratch)
     sup = Supervisor()
     try:
-        start_servers(cfg, sup, server_roles(cfg, scratch / "config.yaml", target))
+        start_servers(cfg, sup, server_roles(cfg, scratch / "config.yaml", target),
+                      {"openenv": cfg.task.openenv_servers_started})
         tokenizer = AutoTokenizer.from_pretrained(target.model)
         outcomes, version = asyncio.run(sample_suites(cfg, task, tokenizer, suites))
     except RoleFailed as err:

@@ -12,6 +12,9 @@ RUN_DIR/reward_servers/*      the same for the reward-model servers (`serve --re
 RUN_DIR/eval_servers/*        the same for the evaluation servers (`serve --eval`): policy servers that
                               only evaluate (the actor's training requests never reach them) and take
                               weight updates over a group of their own
+RUN_DIR/openenv_servers/*     the same for the OpenEnv environment servers the launcher starts
+                              (`pipelinerl openenv-serve`, task.openenv.serve): the actor's openenv task
+                              opens each episode's session on one of them
 
 Files are published whole by rename/link: parallel filesystems (Lustre, GPFS, NFS) give no reliable locks,
 inotify or append visibility, so writers publish whole files and readers poll.
@@ -33,9 +36,11 @@ SERVERS_DIR = "servers"
 REFERENCE_SERVERS_DIR = "reference_servers"
 REWARD_SERVERS_DIR = "reward_servers"
 EVAL_SERVERS_DIR = "eval_servers"
-# Each kind of server (`pipelinerl serve`, `serve --reference` / `--reward` / `--eval`) -> the folder it announces in.
+OPENENV_SERVERS_DIR = "openenv_servers"
+# Each kind of server (`pipelinerl serve`, `serve --reference` / `--reward` / `--eval`, `openenv-serve`) -> the
+# folder it announces in.
 SERVER_FOLDERS = {"policy": SERVERS_DIR, "reference": REFERENCE_SERVERS_DIR, "reward": REWARD_SERVERS_DIR,
-                  "eval": EVAL_SERVERS_DIR}
+                  "eval": EVAL_SERVERS_DIR, "openenv": OPENENV_SERVERS_DIR}
 POLICY_KINDS = ("policy", "eval")  # the kinds that serve the policy: they take weight updates, report versions
 
 

@@ -15,7 +15,7 @@ from pipelinerl.cli import build_parser, parse_args
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny_cpu.yaml"
-ROLE_COMMANDS = ("show-config", "serve", "train", "actor", "run")  # each takes CONFIG [key=value ...]
+ROLE_COMMANDS = ("show-config", "serve", "openenv-serve", "train", "actor", "run")  # each takes CONFIG [key=value ...]
 
 
 def _run(*args: str, **kwargs) -> subprocess.CompletedProcess:

@@ -62,7 +62,8 @@ def test_overrides_apply_with_types():
         (["inference.eval_servers=1", "trainer.broadcast_port=65535"],
          "config `trainer.broadcast_port`: got 65535; the eval servers' weight group listens on broadcast_port + 1"),
         (["inference.eval_servers=2", "reward.kind=model", "reward.model_path=rm", "inference.base_port=65531"],
-         "got 65531: its 5 server ports (policy, reference, reward and eval servers) must fit below 65536"),
+         "got 65531: its 5 server ports (policy, reference, reward, eval and OpenEnv environment servers) must fit "
+         "below 65536"),
         (["launch.backend=slurm", "launch.eval_cpus=1"], "config `launch.eval_cpus`: is for the local launcher"),
         (["launch.eval_cpus=1-"], "config `launch.eval_cpus`"),
         (["model.tiny.num_attention_heads=8"], "head_dim = 16"),

@@ -75,12 +75,55 @@ def test_server_ports_of_every_kind_are_distinct_and_within_the_checked_range(tm
     root config checks against 65535 (reference servers count even when not started: their offset does)."""
     from pipelinerl.launch.commands import server_port, side_server_counts
 
-    for kl, reward, evals in itertools.product((0.0, 0.1), ("verify", "model"), (0, 1, 3)):
+    for kl, reward, evals, envs in itertools.product((0.0, 0.1), ("verify", "model"), (0, 1, 3), (0, 2)):
+        openenv = ["task.name=openenv", "task.openenv.serve=m:app", f"task.openenv.servers={envs}"] if envs else []
         cfg = load_config(REPO / "configs/tiny_cpu.yaml", [
             f"run_dir={tmp_path}", "inference.num_servers=3", "inference.reference_servers=2", f"rl.kl_coef={kl}",
-            f"reward.kind={reward}", "reward.model_path=rm", "reward.servers=2", f"inference.eval_servers={evals}"])
+            f"reward.kind={reward}", "reward.model_path=rm", "reward.servers=2", f"inference.eval_servers={evals}",
+            *openenv])
         inf = cfg.inference
         ports = [server_port(cfg, i) for i in range(inf.num_servers)]
         ports += [server_port(cfg, i, kind) for kind, n in side_server_counts(cfg).items() for i in range(n)]
-        checked = inf.num_servers + inf.reference_servers + cfg.reward.servers_started + inf.eval_servers
-        assert len(set(ports)) == len(ports) and max(ports) < inf.base_port + checked, (kl, reward, evals)
+        ports += [server_port(cfg, i, "openenv") for i in range(cfg.task.openenv_servers_started)]
+        checked = (inf.num_servers + inf.reference_servers + cfg.reward.servers_started + inf.eval_servers
+                   + cfg.task.openenv_servers_started)
+        assert len(set(ports)) == len(ports) and max(ports) < inf.base_port + checked, (kl, reward, evals, envs)
+
+
+def test_openenv_servers_are_roles_of_both_launchers_and_the_dry_run_prints_them(tmp_path):
+    """task.openenv.serve: `openenv-serve` roles after every vLLM server's port, announced in RUN_DIR/openenv_servers/,
+    on this machine (`pipelinerl run`, its --dry-run) and on every Slurm server node (its agent's roles, and the
+    files its servers step is up again with)."""
+    from pipelinerl.launch.local import openenv_roles, render
+    from pipelinerl.launch.slurm import node_discovery_files
+    from pipelinerl.launch.slurm import render as slurm_render
+
+    cfg = load_config(REPO / "configs/tiny_openenv.yaml", [f"run_dir={tmp_path}", "inference.num_servers=2",
+                                                           "inference.base_port=18000", "task.openenv.servers=2"])
+    config = str(tmp_path / "config.yaml")
+    local = openenv_roles(cfg, Path(config))
+    assert [r.name for r in local] == ["openenv0", "openenv1"]
+    # after 2 policy slots and the reference servers' (counted even when not started)
+    assert [r.argv[r.argv.index("openenv-serve"):] for r in local] == [
+        ["openenv-serve", config, "--port", str(port)] for port in (18003, 18004)]
+    assert [str(r.discovery) for r in local] == [f"{tmp_path}/openenv_servers/127.0.0.1_{p}" for p in (18003, 18004)]
+    assert all(r.restart_argv is None and r.restartable for r in local)  # restarted with the same command
+    dry = render(cfg, Path(config), [])
+    for role in local:
+        assert f"# {role.name} (log {role.log_path})" in dry and " ".join(role.argv) in dry
+    assert not openenv_roles(load_config(REPO / "configs/tiny_openenv.yaml", [
+        f"run_dir={tmp_path}", "task.openenv.serve=null", "task.openenv.path=null", "task.openenv.url=http://x:1"]),
+        Path(config))
+    for node in ("n0", "n1"):
+        roles = node_server_roles(cfg, config, cfg.model.path, 0, node, side=node == "n0")
+        assert [r.name for r in roles] == ["server0", "server1", "openenv0", "openenv1"]
+        assert [(r.argv, r.discovery) for r in roles[2:]] == [(r.argv, r.discovery) for r in local]
+    slurm_cfg = load_config(REPO / "configs/tiny_openenv.yaml", [f"run_dir={tmp_path}", "inference.num_servers=2",
+                                                                 "inference.base_port=18000", "task.openenv.servers=2",
+                                                                 "inference.host=0.0.0.0"])
+    alloc = dry_run_allocation(slurm_cfg)
+    files = node_discovery_files(slurm_cfg, alloc, "inference0").paths
+    assert [f"{f.parent.name}/{f.name}" for f in files[2:]] == [
+        f"openenv_servers/inference0_{p}" for p in (18003, 18004)]
+    slurm_dry = slurm_render(slurm_cfg, alloc)
+    assert all(f"openenv-serve {tmp_path}/config.yaml --port {p}" in slurm_dry for p in (18003, 18004))

@@ -1,6 +1,6 @@
-"""A server's announcement (inference/server.py): it waits for its own /health, writes its discovery file,
-retries a failed write, and a write that keeps failing is an error that stops the server, never a healthy
-server left unannounced. Against a plain HTTP /health (no vLLM)."""
+"""A server's announcement (announce.py: a vLLM server's and an OpenEnv environment server's): it waits for its own
+/health, writes its discovery file, retries a failed write, and a write that keeps failing is an error that stops
+the server, never a healthy server left unannounced. Against a plain HTTP /health (no vLLM)."""
 
 import asyncio
 import threading
@@ -8,8 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pipelinerl import rundir
-from pipelinerl.inference import server
+from pipelinerl import announce, rundir
 
 
 class _Health(BaseHTTPRequestHandler):
@@ -40,9 +39,9 @@ def test_a_failed_write_is_retried_and_then_announced(tmp_path, health, monkeypa
         if s >= 1.0:  # the retry's backoff (the /health poll sleeps 0.2 s)
             blocker.unlink()
 
-    monkeypatch.setattr(server.asyncio, "sleep", sleep)
+    monkeypatch.setattr(announce.asyncio, "sleep", sleep)
     published = []
-    asyncio.run(server.announce_when_healthy(str(tmp_path), "127.0.0.1", health, rundir.SERVERS_DIR, published))
+    asyncio.run(announce.announce_when_healthy(str(tmp_path), "127.0.0.1", health, rundir.SERVERS_DIR, published))
     assert rundir.list_servers(tmp_path) == [f"http://127.0.0.1:{health}"] and len(published) == 1
     assert sleeps == [1.0]
 
@@ -54,19 +53,19 @@ def test_a_write_that_keeps_failing_raises_and_stops_the_server(tmp_path, health
     async def sleep(s):
         await real_sleep(0)  # no backoff wait, one loop turn
 
-    monkeypatch.setattr(server.asyncio, "sleep", sleep)
+    monkeypatch.setattr(announce.asyncio, "sleep", sleep)
     stopped = []
 
-    async def announce():
-        task = asyncio.ensure_future(server.announce_when_healthy(str(tmp_path), "127.0.0.1", health,
-                                                                  rundir.SERVERS_DIR, []))
-        task.add_done_callback(lambda t: server.stop_if_unannounced(t, lambda: stopped.append(True)))
-        with pytest.raises(server.AnnounceError, match=f"could not announce this server .*:{health}.* after 5 "
-                                                       "attempts"):
+    async def announcing():
+        task = asyncio.ensure_future(announce.announce_when_healthy(str(tmp_path), "127.0.0.1", health,
+                                                                    rundir.SERVERS_DIR, []))
+        task.add_done_callback(lambda t: announce.stop_if_unannounced(t, lambda: stopped.append(True)))
+        with pytest.raises(announce.AnnounceError, match=f"could not announce this server .*:{health}.* after 5 "
+                                                         "attempts"):
             await task
         await asyncio.sleep(0)  # done-callbacks run on the next loop turn
 
-    asyncio.run(announce())
+    asyncio.run(announcing())
     assert stopped == [True]
 
 
@@ -75,7 +74,7 @@ def test_a_cancelled_announcement_does_not_stop_the_server():
 
     async def cancelled():
         task = asyncio.ensure_future(asyncio.Event().wait())
-        task.add_done_callback(lambda t: server.stop_if_unannounced(t, lambda: stopped.append(True)))
+        task.add_done_callback(lambda t: announce.stop_if_unannounced(t, lambda: stopped.append(True)))
         await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -71,7 +71,7 @@ class Actor:
         from pipelinerl.streams import StreamWriter
 
         self.cfg, self.actor_id = cfg, actor_id
-        self.task = get_task(cfg.task)
+        self.task = get_task(cfg.task, cfg.run_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)  # the run's token may be made here (rundir.run_token)
         self.client = CompletionsClient(cfg.actor, cfg.run_dir, reference=cfg.rl.needs_reference_logprobs,

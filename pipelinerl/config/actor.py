@@ -230,9 +230,20 @@ class OpenEnvConfig:
     """An OpenEnv environment server as the task (task.name=openenv, `pip install -e '.[openenv]'`): each item is a
     reset seed, each episode one WebSocket session (pipelinerl/envs/openenv_env.py)."""
 
-    url: str | None = doc(None, "the environment server's base URL, http://host:port (sessions on its /ws); its "
-                                "max_concurrent_envs must hold actor.max_groups_in_flight x actor.attempts episodes",
-                          null="required by task.name=openenv")
+    url: str | None = doc(None, "the base URL, http://host:port, of an environment server you run (sessions on its "
+                                "/ws); its max_concurrent_envs must hold actor.max_groups_in_flight x "
+                                "actor.attempts episodes. Exclusive with serve",
+                          null="the launcher serves `serve`")
+    serve: str | None = doc(None, "`module:app`, an ASGI app (openenv-core's create_app) that the launcher serves "
+                                  "with uvicorn as a role of its own (`pipelinerl openenv-serve`), `servers` of "
+                                  "them, restarted like every server; each episode's session goes to the announced "
+                                  "server with the fewest open. Exclusive with url",
+                            null="you run the server: url")
+    path: str | None = doc(None, "a folder serve's module is imported from (put on sys.path and PYTHONPATH), "
+                                 "relative to the launch folder", null="the module is installed")
+    servers: int = doc(1, "environment servers of serve: on this machine (`pipelinerl run`, on the actor's cores), "
+                          "on each server node (Slurm); ports after every vLLM server's (launch/commands.py). "
+                          "Together they must hold actor.max_groups_in_flight x actor.attempts sessions")
     action_field: str = doc("message", "the action's field that carries the model turn's text")
     observation_fields: list = doc(["prompt", "message", "text"], "the observation's fields the model reads: the "
                                                                   "first non-empty string of them")
@@ -247,6 +258,13 @@ class OpenEnvConfig:
                                           "bounds each step as well", unit="s")
 
     def __post_init__(self) -> None:
+        check(not (self.url and self.serve), "task.openenv.serve",
+              "give url (a server you run) or serve (an app the launcher runs), not both")
+        check(self.serve is None or re.fullmatch(r"[\w.]+:[\w.]+", str(self.serve)) is not None,
+              "task.openenv.serve", f"got {self.serve!r}; must be `module:app` (an ASGI app, as uvicorn takes it)")
+        check(self.path is None or bool(self.serve), "task.openenv.path",
+              "is the folder of serve's module: set task.openenv.serve too, or path to null")
+        check_positive(self.servers, "task.openenv.servers")
         check_choice(self.message_role, ("user", "tool"), "task.openenv.message_role")
         check_positive(self.num_items, "task.openenv.num_items")
         check_positive(self.num_eval_items, "task.openenv.num_eval_items")
@@ -356,8 +374,9 @@ class TaskConfig:
         check(self.name != "agent" or (self.agent.program is None) != (self.agent.command is None),
               "task.agent.program", "the agent task needs its agent: a program (module:function) or a command, "
                                     "not both")
-        check(self.name != "openenv" or bool(self.openenv.url), "task.openenv.url",
-              "the openenv task needs the environment server's URL")
+        check(self.name != "openenv" or bool(self.openenv.url or self.openenv.serve), "task.openenv.url",
+              "the openenv task needs its environment server: url (one you run) or serve (module:app, run by the "
+              "launcher)")
         check(self.name != "verifiers" or bool(self.verifiers.env), "task.verifiers.env",
               "the verifiers task needs the id of the environment's taskset module")
         check(self.name not in ("math", "math_tir") or bool(self.dataset_path), "task.dataset_path",
@@ -385,3 +404,9 @@ class TaskConfig:
         # Normalised here, the one place: the long form of every set (a saved config round-trips).
         self.eval_sets = {name: parse_eval_set(name, value) for name, value in self.eval_sets.items()
                           if value is not None}
+
+    @property
+    def openenv_servers_started(self) -> int:
+        """How many OpenEnv environment servers a launcher starts per server host (this machine, or each Slurm
+        server node): task.openenv.servers when the openenv task's server is task.openenv.serve, else none."""
+        return self.openenv.servers if self.name == "openenv" and self.openenv.serve else 0

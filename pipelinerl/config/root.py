@@ -76,10 +76,11 @@ class Config:
               "evaluation grades held-out prompts with the task's check, which the instructions task has none "
               "of: set it to 0 (actor/reward, the reward model's mean score, measures the run)")
         inf = self.inference
-        ports = inf.num_servers + inf.reference_servers + self.reward.servers_started + inf.eval_servers
+        ports = (inf.num_servers + inf.reference_servers + self.reward.servers_started + inf.eval_servers
+                 + self.task.openenv_servers_started)
         check(inf.base_port + ports <= 65535, "inference.base_port",
-              f"got {inf.base_port}: its {ports} server ports (policy, reference, reward and eval servers) "
-              "must fit below 65536")
+              f"got {inf.base_port}: its {ports} server ports (policy, reference, reward, eval and OpenEnv "
+              "environment servers) must fit below 65536")
         check(inf.eval_servers == 0 or self.trainer.broadcast_port < 65535, "trainer.broadcast_port",
               f"got {self.trainer.broadcast_port}; the eval servers' weight group listens on broadcast_port + 1, "
               "which must be a TCP port: lower it (or set inference.eval_servers=0)")

@@ -12,14 +12,24 @@ An observation's text is its first non-empty string field of `task.openenv.obser
 that fails (the server dies or answers an error, a step past actor.episode.step_timeout_s) ends only its own
 episode as an environment error (reward 0, counted), and the session is closed, never reused: OpenEnv hands
 a timed-out step's late reply to the next message on the same connection.
+
+The server of a session (`EnvServers`): task.openenv.url, or with task.openenv.serve one of the servers the
+launcher started, as announced in RUN_DIR/openenv_servers/ when the episode starts: a restarted server takes new
+sessions once it has announced itself again.
 """
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 from openenv.core import GenericEnvClient
 
 from pipelinerl.config.actor import OpenEnvConfig
 from pipelinerl.envs.environment import Environment, EnvReply
+from pipelinerl.rundir import OPENENV_SERVERS_DIR, list_servers
+
+POLL_S = 0.2  # while no server is announced, the folder is read again this often
 
 
 def observation_text(observation: dict, fields: list[str]) -> str:
@@ -33,17 +43,55 @@ def observation_text(observation: dict, fields: list[str]) -> str:
                      f"{sorted(observation)[:20]}")
 
 
-class OpenEnvEnv(Environment):
-    """One episode: a session of the server at cfg.url, reset with `seed`."""
+class EnvServers:
+    """Where each episode's session goes: `url` (task.openenv.url) when given; else the servers announced in
+    RUN_DIR/openenv_servers/ of `run_dir` at the episode's start, the one with the fewest sessions of this
+    process open (ties: the first by URL, so sessions go round the servers). With none announced, an episode
+    waits up to `wait_s` for one (a server restarting), then fails (an environment error)."""
 
-    def __init__(self, cfg: OpenEnvConfig, seed: int, message_timeout_s: float):
-        self.cfg, self.seed = cfg, seed
-        self.client = GenericEnvClient(base_url=cfg.url, connect_timeout_s=cfg.connect_timeout_s,
-                                       message_timeout_s=message_timeout_s)
+    def __init__(self, url: str | None, run_dir: str | None, wait_s: float):
+        if url is None and run_dir is None:
+            raise ValueError("task.openenv.serve: the environment servers are found in the run directory; build the "
+                             "task with get_task(cfg.task, cfg.run_dir)")
+        self.url, self.run_dir, self.wait_s = url, run_dir, wait_s
+        self.open: dict[str, int] = {}  # announced server -> its sessions open (acquired, not yet released)
+
+    async def acquire(self) -> str:
+        """The server of a new session; `release` it when the session ends."""
+        if self.url is not None:
+            return self.url
+        deadline = time.monotonic() + self.wait_s
+        while not (urls := list_servers(self.run_dir, OPENENV_SERVERS_DIR)):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"no OpenEnv environment server announced in {self.run_dir}/{OPENENV_SERVERS_DIR} "
+                                   f"for {self.wait_s:g} s (task.openenv.connect_timeout_s); see the launcher's "
+                                   "log and logs/openenv*.log")
+            await asyncio.sleep(POLL_S)
+        url = min(urls, key=lambda u: self.open.get(u, 0))
+        self.open[url] = self.open.get(url, 0) + 1
+        return url
+
+    def release(self, url: str) -> None:
+        if self.url is None:
+            self.open[url] -= 1
+            if not self.open[url]:
+                del self.open[url]
+
+
+class OpenEnvEnv(Environment):
+    """One episode: a session of a server of `servers`, reset with `seed`."""
+
+    def __init__(self, cfg: OpenEnvConfig, seed: int, message_timeout_s: float, servers: EnvServers):
+        self.cfg, self.seed, self.servers, self.message_timeout_s = cfg, seed, servers, message_timeout_s
+        self.url: str | None = None  # the session's server, once acquired
+        self.client: GenericEnvClient | None = None
         self.first: str | None = None
         self.reward = 0.0
 
     async def start(self) -> None:
+        self.url = await self.servers.acquire()
+        self.client = GenericEnvClient(base_url=self.url, connect_timeout_s=self.cfg.connect_timeout_s,
+                                       message_timeout_s=self.message_timeout_s)
         result = await self.client.reset(seed=self.seed, **self.cfg.reset_args)
         if result.done:
             raise RuntimeError(f"the environment's reset (seed {self.seed}) ended the episode before any turn")
@@ -61,4 +109,8 @@ class OpenEnvEnv(Environment):
                                    "content": observation_text(result.observation, self.cfg.observation_fields)}])
 
     async def close(self) -> None:
-        await self.client.close()
+        if self.url is None:  # start() failed before a server was found: no session
+            return
+        self.servers.release(self.url)
+        if self.client is not None:
+            await self.client.close()

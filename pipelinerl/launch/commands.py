@@ -5,7 +5,8 @@ Server slots and ports: policy server i listens on inference.base_port + i, refe
 inference.base_port + inference.num_servers + i (after every policy slot), reward server i on
 inference.base_port + inference.num_servers + inference.reference_servers + i, eval server i on
 inference.base_port + inference.num_servers + inference.reference_servers + reward.servers_started + i
-(after every other kind): no two kinds collide.
+(after every other vLLM kind), OpenEnv environment server i (task.openenv.serve) after the eval servers: no two
+kinds collide.
 """
 
 from __future__ import annotations
@@ -125,12 +126,21 @@ def server_command(cfg: Config, config_path: str, kind: str, i: int, model: str,
     return frozen_server(cfg, config_path, kind, i)
 
 
+def openenv_server(cfg: Config, config_path: str, i: int) -> tuple[str, list[str]]:
+    """(name, argv) of OpenEnv environment server i (task.openenv.serve under uvicorn: envs/openenv_server.py).
+    A host runs cfg.task.openenv_servers_started of them; they take no server slot (no GPU)."""
+    return server_name("openenv", i), [*cli(), "openenv-serve", str(config_path), "--port",
+                                       str(server_port(cfg, i, "openenv"))]
+
+
 def server_port(cfg: Config, i: int, kind: str = "policy") -> int:
-    """The port of policy server slot i, or of reference / reward / eval server i (the module's docstring)."""
+    """The port of policy server slot i, or of reference / reward / eval / openenv server i (the module's
+    docstring)."""
     inf = cfg.inference
     offsets = {"policy": 0, "reference": inf.num_servers}  # each kind after every slot of the kinds before it
     offsets["reward"] = offsets["reference"] + inf.reference_servers
     offsets["eval"] = offsets["reward"] + cfg.reward.servers_started
+    offsets["openenv"] = offsets["eval"] + inf.eval_servers
     return inf.base_port + offsets[kind] + i
 
 

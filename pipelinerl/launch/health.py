@@ -3,7 +3,8 @@
 Exit codes miss a server that is alive but wedged (SIGSTOPped, a hung collective, a stuck engine): its
 discovery file stays, the actor keeps sending it work and the trainer keeps it in its weight-update group.
 So once a server has announced itself (its discovery file in RUN_DIR/servers, or its kind's folder:
-rundir.SERVER_FOLDERS), `HealthWatch` polls its `GET /health` (vLLM's own route: every kind has it, no token)
+rundir.SERVER_FOLDERS), `HealthWatch` polls its `GET /health` (vLLM's own route, and openenv-core's create_app's for
+an OpenEnv environment server: every kind has it, no token)
 on a daemon thread, every server of a round at once, and `procs.Supervisor.check` SIGKILLs the process group
 of one that has not answered 200 for the timeout; the death path then removes its discovery file and
 restarts it like any other death (launch/restarts.py). Both launchers go through it: `pipelinerl run`

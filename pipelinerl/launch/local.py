@@ -2,9 +2,11 @@
 
 Order: run directory + resolved config -> (tiny model, built and warm-started if missing) -> inference servers, the
 reference servers when the RL objective needs reference log-probs, the reward servers with reward.kind=model and
-the eval servers (inference.eval_servers), then at once the trainer (opens the weight-update groups) and the actor:
-both find the servers as they announce themselves. Once the servers are healthy the launcher follows the trainer's
-progress through the servers' policy version until the trainer exits. Ctrl-C, SIGTERM or any child's failure stops
+the eval servers (inference.eval_servers), the OpenEnv environment servers (task.openenv.serve: `openenv-serve`,
+on the actor's cores), then at once the trainer (opens the weight-update groups) and, once the environment
+servers have announced themselves, the actor: both find the vLLM servers as they announce themselves. Once the
+servers are healthy the launcher follows the trainer's progress through the servers' policy version until the
+trainer exits. Ctrl-C, SIGTERM or any child's failure stops
 every role (newest first) and names the role that failed and its log, unless launch.max_restarts allows starting it
 again (launch/restarts.py): a server restarts on its port, cores and environment (a policy or eval server from the
 latest checkpoint), the trainer resumes from it by itself, the actor continues its stream. A server that stops
@@ -41,6 +43,7 @@ from pipelinerl.launch.commands import (
     cli,
     discovery_file,
     frozen_server_counts,
+    openenv_server,
     server_command,
     server_env,
     server_name,
@@ -50,7 +53,7 @@ from pipelinerl.launch.commands import (
 from pipelinerl.launch.placement import CpuPlacement, Placement, eval_cores, format_ids, split_cpus, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
 from pipelinerl.plan import check_before_start
-from pipelinerl.rundir import POLICY_KINDS, SERVER_FOLDERS, SERVERS_DIR, list_servers
+from pipelinerl.rundir import OPENENV_SERVERS_DIR, POLICY_KINDS, SERVER_FOLDERS, SERVERS_DIR, list_servers
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +256,17 @@ def _roles(cfg: Config, config_path: Path, where: Placement) -> tuple[list[Role]
     return server_roles, trainer, actor
 
 
+def openenv_roles(cfg: Config, config_path: Path, cores: list[int] | None = None) -> list[Role]:
+    """The OpenEnv environment servers (task.openenv.serve; none without it) on `cores` (`pipelinerl run`: the
+    actor's, whose episodes they answer; None: not pinned). Restarted on their ports with the same command."""
+    roles = []
+    for i in range(cfg.task.openenv_servers_started):
+        name, argv = openenv_server(cfg, str(config_path), i)
+        roles.append(Role(name, argv, Path(cfg.run_dir) / "logs" / f"{name}.log",
+                          threads_env(cfg, cores and len(cores)), cores, discovery=discovery_file(cfg, i, "openenv")))
+    return roles
+
+
 def render(cfg: Config, config_path: Path, gpus: list[str]) -> str:
     """The placement and each role's command, as `pipelinerl run --dry-run` prints them."""
     import shlex
@@ -262,7 +276,7 @@ def render(cfg: Config, config_path: Path, gpus: list[str]) -> str:
     lines = [f"# GPUs on this machine: {','.join(gpus) or 'none (CPU)'}",
              *(f"# {line}" for line in where.describe([role.name for role in servers]))]
     lines += [f"# {line}" for line in where.cpus.describe()] if where.cpus else []
-    for role in (*servers, trainer, actor):
+    for role in (*servers, *openenv_roles(cfg, config_path, where.cpus and where.cpus.actor), trainer, actor):
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in role.env.items())
         pin = f"taskset -c {format_ids(role.cpus)} " if role.cpus else ""  # what the launcher's affinity does
         lines.append(f"# {role.name} (log {role.log_path})\n{env + ' ' if env else ''}{pin}{shlex.join(role.argv)}")
@@ -367,14 +381,20 @@ def run_local(cfg: Config, dry_run: bool = False) -> None:
 
 def _run_roles(cfg: Config, config_path: Path, where: Placement) -> None:
     servers, trainer, actor = _roles(cfg, config_path, where)
+    envs = openenv_roles(cfg, config_path, where.cpus and where.cpus.actor)
     sup = Supervisor.from_config(cfg)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally below
     try:
         # The trainer and the actor start with the servers, not after them: each finds the servers as they
         # announce themselves (RUN_DIR/servers), so their start-up (imports, the trainer's model and optimizer)
-        # overlaps the servers'. Safe on a GPU node too: servers and trainer ranks have disjoint GPUs.
-        for role in (*servers, trainer, actor):
+        # overlaps the servers'. Safe on a GPU node too: servers and trainer ranks have disjoint GPUs. The actor
+        # waits for the environment servers (seconds): an episode waits only task.openenv.connect_timeout_s for one.
+        for role in (*servers, *envs, trainer):
             sup.start(role)
+        if envs:
+            log.info("OpenEnv servers healthy: %s",
+                     ", ".join(wait_for_servers(cfg, sup, len(envs), OPENENV_SERVERS_DIR)))
+        sup.start(actor)
         urls = await_servers(cfg, sup, side_server_counts(cfg))
         follow_trainer(cfg, sup, urls)
     except RoleFailed as err:

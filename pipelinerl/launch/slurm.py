@@ -20,15 +20,16 @@ rl.dpo_reference=reference), then reward servers (reward.kind=model), then eval 
 `serve --reference` (the initial model), `serve --reward` (reward.model_path) or `serve --eval` (the policy,
 updated over the eval weight group), on the slot's GPUs and its kind's port (commands.py), instead of a policy
 server, which leaves (inference_nodes x num_servers) minus those policy servers. `check_config` refuses a
-placement that does not fit on the first node or leaves no policy server.
+placement that does not fit on the first node or leaves no policy server. With task.openenv.serve, every server
+node also runs task.openenv.servers OpenEnv environment servers (no GPU), started by its agent.
 
-`launch` runs in the batch step. It prepares the run directory, starts one srun per role under a
-procs.Supervisor (a `servers@NODE` step per server node, `trainer`, `actor`), waits for the servers through
-RUN_DIR/servers, starts trainer and actor, and waits for the trainer. A step that dies is run again while
-launch.max_restarts allows (launch/restarts.py): the trainer resumes from the latest checkpoint, the actor
-continues its stream, and a node's servers step runs again on that node from the latest checkpoint then,
-at its version, its servers' old discovery files removed first (the other nodes' servers keep serving).
-A server that dies inside a step is restarted by its node's agent (slurm_node.py) within the same budget.
+`launch` runs in the batch step. It prepares the run directory, starts one srun per role under a procs.Supervisor
+(a `servers@NODE` step per server node, `trainer`, `actor`), waits for the servers through RUN_DIR/servers (and
+each other kind's folder), starts trainer and actor, and waits for the trainer. A step that dies is run again
+while launch.max_restarts allows (launch/restarts.py): the trainer resumes from the latest checkpoint, the actor
+continues its stream, and a node's servers step runs again on that node from the latest checkpoint then, at its
+version, its servers' old discovery files removed first (the other nodes' servers keep serving). A server that
+dies inside a step is restarted by its node's agent (slurm_node.py) within the same budget.
 Requeue: Slurm's `--signal=B:USR1@N` reaches this process (the batch script execs
 it); it forwards SIGUSR1 to the trainer step (srun -> every rank), the trainer checkpoints
 after its current step and exits, the other roles stop, and the job runs `scontrol requeue` on itself.
@@ -55,6 +56,7 @@ from pipelinerl.config import Config
 from pipelinerl.launch.commands import (
     cli,
     node_slots,
+    openenv_server,
     server_port,
     side_server_counts,
     side_server_kinds,
@@ -300,11 +302,14 @@ def servers_role(cfg: Config, alloc: Allocation, node: str, config_path: Path, p
 
 def node_discovery_files(cfg: Config, alloc: Allocation, node: str) -> DiscoveryFiles:
     """Where the servers of `node` announce themselves (commands.discovery_file, as seen from that node):
-    reference, reward and eval servers in the first slots of the first server node, policy servers in the others."""
+    reference, reward and eval servers in the first slots of the first server node, policy servers in the others,
+    then the node's OpenEnv environment servers."""
     bind = bind_host(cfg.inference.host)
     host = alloc.addresses.get(node, node) if bind in WILDCARDS else bind
+    servers = node_slots(cfg, node == alloc.inference[0])
+    servers += [("openenv", index) for index in range(cfg.task.openenv_servers_started)]
     files = [server_file(cfg.run_dir, host, server_port(cfg, index, kind), SERVER_FOLDERS[kind])
-             for kind, index in node_slots(cfg, node == alloc.inference[0])]
+             for kind, index in servers]
     return DiscoveryFiles(tuple(files))
 
 
@@ -323,13 +328,16 @@ def rank_command(cfg: Config, trainer_gpus: list[str] | None, train: list[str]) 
 
 def render(cfg: Config, alloc: Allocation) -> str:
     """The srun lines `launch` would run, one per role, as shell (what --dry-run prints), after where each
-    node's servers and trainer ranks run."""
+    node's servers and trainer ranks run (and the command of each OpenEnv server a node's agent runs)."""
     cfg = bound_for_slurm(cfg, alloc)
-    roles = plan_roles(cfg, alloc, Path(cfg.run_dir) / "config.yaml")
+    config_path = Path(cfg.run_dir) / "config.yaml"
+    roles = plan_roles(cfg, alloc, config_path)
+    envs = [openenv_server(cfg, str(config_path), i) for i in range(cfg.task.openenv_servers_started)]
     lines = [f"# inference nodes: {' '.join(alloc.inference)}; training nodes: {' '.join(alloc.training)}",
              "# on each node of its role (GPU positions in the step's CUDA_VISIBLE_DEVICES; the first inference "
              "node's slots shown):",
-             *(f"#   {line}" for line in node_placement(cfg).describe(slot_names(cfg, side=True)))]
+             *(f"#   {line}" for line in node_placement(cfg).describe(slot_names(cfg, side=True))),
+             *(f"#   {name}: on each server node, no GPU slot: {shlex.join(argv)}" for name, argv in envs)]
     for role in roles.values():
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in role.env.items())
         lines.append(f"# {role.name} (log {role.log_path})\n{env + ' ' if env else ''}{shlex.join(role.argv)}")
@@ -403,8 +411,9 @@ def launch(cfg: Config, alloc: Allocation) -> None:
     signals, sup, requeue_now = _Signals(), Supervisor(Restarts.from_config(cfg)), False
     try:
         steps = [role for role in roles.values() if role.name.startswith("servers@")]
-        start_servers(cfg, sup, steps, side_server_counts(cfg),
-                      cfg.inference.num_servers * server_nodes(cfg) - len(side_server_kinds(cfg)))
+        side = {**side_server_counts(cfg), "openenv": cfg.task.openenv_servers_started * server_nodes(cfg)}
+        policy = cfg.inference.num_servers * server_nodes(cfg) - len(side_server_kinds(cfg))
+        start_servers(cfg, sup, steps, side, policy)
         sup.start(roles["trainer"])
         sup.start(roles["actor"])
         requeue_now = _follow_trainer(cfg, sup, signals)

@@ -26,7 +26,8 @@ def _parser():
     p = sub.add_parser("launch", help="run the pipeline on this job's nodes (what slurm/run_*.sh executes)")
     _config_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the srun line of each role; start nothing")
-    p = sub.add_parser("servers", help="(started by launch on each inference node) this node's vLLM servers")
+    p = sub.add_parser("servers", help="(started by launch on each inference node) this node's vLLM servers "
+                                         "(and OpenEnv servers, task.openenv.serve)")
     p.add_argument("config", help="the run's resolved RUN_DIR/config.yaml")
     p.add_argument("--model", required=True, help="HF folder the servers load")
     p.add_argument("--version", type=int, required=True, help="policy version of those weights")

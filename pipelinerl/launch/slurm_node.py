@@ -1,5 +1,6 @@
 """The `servers` role of a Slurm job on one inference node (`pipelinerl slurm servers`): one
-`pipelinerl serve` per server slot, each on its own GPUs, supervised until SIGTERM or a failure past
+`pipelinerl serve` per server slot, each on its own GPUs, and task.openenv.servers OpenEnv environment servers
+(`pipelinerl openenv-serve`, with task.openenv.serve; no GPU), supervised until SIGTERM or a failure past
 launch.max_restarts: a server that dies, or stops answering /health once announced (launch/health.py), is
 restarted on its GPUs and port, a policy or eval server from the latest checkpoint in the shared RUN_DIR
 (launch/restarts.py; TensorBoard under RUN_DIR/tb/launch/<node>).
@@ -23,7 +24,15 @@ import time
 from pathlib import Path
 
 from pipelinerl.config import Config
-from pipelinerl.launch.commands import discovery_file, node_slots, server_command, server_env, side_server_kinds
+from pipelinerl.launch.commands import (
+    discovery_file,
+    node_slots,
+    openenv_server,
+    server_command,
+    server_env,
+    side_server_kinds,
+    threads_env,
+)
 from pipelinerl.launch.local import policy_restart
 from pipelinerl.launch.placement import Placement, server_gpu_groups, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
@@ -68,8 +77,9 @@ def node_server_roles(cfg: Config, config_path: str, model: str, version: int, n
     """One `pipelinerl serve` per server slot i of an inference node, each on its own GPUs: on the node that
     hosts them (`side`), the first slots serve the reference and reward models and then the eval servers
     (commands.node_slots), the others the policy; policy and eval servers from `model` at `version`, and after a
-    restart from the latest checkpoint (ports: commands.py)."""
-    gpus = node_placement(cfg).server_gpus
+    restart from the latest checkpoint (ports: commands.py). Then the node's OpenEnv environment servers
+    (cfg.task.openenv_servers_started of them), restarted with the same command."""
+    gpus, logs = node_placement(cfg).server_gpus, Path(cfg.run_dir) / "logs"
     roles = []
     for i, (kind, index) in enumerate(node_slots(cfg, side)):
         env = server_env(cfg)
@@ -77,8 +87,12 @@ def node_server_roles(cfg: Config, config_path: str, model: str, version: int, n
             env["CUDA_VISIBLE_DEVICES"] = visible_gpus(gpus[i], cfg.launch.slurm.gpus_per_node)
         name, argv = server_command(cfg, config_path, kind, index, model, version)
         restart_argv = policy_restart(cfg, config_path, index, node, kind) if kind in POLICY_KINDS else None
-        roles.append(Role(name, argv, Path(cfg.run_dir) / "logs" / f"{node}_{name}.log", env,
-                          restart_argv=restart_argv, discovery=discovery_file(cfg, index, kind)))
+        roles.append(Role(name, argv, logs / f"{node}_{name}.log", env, restart_argv=restart_argv,
+                          discovery=discovery_file(cfg, index, kind)))
+    for index in range(cfg.task.openenv_servers_started):
+        name, argv = openenv_server(cfg, config_path, index)
+        roles.append(Role(name, argv, logs / f"{node}_{name}.log", threads_env(cfg),
+                          discovery=discovery_file(cfg, index, "openenv")))
     return roles
 
 
@@ -89,8 +103,9 @@ def run_node_servers(cfg: Config, config_path: str, model: str, version: int, si
     side = node == side_node
     kinds = side_server_kinds(cfg) if side else []
     sup = Supervisor.from_config(cfg, f"launch/{node}")
+    envs = f", {cfg.task.openenv_servers_started} OpenEnv server(s)" if cfg.task.openenv_servers_started else ""
     print(f"pipelinerl slurm servers on {node}: {cfg.inference.num_servers} server(s), {len(kinds)} of them not "
-          f"policy servers ({', '.join(kinds) or 'none'}), the policy from {model} at version {version}",
+          f"policy servers ({', '.join(kinds) or 'none'}), the policy from {model} at version {version}{envs}",
           file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher's normal way to stop this role
     try:

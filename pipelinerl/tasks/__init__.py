@@ -50,9 +50,12 @@ def task_class(name: str) -> type[Task]:
                      "verifiers, openenv or agent")
 
 
-def get_task(cfg: TaskConfig) -> Task:
-    """The task named by cfg.name, its splits built deterministically from cfg.seed."""
-    return task_class(cfg.name)(cfg)
+def get_task(cfg: TaskConfig, run_dir: str | None = None) -> Task:
+    """The task named by cfg.name, its splits built deterministically from cfg.seed; `run_dir`: the run's
+    directory (Task.run_dir), where the openenv task finds the environment servers the launcher started."""
+    task = task_class(cfg.name)(cfg)
+    task.run_dir = run_dir
+    return task
 
 
 __all__ = ["PromptItem", "Task", "get_task", "task_class"]

@@ -51,6 +51,8 @@ class Task(abc.ABC):
     # A multi-turn task's limits for the episodes it runs itself: its warm start's demonstrations and the
     # held-out greedy report (the actor's episodes take actor.episode's).
     episode_limits: EpisodeLimits = EpisodeLimits()
+    run_dir: str | None = None  # the run directory (get_task's), where a task finds servers the launcher started
+    #   for it (task.openenv.serve); None outside a run
 
     def __init__(self, train_items: list[PromptItem], eval_items: list[PromptItem], seed: int):
         if not train_items or not eval_items:
