@@ -120,7 +120,7 @@ def test_reward_config_is_checked_where_it_is_written(tmp_path):
     with pytest.raises(ConfigError, match="reward.kind.*tool_sums"):
         load_config(REPO / "configs" / "tiny_tools.yaml", [f"run_dir={tmp_path}", "reward.kind=model",
                                                           "reward.model_path=rm"])
-    with pytest.raises(ConfigError, match="inference.base_port.*policy, reference, reward and eval"):
+    with pytest.raises(ConfigError, match="inference.base_port.*policy, reference, reward, eval and OpenEnv"):
         load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={tmp_path}", "reward.kind=model",
                                                          "reward.model_path=rm", "reward.servers=3",
                                                          "inference.base_port=65531"])
