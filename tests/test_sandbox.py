@@ -437,3 +437,53 @@ def _names(pid: str, path: Path) -> bool:
         return str(path).encode() in open(f"/proc/{pid}/cmdline", "rb").read()
     except OSError:
         return False
+
+
+def _a_process_runs(cmdline: bytes) -> bool:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if cmdline in open(f"/proc/{pid}/cmdline", "rb").read():
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def _children() -> set[int]:
+    """This process's child processes (their /proc stat's parent pid)."""
+    kids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        if int(stat.rpartition(")")[2].split()[1]) == os.getpid():
+            kids.add(int(pid))
+    return kids
+
+
+def test_a_queued_burst_beside_hostile_calls_waits_logged_and_leaves_nothing_behind(tmp_path, caplog):
+    """Two workers: a sleep and an endless loop take both first, 4 more hostile calls and 40 ordinary ones queue
+    behind them. Every call gets its own result, the wait is logged (the first worker frees after >= 1 s, the
+    line is due 0.5 s after the first call waited), and no process, scratch directory or descriptor is left."""
+    import logging
+
+    box = PythonSandbox(SandboxLimits(wall_s=2, cpu_s=1, memory_bytes=512 << 20, max_output_bytes=1 << 12,
+                                      pool_size=2, wait_log_s=0.5, work_root=str(tmp_path)))
+    hostile = {"timeout": "import time\ntime.sleep(60)", "cpu_limit": "while True:\n    pass",
+               "memory": "b = bytearray(2 * 1024**3)", "output_limit": "while True:\n    print('x' * 1000)",
+               "error: exit code 1": "raise SystemExit(1)", "ok": "import os\nos.system('sleep 30.125 &')"}
+    fds, kids = len(os.listdir("/proc/self/fd")), _children()
+
+    async def burst():
+        calls = [box.run(code) for code in hostile.values()] + [box.run(f"print({i} * {i})") for i in range(40)]
+        return await asyncio.gather(*calls)
+
+    with caplog.at_level(logging.WARNING, logger="pipelinerl.envs.tools.sandbox"):
+        results = asyncio.run(burst())
+    assert [r.reason for r in results[:len(hostile)]] == list(hostile), [r.reason for r in results]
+    assert [r.stdout for r in results[len(hostile):]] == [f"{i * i}\n" for i in range(40)]
+    assert "tool call(s) wait for one of its 2 workers" in caplog.text
+    assert list(tmp_path.iterdir()) == [] and not _code_running(tmp_path)
+    assert _children() <= kids and len(os.listdir("/proc/self/fd")) == fds
+    assert not _a_process_runs(b"sleep\x0030.125")  # the background sleep of the "ok" call was killed with it

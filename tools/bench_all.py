@@ -57,6 +57,8 @@ BENCHES = {
                                            "--new-tokens", "16")),
     "grading": Bench(quick_args=("--completions", "60", "--workers", "1", "2"), timeout_s=900, quick_timeout_s=300),
     "placement": Bench(quick_args=("--steps", "8"), timeout_s=3600, quick_timeout_s=1800),
+    "sandbox_pool": Bench(quick_args=("--calls", "40", "--pools", "1", "2", "--burst", "100"), timeout_s=900,
+                          quick_timeout_s=300),
     "turn_cost": Bench(quick_args=("--turns", "100", "--repeats", "1"), timeout_s=600, quick_timeout_s=300),
     # needs the `verifiers` extra (installed by the test set-up)
     "env_adapters": Bench(quick_args=("--episodes", "64", "--concurrency", "16")),

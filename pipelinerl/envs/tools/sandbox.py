@@ -3,8 +3,10 @@
 Each run is a fresh `python -I` launcher (pipelinerl/envs/tools/confine/) with an environment built from
 an allowlist, in a fresh work directory that is deleted afterwards; the launcher confines itself and
 forks the code's process. Nothing is forked from the caller (the actor has threads and may hold CUDA):
-asyncio's subprocess spawn execs at once. At most `pool_size` runs are in flight; more wait their turn,
-and their wall clock starts only when their launcher does.
+asyncio's subprocess spawn execs at once. At most `pool_size` runs are in flight; more wait their turn (the
+waiters are the episodes that called, so the queue is as bounded as the episodes in flight), their wall clock
+starts only when their launcher does, and while any waits, one line per `wait_log_s` says how many wait and
+for how long the oldest has.
 
 Confinement tiers (confine/launcher.py says what each does): A (namespaces), B (Landlock), C (rlimits + seccomp
 only, where file reads cannot be blocked: refused unless `allow_unconfined_fs`). The strongest tier that
@@ -46,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Literal
 
+from pipelinerl.actor.waits import WaitLog
+
 log = logging.getLogger(__name__)
 
 LAUNCHER = Path(__file__).resolve().parent / "confine" / "launcher.py"
@@ -75,6 +79,7 @@ class SandboxLimits:
     max_file_bytes: int = 16 << 20  # largest file the code may write (RLIMIT_FSIZE)
     scratch_bytes: int = 64 << 20  # size of tier A's scratch tmpfs (counts as memory); tiers B/C: not bounded
     pool_size: int = 4  # runs in flight at once; further runs wait
+    wait_log_s: float = 30.0  # while runs wait for a worker, a line this often (checked when a run arrives or ends)
     tier: Literal["auto", "A", "B", "C"] = "auto"  # "auto": the strongest that works; else exactly that one
     allow_unconfined_fs: bool = False  # accept tier C, where the code can read every file the user can
     python: str | None = None  # interpreter for the code (and the launcher); None: this process's own
@@ -88,7 +93,7 @@ class SandboxLimits:
 
     def __post_init__(self):
         for name in ("wall_s", "cpu_s", "memory_bytes", "max_processes", "max_output_bytes", "max_file_bytes",
-                     "scratch_bytes", "pool_size"):
+                     "scratch_bytes", "pool_size", "wait_log_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"sandbox limit {name} must be > 0, got {getattr(self, name)!r}")
         if self.tier not in ("auto",) + TIERS:
@@ -124,6 +129,7 @@ class PythonSandbox:
         self._slots: asyncio.Semaphore | None = None
         self._slots_loop: asyncio.AbstractEventLoop | None = None
         self._running: set[asyncio.subprocess.Process] = set()
+        self._waits = WaitLog(self.limits.wait_log_s, log, self._wait_line)
         self._closed = False
         self._probe = self._run_probe()
         self._run_as = self.limits.run_as_uid_base if os.geteuid() == 0 else None  # the launcher's uids
@@ -144,8 +150,18 @@ class PythonSandbox:
         loop = asyncio.get_running_loop()
         if self._slots is None or self._slots_loop is not loop:  # a semaphore serves one event loop
             self._slots, self._slots_loop = asyncio.Semaphore(self.limits.pool_size), loop
-        async with self._slots:
+        self._waits.poll(time.monotonic())
+        with self._waits.waiting(time.monotonic()):
+            await self._slots.acquire()
+        try:
             return await self._run(code, stdin, self._tier)
+        finally:
+            self._slots.release()
+            self._waits.poll(time.monotonic())
+
+    def _wait_line(self, oldest_s: float, count: int, _need: object) -> str:
+        return (f"python sandbox: {count} tool call(s) wait for one of its {self.limits.pool_size} workers, the "
+                f"oldest for {oldest_s:.0f} s (task.sandbox.workers)")
 
     async def close(self) -> None:
         """Stop runs in flight (they end "killed: close") and refuse new ones."""
