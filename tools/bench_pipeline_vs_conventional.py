@@ -355,11 +355,10 @@ def print_table(results: dict[str, dict], target: float) -> None:
         print(f"{label:<28}{show[0]:>21}{show[1]:>21}{ratio:>11}")
 
 
-def write_summary(results: dict[str, dict], target: float, path: Path | None) -> None:
+def write_summary(summary: Summary, results: dict[str, dict], target: float, path: Path | None) -> None:
     """The ratios with their goals (tools/bench_summary.py), and each run's samples/s and time to the target (the
     variants' beside the plain pipeline's)."""
     pipe, conv = results["pipeline"], results["conventional"]
-    summary = Summary("pipeline_vs_conventional")
     summary.add("samples/s, pipeline / conventional", pipe["samples_per_s"] / conv["samples_per_s"], "ratio",
                 ">= 1.5")
     speedup = None
@@ -389,6 +388,7 @@ def main() -> int:
                         help="also a pipeline run with these overrides, compared with the plain one")
     parser.add_argument("overrides", nargs="*", help="key=value overrides applied to both modes")
     args = parser.parse_args()
+    summary = Summary("pipeline_vs_conventional")  # the load average before the runs
     variants = dict(v.split("=", 1) for v in args.variant)
     common = [f"trainer.max_steps={args.steps}", f"actor.eval_every_steps={args.G}",
               f"inference.base_port={args.base_port}", f"trainer.broadcast_port={args.base_port + 40}", *args.overrides]
@@ -404,9 +404,9 @@ def main() -> int:
         overrides = mode_overrides(args.config, "pipeline", args.G) + common + extra.split(",")
         results[name] = run_mode(args.config, name, args.out_dir, overrides, args.target)
         print_table({name: results[name], "pipeline": results["pipeline"]}, args.target)
-    summary = {m: {k: v for k, v in r.items() if k != "lengths"} for m, r in results.items()}
-    (args.out_dir / "results.json").write_text(json.dumps(summary, indent=1))
-    write_summary(results, args.target, args.summary)
+    saved = {m: {k: v for k, v in r.items() if k != "lengths"} for m, r in results.items()}
+    (args.out_dir / "results.json").write_text(json.dumps(saved, indent=1))
+    write_summary(summary, results, args.target, args.summary)
     print(f"\nwrote {args.out_dir / 'results.json'}")
     return 0
 

@@ -37,6 +37,7 @@ def main() -> int:
     parser.add_argument("--summary", type=Path, default=None, help="also write the ratios here (bench_all)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides applied to both runs")
     args = parser.parse_args()
+    summary = Summary("placement")  # the load average before the runs
     common = [f"trainer.max_steps={args.steps}", f"actor.eval_every_steps={args.eval_every}",
               f"inference.base_port={args.base_port}", f"trainer.broadcast_port={args.base_port + 40}", *args.overrides]
     placements = {"pinned": [f"launch.inference_cpus='{args.cpus}'"],
@@ -51,7 +52,6 @@ def main() -> int:
         {name: {k: v for k, v in r.items() if k != "lengths"} for name, r in results.items()}, indent=1))
 
     pinned, unpinned = results["pinned"], results["unpinned"]
-    summary = Summary("placement")
     summary.add("samples/s, pinned / unpinned", pinned["samples_per_s"] / unpinned["samples_per_s"], "ratio")
     speedup = None
     if pinned["time_to_target_s"] is not None and unpinned["time_to_target_s"] is not None:
