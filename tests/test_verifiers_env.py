@@ -203,3 +203,62 @@ def test_a_single_turn_environment_with_weighted_rewards(loop, request, tok):
     assert result.episode.tools is None and len(result.episode.model_turns) == 1
     wrong, _ = _episode(loop, task, item, tok, ["1"])
     assert (wrong.reward, wrong.scores) == (0.0, {"exact": 0.0, "right_length": 0.0})
+
+
+def test_a_judge_at_judge_url_is_answered_by_the_runs_judge_servers(loop, request, tok, tmp_path):
+    """tests/verifiers_envs/vf_tiny_judged.py's reward is a vf.Judge at JUDGE_URL: with no judge servers its
+    rollout ends as an environment error saying what to set; with the actor's client (here on a fake judge
+    server at a discovery file), each verdict is a chat completion of that server, sent without the judge's model."""
+    import json
+
+    import httpx
+
+    from pipelinerl.actor import CompletionsClient
+    from pipelinerl.config import load_config
+    from pipelinerl.envs.verifiers_judge import ROUTE
+    from pipelinerl.rundir import REWARD_SERVERS_DIR
+
+    task = _task(loop, request, "vf_tiny_judged", args={"num_rows": 10})
+    item = task.train_items[0]
+    ROUTE.use(None, None)
+    unrouted, _ = _episode(loop, task, item, tok, [item.answer])
+    assert unrouted.end_reason == ENV_ERROR and "reward.kind=judge" in unrouted.error, unrouted.error
+
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "tiny_cpu.yaml",
+                      [f"run_dir={tmp_path}", "reward.kind=judge", f"reward.model_path={tmp_path}"])
+    (tmp_path / REWARD_SERVERS_DIR).mkdir()
+    (tmp_path / REWARD_SERVERS_DIR / "j_1").write_text("http://j:1\n")
+    asked = []
+
+    def judge_server(http_request: httpx.Request) -> httpx.Response:
+        body = json.loads(http_request.content)
+        asked.append((http_request.url.path, body))
+        question = body["messages"][0]["content"]
+        verdict = "yes" if question.endswith(f"A: {item.answer} R: {item.answer}") else "no"
+        return httpx.Response(200, json={"id": "j", "object": "chat.completion", "created": 0, "model": "served",
+                                         "choices": [{"index": 0, "finish_reason": "stop",
+                                                      "message": {"role": "assistant", "content": verdict}}]})
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(judge_server))
+    ROUTE.use(CompletionsClient(cfg.actor, str(tmp_path), reference=False, reward=True), http)
+    request.addfinalizer(lambda: ROUTE.use(None, None))
+    right, _ = _episode(loop, task, item, tok, [item.answer])
+    wrong, _ = _episode(loop, task, item, tok, ["1"])
+    assert (right.end_reason, right.reward, wrong.reward) == ("finished", 1.0, 0.0), (right.error, wrong.error)
+    assert right.scores == {"judged": 1.0}
+    assert [path for path, _ in asked] == ["/v1/chat/completions"] * 2 and not any("model" in b for _, b in asked)
+    assert [b["messages"] for _, b in asked] == [[{"role": "user", "content": f"Q: {item.prompt} A: {item.answer} "
+                                                                              f"R: {reply}"}]
+                                                  for reply in (item.answer, "1")]
+
+
+def test_judge_servers_are_for_a_verifiers_environments_judges_only(tmp_path):
+    from pipelinerl.config import ConfigError, load_config
+
+    config = Path(__file__).parent.parent / "configs" / "tiny_verifiers.yaml"
+    judge = [f"run_dir={tmp_path}", "reward.kind=judge", f"reward.model_path={tmp_path}"]
+    assert load_config(config, judge).reward.servers_started == 1
+    with pytest.raises(ConfigError, match="reward.kind"):
+        load_config(config, [f"run_dir={tmp_path}", "reward.kind=model", f"reward.model_path={tmp_path}"])
+    with pytest.raises(ConfigError, match="reward.kind"):
+        load_config(Path(__file__).parent.parent / "configs" / "tiny_tools.yaml", judge)

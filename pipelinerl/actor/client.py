@@ -266,12 +266,15 @@ class CompletionsClient:
                              "one probability each (reward.model_path must be a classifier with one logit)")
         return [float(d["probs"][0]) for d in data]
 
+    async def chat(self, http: httpx.AsyncClient, body: dict) -> dict:
+        """A judge server's chat completion of `body` (`POST /v1/chat/completions` to a reward server of
+        reward.kind=judge, retried on another one like a completion): its JSON reply."""
+        assert self.reward_pool is not None, "chat needs a client built with reward=True"
+        return await self._post(http, self.reward_pool, "/v1/chat/completions", body)
+
     async def judge(self, http: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> str:
-        """A judge's greedy answer to one chat (`POST /v1/chat/completions` to a reward server, retried on another
-        one like a completion)."""
-        assert self.reward_pool is not None, "judge needs a client built with reward=True"
-        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
-        reply = await self._post(http, self.reward_pool, "/v1/chat/completions", body)
+        """A judge's greedy answer to one chat (`chat`)."""
+        reply = await self.chat(http, {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0})
         try:
             return reply["choices"][0]["message"]["content"] or ""
         except (KeyError, IndexError, TypeError):

@@ -83,8 +83,9 @@ class Actor:
         if cfg.rl.teacher is not None:  # the reference servers score the policy's token ids with the teacher
             check_same_tokenizer(self.tokenizer, cfg.rl.teacher, "rl.teacher",
                                  "a teacher scores the policy's own tokens: distil from one with the same tokenizer")
-        self.is_success = (self.task.is_success if cfg.reward.kind == "verify" else self.reward_model.is_success
-                           if self.reward_model is not None else lambda r: r > cfg.reward.success_threshold)
+        self.is_success = (self.task.is_success if cfg.reward.kind == "verify" or self.task.multi_turn
+                           else self.reward_model.is_success if self.reward_model is not None
+                           else lambda r: r > cfg.reward.success_threshold)
         self.writer = StreamWriter(cfg.run_dir, ROLLOUT_TOPIC, actor_id, cfg.streams)
         self.eval_writer = StreamWriter(cfg.run_dir, EVAL_TOPIC, actor_id, cfg.streams)
         self.filtered_writer = (StreamWriter(cfg.run_dir, FILTERED_TOPIC, actor_id, cfg.streams)
@@ -395,6 +396,7 @@ class Actor:
 
     async def run(self) -> None:
         async with actor_client(KEEPALIVE_S) as http:
+            self.task.use_servers(self.client, http)
             prompts = (self.curriculum or self.task).iter_train(self.next_prompt)
             last_log = time.monotonic()
             self.version = await self.client.serving_version(http)

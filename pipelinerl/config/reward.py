@@ -19,9 +19,10 @@ class RewardConfig:
 
     kind: str = doc("verify", "verify (the task's own check: exact answer, math-verify) | model (the score of a "
                               "reward model served by `serve --reward` on (prompt + completion)) | judge (an instruct "
-                              "model served by `serve --reward` grades each completion against `rubric`); with model "
-                              "or judge the task's check is still logged, as actor/verified_success, and evaluation "
-                              "still uses it")
+                              "model served by `serve --reward` grades each completion against `rubric`; with "
+                              "task.name=verifiers, it answers the environment's own judges at JUDGE_URL instead: "
+                              "pipelinerl/envs/verifiers_judge.py); with model or judge the task's check is still "
+                              "logged, as actor/verified_success, and evaluation still uses it")
     model_path: str | None = doc(None, "HF folder of the reward model: kind=model, a sequence classifier with one "
                                        "logit (e.g. Qwen2ForSequenceClassification, LlamaForSequenceClassification) "
                                        "served by vLLM's pooling runner (`POST /classify`); kind=judge, an instruct "

@@ -15,6 +15,8 @@ from pipelinerl.config.reward import RewardConfig
 from pipelinerl.config.run_dir import CheckpointConfig, LoggingConfig, StreamsConfig
 from pipelinerl.config.trainer import ConventionalConfig, RLConfig, TrainerConfig
 
+EPISODE_TASKS = ("math_tir", "tool_sums", "verifiers", "openenv", "agent")  # tasks whose samples are episodes
+
 
 @dataclass
 class Config:
@@ -66,9 +68,11 @@ class Config:
         check(self.task.curriculum == "none" or self.streams.retention == "keep", "task.curriculum",
               "the curriculum counts the actor's published groups from the stream (an exact resume), so it needs "
               "every segment: set streams.retention=keep")
-        check(self.reward.kind == "verify" or self.task.name not in ("math_tir", "tool_sums"), "reward.kind",
-              f"got {self.reward.kind!r}: a reward model scores single-turn completions; {self.task.name}'s episodes "
-              "are graded by the task (reward.kind=verify)")
+        check(self.reward.kind == "verify" or self.task.name not in EPISODE_TASKS
+              or (self.task.name, self.reward.kind) == ("verifiers", "judge"), "reward.kind",
+              f"got {self.reward.kind!r}: a reward model or judge scores single-turn completions; {self.task.name}'s "
+              "episodes are graded by the task (reward.kind=verify; a verifiers environment's judges may use the "
+              "run's judge servers: reward.kind=judge)")
         check(self.task.name != "instructions" or self.reward.kind != "verify", "reward.kind",
               "the instructions task's prompts have no answer to check: set reward.kind=model (a reward model) or "
               "judge")

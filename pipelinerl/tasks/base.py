@@ -62,6 +62,10 @@ class Task(abc.ABC):
                              "(is task.eval_dataset_path the training file?)")
         self.train_items, self.eval_items, self.seed = train_items, eval_items, seed
 
+    def use_servers(self, client, http) -> None:  # noqa: B027 - a hook: only tasks that reach servers override it
+        """The actor's completions client and HTTP client, given at its start, for a task whose environments
+        reach the run's servers themselves (a verifiers environment's judges: the judge servers)."""
+
     def iter_train(self, start: int = 0) -> Iterator[PromptItem]:
         """Training items forever, reshuffled each epoch; item number k is a pure function of (seed, k),
         so an actor resumes exactly by passing the count it had consumed."""

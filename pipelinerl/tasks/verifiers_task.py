@@ -52,7 +52,7 @@ class VerifiersTask(Task):
 
     def __init__(self, cfg: TaskConfig):
         vf = _import_verifiers()
-        from pipelinerl.envs import verifiers_env
+        from pipelinerl.envs import verifiers_env, verifiers_judge  # noqa: F401 -- installs the judge route
 
         for name, level in QUIET_LOGGERS.items():
             logging.getLogger(name).setLevel(level)
@@ -95,6 +95,12 @@ class VerifiersTask(Task):
                 stack = AsyncExitStack()
                 await stack.enter_async_context(self.env.serving())
                 self._stack, self._loop = stack, asyncio.get_running_loop()
+
+    def use_servers(self, client, http) -> None:
+        """The environment's judges at JUDGE_URL go to the run's judge servers (envs/verifiers_judge.py)."""
+        from pipelinerl.envs.verifiers_judge import ROUTE
+
+        ROUTE.use(client, http)
 
     def environment(self, item: PromptItem):
         from pipelinerl.envs.verifiers_env import VerifiersEnv
