@@ -122,10 +122,15 @@ def test_a_command_line_agent_is_a_process_per_episode_on_the_standard_openai_va
     assert not _running("--hang")  # killed with its process group
 
 
-def test_a_posted_reward_counts_when_the_agent_returns_none(tok):
+def test_a_posted_reward_counts_when_the_agent_returns_none_and_the_tasks_check_when_it_posts_none(tok):
     task = _task("calculator_agent:post_reward")
     result = _run(task, task.train_items[0], ScriptedPolicy(tok, ["12"], versions=[0]), tok)
     assert (result.end_reason, result.reward) == ("finished", 0.25)
+    task = _task("calculator_agent:no_reward")
+    item = task.train_items[0]
+    right = _run(task, item, ScriptedPolicy(tok, [item.answer], versions=[0]), tok)
+    wrong = _run(task, item, ScriptedPolicy(tok, ["12"], versions=[0]), tok)
+    assert (right.end_reason, right.reward, wrong.reward) == ("finished", 1.0, 0.0)
 
 
 @pytest.mark.parametrize("program, reason", [("calculator_agent:crash", "the agent failed on purpose"),

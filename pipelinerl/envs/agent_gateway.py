@@ -9,7 +9,8 @@ are rendered after the exact tokens so far; a request that goes back (a retried 
 message, a summarised context) branches the episode, and the model tokens it cuts off are counted
 (actor/agent_drift_tokens), never trained. The model's turn comes back as
 an OpenAI chat completion, its tool calls (written in task.agent.tool_format) as `tool_calls`, so an SDK runs
-its function tools unchanged. With `stream: true` the same completion comes as server-sent chunks (the whole
+its function tools unchanged (an agent that neither returns nor posts a reward gets the task's own check of
+the last model turn it read). With `stream: true` the same completion comes as server-sent chunks (the whole
 turn in one chunk, once sampled), as SDKs that stream expect. The agent's return value is the episode's reward;
 an agent that returns None must have posted one (`POST /rl/reward {"reward": x}` with its key).
 
@@ -184,9 +185,12 @@ def _gone(request: web.Request) -> Callable[[], bool]:
 class AgentEnv(ChatProgramEnv):
     """One episode of `agent` on `item` through `gateway`, under its own key."""
 
-    def __init__(self, gateway: Gateway, agent: Agent, item: dict, call_format: CallFormat, max_wall_s: float):
+    def __init__(self, gateway: Gateway, agent: Agent, item: dict, call_format: CallFormat, max_wall_s: float,
+                 check: Callable[[str], float] | None = None):
+        """`check`: the task's own check of a final answer, the reward of an agent that neither returns nor posts
+        one (on the text of the last model turn it got)."""
         super().__init__(call_format)
-        self.gateway, self.agent, self.item, self.max_wall_s = gateway, agent, item, max_wall_s
+        self.gateway, self.agent, self.item, self.max_wall_s, self.check = gateway, agent, item, max_wall_s, check
         self.key = f"pl-{secrets.token_urlsafe(24)}"
         self.inflight: Callable[[], bool] | None = None  # the request being answered: whether its client is gone
         self.posted_reward: float | None = None
@@ -204,6 +208,9 @@ class AgentEnv(ChatProgramEnv):
             raise RuntimeError(f"the agent ran past task.agent.max_wall_s ({self.max_wall_s:g} s)") from None
         if reward is None:
             reward = self.posted_reward
+        last = self.answered[-1] if self.answered else None
+        if reward is None and self.check is not None and last is not None and not last.call.gone():
+            reward = self.check(last.text)
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise RuntimeError(f"the agent's reward must be a finite number (returned, or posted to /rl/reward), "
                                f"got {reward!r}")

@@ -3,7 +3,8 @@
 
 The agent gets the items of a tiny task (`task.agent.items`) as `{"id", "prompt", "answer"}` and a client for the
 actor's agent gateway (pipelinerl/envs/agent_gateway.py); every sample is one run of it, an episode whose model
-turns are its chat completions, whose reward is what it returns (or posts to /rl/reward). A command runs as a
+turns are its chat completions, whose reward is what it returns (or posts to /rl/reward; with neither, the items'
+task's own check of the last model turn it read). A command runs as a
 process of its own per episode (any language: it reads the standard OPENAI_BASE_URL / OPENAI_API_KEY variables),
 killed with its whole process group when its episode ends first or it runs past task.agent.max_wall_s.
 
@@ -89,13 +90,15 @@ class AgentTask(Task):
         self.format = call_format(a.tool_format)
         source = _item_source(a.items)(TaskConfig(name=a.items, seed=cfg.seed, eval_fraction=cfg.eval_fraction))
         super().__init__(source.train_items, source.eval_items, cfg.seed)
+        self.source = source  # its check scores an agent that returns no reward
         self.gateway = Gateway()
 
     def environment(self, item: PromptItem):
         from pipelinerl.envs.agent_gateway import AgentEnv
 
         return AgentEnv(self.gateway, self.agent, {"id": item.id, "prompt": item.prompt, "answer": item.answer},
-                        self.format, self.agent_cfg.max_wall_s)
+                        self.format, self.agent_cfg.max_wall_s,
+                        check=lambda text: self.source.reward(item, text, finished=True))
 
     def reward(self, item: PromptItem, completion_text: str, finished: bool, *, num_tokens: int | None = None,
                max_new_tokens: int | None = None) -> float:

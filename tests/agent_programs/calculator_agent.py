@@ -1,7 +1,7 @@
 """An agent program as users write them, on the plain `openai` client with a function tool, for the tests and
 configs/tiny_agent.yaml: the tiny tool task (three 3-digit numbers to sum) with a calculator the agent runs
-itself. Its reward: 1 for the exact sum as its final reply. `hang`, `crash` and `post_reward` are the tests'
-misbehaving variants; `retry_turn`, `edit_reply`, `summarise`, `gives_up` and `gives_up_last` go back in their
+itself. Its reward: 1 for the exact sum as its final reply. `hang`, `crash`, `post_reward` and `no_reward` are the
+tests' misbehaving variants; `retry_turn`, `edit_reply`, `summarise`, `gives_up` and `gives_up_last` go back in their
 conversation; `relay` asks several prompts in turn.
 
 The episodes' clients share one HTTP client per event loop: an `AsyncOpenAI` of its own builds an SSL context
@@ -61,6 +61,12 @@ async def post_reward(client_kwargs: dict, item: dict) -> None:
                             headers={"Authorization": f"Bearer {client_kwargs['api_key']}"})
         r.raise_for_status()
     return None
+
+
+async def no_reward(client_kwargs: dict, item: dict) -> None:
+    """Answers in one turn and returns no reward, posting none."""
+    await client(client_kwargs).chat.completions.create(model="policy", messages=[{"role": "user",
+                                                                                   "content": item["prompt"]}])
 
 
 async def crash(client_kwargs: dict, item: dict) -> float:
