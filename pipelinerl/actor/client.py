@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pipelinerl.actor.waits import WaitLog
 from pipelinerl.config import ActorConfig
 from pipelinerl.control import ControlError, read_status
 from pipelinerl.rundir import (
@@ -27,6 +26,7 @@ from pipelinerl.rundir import (
     SERVERS_DIR,
     list_servers,
 )
+from pipelinerl.waits import WaitLog
 
 log = logging.getLogger(__name__)
 

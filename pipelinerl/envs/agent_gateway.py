@@ -30,7 +30,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import secrets
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -178,8 +180,24 @@ class Gateway:
 
 
 def _gone(request: web.Request) -> Callable[[], bool]:
-    """Whether the request's client has closed its connection (aiohttp drops the transport when it sees that)."""
-    return lambda: request.transport is None
+    """Whether the request's client has closed its connection: aiohttp has dropped the transport, or the socket
+    already holds the end of the stream (a peek reads b""), which a client that timed out and sent its next request
+    closed before connecting again, whether or not the loop has run aiohttp's callback for it yet."""
+    def gone() -> bool:
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return True
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        with socket.socket(fileno=os.dup(sock.fileno())) as peek:  # asyncio's own socket object has no recv
+            try:
+                return peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:  # open, nothing to read
+                return False
+            except OSError:  # reset
+                return True
+    return gone
 
 
 class AgentEnv(ChatProgramEnv):

@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from pipelinerl.actor.waits import WaitLog
+from pipelinerl.waits import WaitLog
 
 log = logging.getLogger(__name__)
 
