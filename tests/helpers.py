@@ -39,3 +39,21 @@ def deepspeed_shm_removed(port: int):
         for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def consumed_rows(run_dir) -> tuple[list[dict], int]:
+    """The stream rows the run's final checkpoint consumed (its samples_seen, in stream order), and its step."""
+    import json
+    from pathlib import Path
+
+    from pipelinerl.config import StreamsConfig
+    from pipelinerl.streams import ROLLOUT_TOPIC, StreamReader
+    from pipelinerl.trainer.checkpoints import latest_checkpoint
+
+    run_dir = Path(run_dir)
+    meta = json.loads((latest_checkpoint(run_dir / "checkpoints") / "meta.json").read_text())
+    reader, rows = StreamReader(run_dir, ROLLOUT_TOPIC, StreamsConfig()), []
+    while len(rows) < meta["samples_seen"]:
+        for group in reader.read_groups(max_groups=64, timeout_s=5.0):
+            rows.extend(group.to_pylist())
+    return rows[:meta["samples_seen"]], meta["step"]

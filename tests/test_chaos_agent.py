@@ -10,13 +10,12 @@ groups; the exactly-once verdict holds whatever was in flight. Every wait is bou
 """
 
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import worker_port
+from helpers import consumed_rows, worker_port
 
 from pipelinerl.envs.tool_calls import ToolCall, ToolSpec, call_format
 
@@ -54,20 +53,6 @@ def _sum(expression: str) -> str:
     return str(sum(map(int, terms))) if all(t.isdigit() for t in terms) else "*"
 
 
-def _consumed_rows(out: Path) -> tuple[list[dict], int]:
-    """The samples the final checkpoint consumed, and its step."""
-    from pipelinerl.config import StreamsConfig
-    from pipelinerl.streams import ROLLOUT_TOPIC, StreamReader
-    from pipelinerl.trainer.checkpoints import latest_checkpoint
-
-    meta = json.loads((latest_checkpoint(out / "checkpoints") / "meta.json").read_text())
-    reader, rows = StreamReader(out, ROLLOUT_TOPIC, StreamsConfig()), []
-    while len(rows) < meta["samples_seen"]:
-        for group in reader.read_groups(max_groups=64, timeout_s=5.0):
-            rows.extend(group.to_pylist())
-    return rows[:meta["samples_seen"]], meta["step"]
-
-
 def test_the_agent_run_survives_an_actor_kill_training_every_episode_once(result):
     res, out = result
     assert res.code == chaos.STOPPED, res.table + (out / "logs" / "launcher.log").read_text()[-3000:]
@@ -82,7 +67,7 @@ def test_consumed_rows_are_agent_conversations_within_the_lag_bound(result):
 
     res, out = result
     assert res.code == chaos.STOPPED, res.table
-    rows, steps = _consumed_rows(out)
+    rows, steps = consumed_rows(out)
     assert steps > res.kills[-1].step and len(rows) == steps * SAMPLES
     tok = build_tokenizer()
     multi_turn = [r for r in rows if r["turns"] >= 2]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import worker_port
+from helpers import consumed_rows, worker_port
 
 pytestmark = pytest.mark.slow  # a 56-step warm start and one `pipelinerl run` with 2 restarts: ~6 min
 
@@ -48,23 +48,6 @@ def result(tmp_path_factory, tools_model_dir):
     return res, out
 
 
-def _consumed_rows(out: Path) -> tuple[list[dict], int]:
-    """The samples the final checkpoint consumed, and its step."""
-    import json
-
-    from pipelinerl.config import StreamsConfig
-    from pipelinerl.streams import ROLLOUT_TOPIC, StreamReader
-    from pipelinerl.trainer.checkpoints import latest_checkpoint
-
-    meta = json.loads((latest_checkpoint(out / "checkpoints") / "meta.json").read_text())
-    seen = meta["samples_seen"]
-    reader, rows = StreamReader(out, ROLLOUT_TOPIC, StreamsConfig()), []
-    while len(rows) < seen:
-        for group in reader.read_groups(max_groups=64, timeout_s=5.0):
-            rows.extend(group.to_pylist())
-    return rows[:seen], meta["step"]
-
-
 def test_the_episode_run_survives_an_actor_and_a_server_kill_training_every_episode_once(result):
     res, out = result
     assert res.code == chaos.STOPPED, res.table + (out / "logs" / "launcher.log").read_text()[-3000:]
@@ -82,7 +65,7 @@ def test_consumed_samples_are_multi_turn_episodes_and_every_trained_token_is_wit
 
     res, out = result
     assert res.code == chaos.STOPPED, res.table
-    rows, steps = _consumed_rows(out)
+    rows, steps = consumed_rows(out)
     assert steps > res.kills[-1].step and len(rows) == steps * 64  # steps x samples_per_step, on 2 ranks
     rewards = collections.defaultdict(set)
     for r in rows:
