@@ -178,13 +178,13 @@ class _Throttle:
 
 
 def test_a_stopped_then_a_throttled_server_costs_its_healthy_peer_seconds_and_catches_up(tmp_path, tiny_model_dir):
-    """Two servers; server1's process group is SIGSTOPped right after trainer step 4 is logged, with the launcher's
-    health deadline at 600 s so that only the delivery's round deadline (weights/deadline.py) can free server0:
-    server0 keeps getting versions and the trainer steps on. Then server1 is SIGCONTed and catches up to the
-    newest version, then it runs throttled (10% duty cycle) while the trainer steps on again. Then the launcher
-    gets SIGTERM (the trainer checkpoints): every sample is trained exactly once. Each phase ends on a condition
-    (steps made, versions reached), bounded; trainer.max_steps is out of reach, so that no phase finds the run
-    over (the catch-up phase takes as many steps as the machine's speed gives it)."""
+    """Two servers; server1's process group is SIGSTOPped once trainer step 4 is logged and both servers are in the
+    weight-update group, with the launcher's health deadline at 600 s so that only the delivery's round deadline
+    (weights/deadline.py) can free server0: server0 keeps getting versions and the trainer steps on. Then server1 is
+    SIGCONTed and catches up to the newest version, then it runs throttled (10% duty cycle) while the trainer steps
+    on again. Then the launcher gets SIGTERM (the trainer checkpoints): every sample is trained exactly once. Each
+    phase ends on a condition (steps made, versions reached), bounded; trainer.max_steps is out of reach, so that no
+    phase finds the run over (the catch-up phase takes as many steps as the machine's speed gives it)."""
     port = worker_port(19660)
     overrides = [f"model.path={tiny_model_dir}", "model.build_tiny_if_missing=false", "trainer.max_steps=100000",
                  "trainer.samples_per_step=32", "trainer.warmup_steps=0", "actor.max_lag=2",
@@ -197,7 +197,12 @@ def test_a_stopped_then_a_throttled_server_costs_its_healthy_peer_seconds_and_ca
     run.start()
     throttle = None
     try:
-        assert run._wait("trainer step 4, both servers up", lambda: run.healed() and run.last_step() >= 4, 900)
+        # server1 may come up late: it is stopped as a member of the two-server group (a round's deadline frees
+        # server0), not while it is still joining (then the group's connect deadline does, tested in test_delivery)
+        assert run._wait("trainer step 4, both servers in the weight-update group",
+                         lambda: run.healed() and run.last_step() >= 4
+                         and "weight-update group open with 2 server(s)" in run.trainer_log.read_text()
+                         and (_versions(run.run_dir, ports)[1] or 0) >= 1, 900)
         pgid = chaos.role_leaders(run.cfg)["server1"]
         os.killpg(pgid, signal.SIGSTOP)
         stopped_at, stopped_step = time.time(), run.last_step()

@@ -433,6 +433,52 @@ def test_a_server_stuck_joining_the_group_is_set_aside_and_the_other_gets_the_ve
             s.stop()
 
 
+def test_a_server_that_joins_the_group_then_never_replies_is_set_aside_by_the_connect_deadline(tmp_path,
+                                                                                               fast_retries):
+    """A server stopped right after it joined the collective (its reply to /init_process_group never comes): the
+    group opens, and the missing reply is a missed connect deadline like a join that never came. It is set aside
+    and the live server gets the version; once it answers again it catches up with no further publish."""
+    trainer = Trainer()
+    live, joiner = Server(trainer.wire()), Server(trainer.wire())
+    publish_server(tmp_path, "127.0.0.1", live.port)
+    publication = Publication()
+    d = _delivery(tmp_path, publication, timeout_s=60.0,
+                  deadline=DeadlineRule(factor=3.0, margin_s=0.5, floor_s=1.0, ceiling_s=60.0))
+    let_go, joined = threading.Event(), threading.Event()
+    real_join = joiner.engine.join_group
+
+    async def join_then_hang(req, staging):
+        await real_join(req, staging)
+        if not let_go.is_set():
+            joined.set()
+            await asyncio.to_thread(let_go.wait, 60)
+
+    joiner.engine.join_group = join_then_hang
+    try:
+        for version in (1, 2):  # measured: forming the group and a round
+            trainer.step(lr=1e-5)
+            _publish(publication, version, trainer)
+            _wait_until(f"the live server at version {version}", lambda v=version: live.updater.version == v)
+        publish_server(tmp_path, "127.0.0.1", joiner.port)
+        _wait_until("the joiner joined a group and hangs before replying", joined.is_set)
+        trainer.step(lr=1e-5)
+        _publish(publication, 3, trainer)
+        _wait_until("the live server at version 3", lambda: live.updater.version == 3, bound_s=STRAGGLER_BOUND_S)
+        assert joiner.updater.version == 0
+        late = [r.error for r in d.reports() if "connect missed its deadline" in r.error]
+        assert late and joiner.url in late[0] and "still silent" in late[0], [r.error for r in d.reports()]
+        let_go.set()
+        _wait_until("the joiner at version 3", lambda: joiner.updater.version == 3)  # no publish since
+        for s in (live, joiner):
+            assert_serving(s, trainer.wire())
+        assert d.failure is None
+    finally:
+        d.close()
+        let_go.set()
+        for s in (live, joiner):
+            s.stop()
+
+
 def test_a_server_that_accepts_connections_and_never_answers_delays_no_version_of_the_others(tmp_path):
     """What a SIGSTOPped server looks like over HTTP: a socket that listens and never answers. Announced beside a
     live server, with the evaluation delivery's `held` probe and the trainer's 30 s control timeout, it is asked

@@ -190,7 +190,12 @@ class WeightBroadcaster:
             if isinstance(err, TimeoutError):  # no member answers before the group opens: silence alone tells
                 raise self._late("connect", posts, err, limit_s, set()) from err
             raise
-        posts.join(deadline)
+        try:  # a member that joined the collective and then stopped never replies: late, like one that never joined
+            posts.join(deadline)
+        except TimeoutError as err:
+            finished = posts.done()
+            self._abandon(f"the group opened but a member never replied: {err}")
+            raise self._late("connect", posts, err, limit_s, finished) from err
         log.info("weight-update group open with %d server(s) (%s): %s", len(self.server_urls), req.group,
                  ", ".join(self.server_urls))
 
