@@ -218,7 +218,8 @@ class EngineGate:
     """The gate in a test server's engine core (tests/engine_gate/sitecustomize.py): `hold(n)` makes the engine
     stop before its first step that finds at least n running requests, each with a token generated; `held()` waits
     until it has stopped there; `open()` lets it go on (its next step is the held one, then it reads its input:
-    an update claimed meanwhile lands right there). `added()` counts the requests sent to the engine."""
+    an update claimed meanwhile lands right there). `added()` lists the requests sent to the engine,
+    `started()` those it has started, in the engine's order."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -237,12 +238,19 @@ class EngineGate:
     def open(self) -> None:
         (self.folder / "hold").unlink(missing_ok=True)
 
-    def added(self) -> int:
-        """How many requests the API server has sent to its engine core so far."""
+    def added(self) -> list[str]:
+        """The ids of the requests the API server has sent to its engine core so far, in order."""
+        return self._lines("added")
+
+    def started(self) -> list[str]:
+        """The ids of the requests the engine has generated a first token for, in the order it did."""
+        return self._lines("started")
+
+    def _lines(self, name: str) -> list[str]:
         try:
-            return len((self.folder / "added").read_text().splitlines())
+            return (self.folder / name).read_text().splitlines()
         except FileNotFoundError:
-            return 0
+            return []
 
 
 def _until_claimed(server) -> None:

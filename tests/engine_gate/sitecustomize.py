@@ -8,9 +8,11 @@ to a folder (EngineGate's, on the test's side). Two vLLM methods are wrapped as 
   `held` and waits (at most HOLD_MAX_S) until `hold` is removed. The test sends an update meanwhile and removes
   `hold` once the server has claimed it: the engine runs the held step (its tokens are the old version's) and
   then reads the update's pause before any other step;
+  After each step, a request that has its first token by then is appended to `started`: the order the engine
+  started requests in, whatever the order their first chunks reach a client;
 - the API server's `AsyncMPClient.add_request_async` appends a line to `added` once it has sent a request to the
   engine core: the test knows which requests are the engine's to schedule.
-Without `hold` a step costs one failed open().
+Without `hold` a step costs one failed open() and a look at the running requests.
 """
 
 import importlib.abc
@@ -24,20 +26,30 @@ HOLD_MAX_S = 300.0  # a test that never opens the gate is failing anyway: the en
 
 def _gate_step(core) -> None:
     step, hold, held = core.EngineCore.step, os.path.join(GATE, "hold"), os.path.join(GATE, "held")
+    started, seen = os.path.join(GATE, "started"), set()
+
+    def recorded_step(self):
+        out = step(self)
+        for r in self.scheduler.running:  # the order requests got their first token, as the engine made them
+            if r.num_output_tokens > 0 and r.request_id not in seen:
+                seen.add(r.request_id)
+                with open(started, "a") as f:
+                    f.write(f"{r.request_id}\n")
+        return out
 
     def gated_step(self):
         try:
             with open(hold) as f:
                 n = int(f.read())
         except (OSError, ValueError):
-            return step(self)
+            return recorded_step(self)
         running = self.scheduler.running
         if len(running) >= n and all(r.num_output_tokens > 0 for r in running):
             open(held, "w").close()
             deadline = time.monotonic() + HOLD_MAX_S
             while os.path.exists(hold) and time.monotonic() < deadline:
                 time.sleep(0.005)
-        return step(self)
+        return recorded_step(self)
 
     core.EngineCore.step = gated_step
 
