@@ -168,6 +168,8 @@ def test_bad_requests_get_their_4xx_and_touch_no_episode(task, tok):
                 "nested 10,000 deep": (await http.post(url, content=b"[" * 10_000 + b"]" * 10_000,
                                                        headers=auth)).status_code,
                 "10 MB": (await http.post(url, content=b"{" + b" " * 10 * 2**20 + b"}", headers=auth)).status_code,
+                "n=2": (await http.post(url, json={**body, "n": 2}, headers=auth)).status_code,
+                "stop": (await http.post(url, json={**body, "stop": [3]}, headers=auth)).status_code,
                 "text completions": (await http.post(f"{task.gateway.url}/v1/completions", json={"prompt": "1+2="},
                                                      headers=auth)).status_code,
             }
@@ -180,7 +182,65 @@ def test_bad_requests_get_their_4xx_and_touch_no_episode(task, tok):
 
     assert asyncio.run(go()) == {"no key": 401, "unknown key": 401, "malformed JSON": 400, "no messages": 400,
                                  "stream": 400, "second at once": 429, "bad reward": 400, "nested 10,000 deep": 400,
-                                 "10 MB": 413, "text completions": 404, "after": 429, "ended": 401}
+                                 "10 MB": 413, "n=2": 400, "stop": 400, "text completions": 400, "after": 429,
+                                 "ended": 401}
+
+
+def test_a_text_completions_agent_is_one_episode_of_its_own_text_token_for_token(tok):
+    """tests/agent_programs/text_agent.py on `completions.create` with a stop string: the episode is the text it
+    writes, no chat template (its prompt tokenised as a server tokenises text: BOS first). The turn that asks for
+    the calculator ends at the stop string the server stopped at; the agent got it left out and wrote it back, so
+    its next prompt continues the exact tokens. The stop string reached every server call."""
+    task = _task("text_agent:agent")
+    item = task.train_items[0]
+    expression = item.prompt[:-1]
+    policy = ScriptedPolicy(tok, [expression + "*", item.answer], versions=[0, 1])
+    result = _run(task, item, policy, tok)
+    assert (result.end_reason, result.error, result.reward, result.drift_tokens) == ("finished", None, 1.0, 0)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    # BOS prompt | sum * (stopped: no EOS) | the agent's value and "=" | answer EOS
+    assert result.episode.token_ids == ([tok.bos_token_id] + enc(item.prompt) + enc(expression + "*")
+                                        + enc(item.answer + "=") + enc(item.answer) + [tok.eos_token_id])
+    assert all(result.episode.token_ids[:len(p)] == p for p in policy.prefixes)
+    assert policy.stops == [("*",), ("*",)]
+    assert [t.kind for t in result.episode.turns] == ["prompt", "model", "env", "model"]
+
+
+def test_a_text_agent_that_drops_the_models_text_restarts_from_its_own_and_the_cut_turn_is_drift(tok):
+    task = _task("text_agent:rewrites")
+    item = task.train_items[0]
+    first = item.prompt[:-1] + "*"
+    result = _run(task, item, ScriptedPolicy(tok, [first, "3"], versions=[0, 1]), tok)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    assert (result.end_reason, result.error, result.reward) == ("finished", None, 1.0)
+    assert result.drift_tokens == len(enc(first))
+    assert result.episode.token_ids == [tok.bos_token_id] + enc(item.prompt + "1+2*3=") + enc("3") + [tok.eos_token_id]
+    assert result.episode.prompt_length == 1 + len(enc(item.prompt + "1+2*3="))
+
+
+def test_bad_text_completion_requests_get_400(tok):
+    task = _task("text_agent:agent")
+    item = task.train_items[1]
+
+    async def go():
+        env = task.environment(item)
+        await env.start()  # the agent's first text request is parked
+        url, auth = f"{task.gateway.url}/v1/completions", {"Authorization": f"Bearer {env.key}"}
+        async with httpx.AsyncClient(timeout=10) as http:
+            codes = {name: (await http.post(url, json=body, headers=auth)).status_code for name, body in {
+                "no prompt": {"model": "m"}, "empty prompt": {"prompt": ""}, "two prompts": {"prompt": ["1", "2"]},
+                "token ids": {"prompt": [1, 2, 3]}, "echo": {"prompt": "1", "echo": True},
+                "suffix": {"prompt": "1", "suffix": "2"}, "n=3": {"prompt": "1", "n": 3},
+                "empty stop": {"prompt": "1", "stop": ""}, "one prompt": {"prompt": ["1"]}}.items()}
+            codes["chat"] = (await http.post(f"{task.gateway.url}/v1/chat/completions", headers=auth, json={
+                "messages": [{"role": "user", "content": "1"}]})).status_code
+            await env.close()
+        await task.gateway.stop()
+        return codes
+
+    assert asyncio.run(go()) == {"no prompt": 400, "empty prompt": 400, "two prompts": 400, "token ids": 400,
+                                 "echo": 400, "suffix": 400, "n=3": 400, "empty stop": 400, "one prompt": 429,
+                                 "chat": 400}
 
 
 class HeldPolicy(ScriptedPolicy):

@@ -39,19 +39,23 @@ class Sampled:
 
 
 class ScriptedPolicy:
-    """Answers the k-th call with the k-th scripted text (+ EOS unless cut), at version `versions[k]`;
-    records every prefix it was asked to continue."""
+    """Answers the k-th call with the k-th scripted text (+ EOS unless cut), at version `versions[k]`; a text
+    with one of the call's `stop` strings ends with it instead of EOS, as a server stops. Records every prefix it
+    was asked to continue, and every call's stop strings."""
 
     def __init__(self, tok, texts: list[str], versions: list[int], cut: set[int] = frozenset()):
-        self.tok, self.texts, self.versions, self.cut, self.prefixes = tok, texts, versions, cut, []
+        self.tok, self.texts, self.versions, self.cut, self.prefixes, self.stops = tok, texts, versions, cut, [], []
 
-    async def __call__(self, prefix: list[int], max_tokens: int) -> Sampled:
+    async def __call__(self, prefix: list[int], max_tokens: int, stop: tuple[str, ...] = ()) -> Sampled:
         k = len(self.prefixes)
         self.prefixes.append(list(prefix))
-        ids = self.tok.encode(self.texts[k], add_special_tokens=False)
+        self.stops.append(stop)
+        text = self.texts[k]
+        end = min((i + len(s) for s in stop if (i := text.find(s)) >= 0), default=None)
+        ids = self.tok.encode(text[:end], add_special_tokens=False)
         if k in self.cut:
             ids = ids[:max_tokens]
-        else:
+        elif end is None:
             ids = ids[:max_tokens - 1] + [self.tok.eos_token_id]
         n = len(ids)
         return Sampled(ids, [-0.5 - 0.01 * i for i in range(n)], [self.versions[k]] * n, finished=k not in self.cut)

@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -236,14 +237,16 @@ class CompletionsClient:
 
     async def complete(self, http: httpx.AsyncClient, prompt_ids: list[int], greedy: bool, n: int = 1,
                        temperature: float | None = None, min_version: int | None = None,
-                       max_tokens: int | None = None, priority: int = 0) -> list[Completion]:
+                       max_tokens: int | None = None, priority: int = 0,
+                       stop: Sequence[str] = ()) -> list[Completion]:
         """n completions of one prompt in one request (the server shares the prompt's prefill), sampled at
         `temperature` (None: actor.sampling.temperature) unless greedy. The log-probs are those of the
         distribution sampled (the servers' processed log-probs: tempered, EOS suppressed below min_tokens).
         `min_version`: only a server that reported at least this version takes the request, retries included
         (the lag bound of the group: a retry must not land on a server restarted on an older checkpoint).
         `max_tokens`: the length limit (None: actor.sampling.max_new_tokens). `priority`: vLLM's request priority
-        (lower is scheduled first; training 0, evaluation actor.eval_priority)."""
+        (lower is scheduled first; training 0, evaluation actor.eval_priority). `stop`: strings that end a
+        completion besides EOS (its token ids run to the token that completes one)."""
         s = self.cfg.sampling
         temperature = s.temperature if temperature is None else temperature
         # No "model": servers of one run may serve different folders (a resumed run serves the latest
@@ -251,7 +254,8 @@ class CompletionsClient:
         body = {"prompt": prompt_ids, "max_tokens": s.max_new_tokens if max_tokens is None else max_tokens, "n": n,
                 "temperature": 0.0 if greedy else temperature, "top_p": 1.0 if greedy else s.top_p,
                 "min_tokens": 0 if greedy else s.min_new_tokens,
-                "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True, "priority": priority}
+                "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True, "priority": priority,
+                **({"stop": list(stop)} if stop else {})}
         return [_parse_choice(c) for c in await self._post_completions(http, self.pool, body, min_version)]
 
     async def score_rewards(self, http: httpx.AsyncClient, inputs: list[list[int]] | list[str]) -> list[float]:

@@ -38,9 +38,9 @@ async def sample_episodes(client: CompletionsClient, http: httpx.AsyncClient, ta
     """n episodes of `item`, side by side (envs/runner.py), every turn one request (`temperature`: None is
     actor.sampling's) at vLLM request `priority`. Each turn's request carries `min_version`: the lag bound
     taken at the episode's start."""
-    async def generate(prefix: list[int], max_tokens: int) -> Completion:
+    async def generate(prefix: list[int], max_tokens: int, stop: tuple[str, ...] = ()) -> Completion:
         (done,) = await client.complete(http, prefix, greedy=greedy, n=1, temperature=temperature,
-                                        min_version=min_version, max_tokens=max_tokens, priority=priority)
+                                        min_version=min_version, max_tokens=max_tokens, priority=priority, stop=stop)
         return done
 
     limits, timeout_s = episode_limits(cfg), cfg.actor.episode.step_timeout_s

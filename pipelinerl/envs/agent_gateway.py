@@ -14,11 +14,18 @@ the last model turn it read). With `stream: true` the same completion comes as s
 turn in one chunk, once sampled), as SDKs that stream expect. The agent's return value is the episode's reward;
 an agent that returns None must have posted one (`POST /rl/reward {"reward": x}` with its key).
 
+Text completions (`POST /v1/completions`, one `prompt` string) serve agents that write the whole text themselves (a
+ReAct loop on a base model): the episode is then plain text, no chat template (envs/episode.py's raw mode). A
+prompt that goes on from the previous one with the model's text (its completion and the stop string that ended
+it, which the completion leaves out as OpenAI's does) continues the exact tokens; one that does not branches, as
+a chat request does. `stop` (a string or a list) is the server's: the turn ends at one, and keeps its tokens.
+An episode keeps to the API of its first request.
+
 The gateway answers bad requests with a clear error and never lets one touch another episode:
   401  no key, or a key of no running episode;   409  the episode has ended (a limit ended it first)
-  400  a body that is not JSON (or nested past the parser's depth), no `messages` list, `stream` not a boolean,
-       a reward not a finite number;   413  a body over MAX_BODY_BYTES
-  404  /v1/completions (text completions): turns are chat turns, rendered by the policy's chat template
+  400  a body that is not JSON (or nested past the parser's depth), no `messages` list (chat) or no one `prompt`
+       string (text), `stream` not a boolean, `n` not 1, `stop` not strings, `echo` or `suffix` (text), the other
+       API than the episode's first request, a reward not a finite number;   413  a body over MAX_BODY_BYTES
   429  a second request with a key whose previous one is still being answered (one turn at a time), with
        `retry-after-ms`; once the previous request's client has given up (closed its connection: a client
        timeout), the new request replaces it, and the turn answering the abandoned one is not trained
@@ -66,9 +73,17 @@ def completion(model: str, content: str | None, calls: list[dict]) -> dict:
                                          "finish_reason": "tool_calls" if calls else "stop"}]}
 
 
+def text_completion(model: str, text: str) -> dict:
+    """An OpenAI text_completion of one text."""
+    return {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}]}
+
+
 def chunks(reply: dict) -> list[dict]:
-    """A chat.completion as the chat.completion.chunk objects of a stream: the message in one delta (tool calls
-    with their index), then the finish reason."""
+    """A completion as the objects of a stream. A chat.completion: chat.completion.chunk objects, the message in
+    one delta (tool calls with their index), then the finish reason; a text_completion: itself, whole."""
+    if reply["object"] == "text_completion":
+        return [reply]
     choice = reply["choices"][0]
     delta = {"role": "assistant", "content": choice["message"]["content"]}
     if "tool_calls" in choice["message"]:
@@ -146,26 +161,21 @@ class Gateway:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) and "function" in t
                                                                          for t in tools)):
             return _error(400, "`tools` must be a list of function tools")
-        if not isinstance(body.get("stream", False), bool):
-            return _error(400, "`stream` must be true or false")
-        if env.inflight is not None and not env.inflight():
-            response = _error(429, "this episode's previous request is still being answered: one turn at a time")
-            response.headers["retry-after-ms"] = str(RETRY_AFTER_MS)
-            return response
-        env.inflight = gone = _gone(request)  # replaces a request whose client is gone, if any
-        try:
-            content, calls = await env.model_call(messages, tools or None, gone)
-        except EpisodeEnded:
-            return _error(409, "the episode of this key has ended")
-        finally:
-            if env.inflight is gone:
-                env.inflight = None
-        reply = completion(str(body.get("model", "policy")), content, calls)
-        return await _stream(request, reply) if body.get("stream") else web.json_response(reply)
+        return await _turn(request, env, body, "chat", lambda gone, stop: env.model_call(messages, tools or None,
+                                                                                         gone, stop))
 
     async def _text_completions(self, request: web.Request) -> web.Response:
-        return _error(404, "text completions are not served: an episode's turns are chat turns, rendered by the "
-                           "policy's chat template; use /v1/chat/completions")
+        got = await self._request(request)
+        if isinstance(got, web.Response):
+            return got
+        env, body = got
+        prompt = body.get("prompt")
+        prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+        if not isinstance(prompt, str) or not prompt:
+            return _error(400, "`prompt` must be one non-empty string (a request is one turn of the episode)")
+        if body.get("echo") or body.get("suffix") is not None:
+            return _error(400, "`echo` and `suffix` are not served: a turn's completion is the model's text alone")
+        return await _turn(request, env, body, "text", lambda gone, stop: env.text_call(prompt, gone, stop))
 
     async def _reward(self, request: web.Request) -> web.Response:
         got = await self._request(request)
@@ -177,6 +187,39 @@ class Gateway:
             return _error(400, f"`reward` must be a finite number, got {reward!r}")
         env.posted_reward = float(reward)
         return web.json_response({"ok": True})
+
+
+async def _turn(request: web.Request, env: AgentEnv, body: dict, api: str,
+                call: Callable[[Callable[[], bool], tuple[str, ...]], Awaitable[tuple[str | None, list[dict]]]]
+                ) -> web.Response:
+    """One turn of `env` through `api` ("chat" or "text"): the checks both share, then `call(gone, stop)`'s
+    answer as a completion of that API (streamed if asked)."""
+    if not isinstance(body.get("stream", False), bool):
+        return _error(400, "`stream` must be true or false")
+    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
+        return _error(400, "`n` must be 1: a request is one turn of its episode")
+    stop = body.get("stop")
+    stop = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else stop
+    if stop is not None and not all(isinstance(x, str) and x for x in stop):
+        return _error(400, "`stop` must be a non-empty string or a list of them")
+    if env.api not in (None, api):
+        return _error(400, f"this episode's requests are {env.api} completions: an episode keeps to one API")
+    env.api = api
+    if env.inflight is not None and not env.inflight():
+        response = _error(429, "this episode's previous request is still being answered: one turn at a time")
+        response.headers["retry-after-ms"] = str(RETRY_AFTER_MS)
+        return response
+    env.inflight = gone = _gone(request)  # replaces a request whose client is gone, if any
+    try:
+        content, calls = await call(gone, stop or ())
+    except EpisodeEnded:
+        return _error(409, "the episode of this key has ended")
+    finally:
+        if env.inflight is gone:
+            env.inflight = None
+    model = str(body.get("model", "policy"))
+    reply = completion(model, content, calls) if api == "chat" else text_completion(model, content or "")
+    return await _stream(request, reply) if body.get("stream") else web.json_response(reply)
 
 
 def _gone(request: web.Request) -> Callable[[], bool]:
@@ -212,6 +255,33 @@ class AgentEnv(ChatProgramEnv):
         self.key = f"pl-{secrets.token_urlsafe(24)}"
         self.inflight: Callable[[], bool] | None = None  # the request being answered: whether its client is gone
         self.posted_reward: float | None = None
+        self.api: str | None = None  # "chat" or "text": the API of the episode's first request, kept by the rest
+
+    @property
+    def raw_text(self) -> bool:
+        return self.api == "text"
+
+    async def text_call(self, prompt: str, gone: Callable[[], bool], stop: tuple[str, ...]) -> tuple[str | None,
+                                                                                                  list[dict]]:
+        """A text completion of `prompt`: the model call of its segments (`segments`)."""
+        return await self.model_call(self.segments(prompt), None, gone, stop)
+
+    def segments(self, prompt: str) -> list[dict]:
+        """A text call's prompt as the episode's messages, text segments (episode.py's raw mode): the messages of
+        the last answered call whose prompt it starts with; then, if it goes on with that call's model text (the
+        answer the program got and the stop string after it), that answer as the assistant message; then the rest
+        as the program's text. No such call: the prompt alone. The chat machinery then places it (extends the
+        last turn, or branches) as it places chat messages. Joined, the segments are the prompt."""
+        for done in reversed(self.answered):
+            before = done.call.messages
+            base = "".join(m["content"] for m in before)
+            if not prompt.startswith(base):
+                continue
+            rest = prompt[len(base):]
+            if rest.startswith(done.text):
+                before, rest = [*before, {"role": "assistant", "content": done.text}], rest[len(done.text):]
+            return [*before, {"role": "user", "content": rest}] if rest else before
+        return [{"role": "user", "content": prompt}]
 
     async def start(self) -> None:
         await self.gateway.start()

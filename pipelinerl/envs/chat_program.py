@@ -6,7 +6,8 @@ the tools it offers) parks until our episode runner (envs/runner.py) has sampled
 token-in/token-out, and answers it with the turn's text and the tool calls parsed from it:
 
     start():     the program starts; its first call's messages and tools open the episode
-    step(text):  the parked call is answered (content, tool calls in `call_format`) -> the program's next call:
+    step(text):  the parked call is answered (content, tool calls in `call_format`; with the call's stop strings,
+                 the text before the first, which ended the turn: the turn keeps its tokens) -> the next call:
                  the messages it added after our turn (tool results, a user's reply) are the EnvReply; or the
                  program ends: EnvReply(done) with its reward and the reward's parts
     close():     if our episode ended first (a limit), the parked call fails with the subclass's `ended_error()`
@@ -45,6 +46,7 @@ class ModelCall:
     messages: list[dict]
     tools: list[dict] | None
     answer: asyncio.Future
+    stop: tuple[str, ...] = ()  # strings that end the model's turn; the answer is its text before the first
     gone: Callable[[], bool] = lambda: False  # whether the caller gave up waiting (nobody will read the answer)
     abandoned: bool = False  # the caller was gone once the answer was ready
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # set once `abandoned` is known
@@ -111,12 +113,15 @@ class ChatProgramEnv(Environment):
         self.opening = self.prompt  # the messages the episode's sequence opens with (a branch may restart it)
 
     async def model_call(self, messages: list[dict], tools: list[dict] | None,
-                         gone: Callable[[], bool] | None = None) -> tuple[str | None, list[dict]]:
+                         gone: Callable[[], bool] | None = None,
+                         stop: Sequence[str] = ()) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of the model's turn that answers this call of the program. `gone`: whether the
-        caller has given up waiting, checked once the answer is ready."""
+        caller has given up waiting, checked once the answer is ready; `stop`: the call's stop strings (the
+        server stops the turn at one; the answer is the text before it, the turn keeps its tokens)."""
         if self.ended:
             raise self.ended_error()
-        call = ModelCall(messages, tools, asyncio.get_running_loop().create_future(), gone or (lambda: False))
+        call = ModelCall(messages, tools, asyncio.get_running_loop().create_future(), tuple(stop),
+                         gone or (lambda: False))
         self.calls.put_nowait(call)
         try:
             return await call.answer
@@ -127,10 +132,15 @@ class ChatProgramEnv(Environment):
     def messages(self) -> list[dict]:
         return [dict(m) for m in self.prompt] if self.prompt else self.opening_messages()
 
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self.pending.stop if self.pending is not None else ()
+
     async def step(self, text: str) -> EnvReply:
-        parsed = self.format.parse(text, tool_specs(self.tools)) if self.tools else []
+        seen = before_stop(text, self.pending.stop)  # what the program gets: the text before a stop string
+        parsed = self.format.parse(seen, tool_specs(self.tools)) if self.tools else []
         calls = [c for c in parsed if isinstance(c, ToolCall)]
-        content = text
+        content = seen
         for c in calls:
             content = content.replace(c.text, "", 1)
         content = content if content.strip() or not calls else None
@@ -222,12 +232,19 @@ class ChatProgramEnv(Environment):
             pass
 
 
+def before_stop(text: str, stop: Sequence[str]) -> str:
+    """`text` up to the first of the `stop` strings in it (all of it if none is): a completion as OpenAI's API
+    returns it, its stop string left out."""
+    return text[:min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))]
+
+
 def _same_answer(message: dict, done: Answered) -> bool:
-    """Whether the program's copy of an assistant message is the answer it got: the same content (None as "") and
-    the same tool calls (ids, names, and arguments as JSON values)."""
+    """Whether the program's copy of an assistant message is the answer it got: the same content (None as "";
+    or the model turn's whole text, its stop string included) and the same tool calls (ids, names, and arguments
+    as JSON values)."""
     if not isinstance(message, dict) or message.get("role") != "assistant":
         return False
-    if (message.get("content") or "") != done.content:
+    if (message.get("content") or "") not in (done.content, done.text):
         return False
     try:
         calls = [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))

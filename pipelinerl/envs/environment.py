@@ -50,9 +50,13 @@ class EnvReply:
 
 class Environment(abc.ABC):
     """One episode's environment. `tools`: the chat template's `tools` argument (Toolbox.template_tools),
-    rendered at every turn; None when the template should not list any."""
+    rendered at every turn; None when the template should not list any. `raw_text`: the messages are plain text
+    joined as it is, no chat template (episode.py's raw mode; read once `start` has returned). `stop`: strings
+    that end the next model turn besides its end token (the server's `stop`; read before each turn)."""
 
     tools: list[dict] | None = None
+    raw_text: bool = False
+    stop: tuple[str, ...] = ()
 
     async def start(self) -> None:  # noqa: B027 - a hook: only environments that reach something override it
         """Prepare the episode; awaited once, before `messages()` and `tools` are read."""

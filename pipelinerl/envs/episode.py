@@ -46,6 +46,11 @@ a prompt of those messages. `mask_after(keep)` is the same at the end of an epis
 `keep` messages stay in the sequence with loss mask 0. `max_turns` counts every model turn sampled, cut ones
 included, so a program that retries forever still ends.
 
+Raw text. A program on text completions (envs/agent_gateway.py) writes the whole text itself: with `raw`, the
+messages are plain text segments (the program's text, the model's turns) joined as they are, with no template
+and no close after a model turn, and the prompt is tokenised as a server tokenises a text prompt (a BOS where
+the tokenizer adds one). Everything above holds with this identity "template".
+
 Only the prompt gets BOS (from the template); environment text is tokenised without adding special tokens.
 Text that spells one (a tool printing `<|im_end|>`) becomes that token, as in a full rendering: an
 environment that must prevent it escapes its messages.
@@ -100,11 +105,11 @@ class Episode:
     "max_turns", "max_tokens_per_turn" (a model turn cut at its limit), "max_total_tokens"."""
 
     def __init__(self, tokenizer, messages: Sequence[dict], limits: EpisodeLimits | None = None,
-                 tools: Sequence[dict] | None = None, end_token_ids: Iterable[int] | None = None):
+                 tools: Sequence[dict] | None = None, end_token_ids: Iterable[int] | None = None, raw: bool = False):
         """`messages`: the initial chat messages; `tools`: the template's `tools` argument (tool_calls.py's
         ToolSpec.template_entry), rendered at every turn; `end_token_ids`: the tokens that end a model turn
-        (default: the tokenizer's EOS)."""
-        self.tokenizer, self.limits = tokenizer, limits or EpisodeLimits()
+        (default: the tokenizer's EOS); `raw`: the messages are plain text, joined as they are (module doc)."""
+        self.tokenizer, self.limits, self.raw = tokenizer, limits or EpisodeLimits(), raw
         self.tools = list(tools) if tools else None
         self.end_token_ids = set(end_token_ids) if end_token_ids is not None else {tokenizer.eos_token_id}
         self.messages: list[dict] = [dict(m) for m in messages]
@@ -123,7 +128,8 @@ class Episode:
 
     def _prompt(self, messages: list[dict]) -> tuple[str, list[int]]:
         prompt = self._render(messages, generation_prompt=True)
-        ids = self._encode(prompt)
+        # raw text is tokenised as a server tokenises a text prompt: with the special tokens its tokenizer adds
+        ids = list(self.tokenizer.encode(prompt)) if self.raw else self._encode(prompt)
         if len(ids) >= self.limits.max_total_tokens:
             raise ValueError(f"the prompt has {len(ids)} tokens, no fewer than max_total_tokens="
                              f"{self.limits.max_total_tokens}: raise the limit or shorten the prompt")
@@ -262,6 +268,8 @@ class Episode:
     # ------------------------------------------------------------ rendering
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        if self.raw:
+            return "".join(m["content"] for m in messages)
         kwargs: dict[str, Any] = {"tools": self.tools} if self.tools else {}
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
                                                   tokenize=False, **kwargs)

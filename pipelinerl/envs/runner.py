@@ -36,8 +36,9 @@ class Sampled(Protocol):
     finished: bool
 
 
-# (the token ids to continue, the call's max_tokens) -> one sampled completion
-Generate = Callable[[list[int], int], Awaitable[Sampled]]
+# (the token ids to continue, the call's max_tokens) -> one sampled completion; an environment with stop strings
+# (Environment.stop) has them passed as the keyword `stop` (a tuple), so only its callers need to take it
+Generate = Callable[..., Awaitable[Sampled]]
 
 
 @dataclass
@@ -61,10 +62,12 @@ async def run_episode(generate: Generate, env: Environment, tokenizer, limits: E
     line of a failure. Server errors (after the client's retries) propagate, as for single-turn groups."""
     try:
         start_error = await _start(env, step_timeout_s)
-        episode = Episode(tokenizer, env.messages(), limits, tools=env.tools)
+        episode = Episode(tokenizer, env.messages(), limits, tools=env.tools, raw=env.raw_text)
         result = EpisodeResult(episode, 0.0)
         while True:
-            sampled = await generate(episode.prefix(), episode.max_new_tokens())
+            stop = tuple(env.stop)
+            sampled = await (generate(episode.prefix(), episode.max_new_tokens(), stop=stop) if stop
+                             else generate(episode.prefix(), episode.max_new_tokens()))
             turn = episode.add_model_turn(sampled.token_ids, sampled.logprobs, sampled.versions, sampled.finished)
             if episode.done:  # cut at a token limit: truncated, reward 0
                 return result
