@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pipelinerl.actor.transport import request_slot
 from pipelinerl.config import ActorConfig
 from pipelinerl.control import ControlError, read_status
 from pipelinerl.rundir import (
@@ -367,31 +368,36 @@ class CompletionsClient:
                     min_version: int | None = None) -> dict:
         """POST `route` to the pool's least-loaded server (of at least `min_version`) and return its JSON reply;
         retried on another server (bounded) when the request fails, times out, or its server is set aside
-        meanwhile (ServerPool.set_aside)."""
+        meanwhile (ServerPool.set_aside). Each attempt first takes one of the client's request slots
+        (transport.request_slot), then picks its server."""
         a = self.cfg
         tried: set[str] = set()
         for attempt in range(a.max_retries + 1):
-            url = await self._acquire(http, pool, tried, min_version)
-            tried.add(url)
-            moved = pool.track(url)
-            self._watch(http)
-            try:
-                resp = await _unless_set(http.post(f"{url}{route}", json=body, timeout=a.request_timeout_s), moved)
-                resp.raise_for_status()
-            except _Moved:
-                pool.release(url, failed=False, moved=moved)  # set aside already
-                detail = f"moved off {url}: {pool.aside.get(url, (0, 'set aside'))[1]}"
-                log.info("a request on %s moves to another server (attempt %d/%d)", url, attempt + 1,
-                         a.max_retries + 1)
-                continue
-            except httpx.HTTPError as err:
-                pool.release(url, failed=not await self._dropped_by_live(http, pool, url, err), moved=moved)
-                detail = f"{err!r}: {err.response.text[:500]}" if isinstance(err, httpx.HTTPStatusError) else repr(err)
-                log.warning("%s on %s failed (attempt %d/%d): %s", route, url, attempt + 1, a.max_retries + 1, detail)
-                continue
-            pool.release(url, failed=False, moved=moved)
-            pool.heard(url)
-            return resp.json()
+            async with request_slot(http):  # beyond the slots (transport.py) it waits here, in no timeout
+                url = await self._acquire(http, pool, tried, min_version)
+                tried.add(url)
+                moved = pool.track(url)
+                self._watch(http)
+                try:
+                    resp = await _unless_set(http.post(f"{url}{route}", json=body, timeout=a.request_timeout_s),
+                                             moved)
+                    resp.raise_for_status()
+                except _Moved:
+                    pool.release(url, failed=False, moved=moved)  # set aside already
+                    detail = f"moved off {url}: {pool.aside.get(url, (0, 'set aside'))[1]}"
+                    log.info("a request on %s moves to another server (attempt %d/%d)", url, attempt + 1,
+                             a.max_retries + 1)
+                    continue
+                except httpx.HTTPError as err:
+                    pool.release(url, failed=not await self._dropped_by_live(http, pool, url, err), moved=moved)
+                    detail = (f"{err!r}: {err.response.text[:500]}" if isinstance(err, httpx.HTTPStatusError)
+                              else repr(err))
+                    log.warning("%s on %s failed (attempt %d/%d): %s", route, url, attempt + 1, a.max_retries + 1,
+                                detail)
+                    continue
+                pool.release(url, failed=False, moved=moved)
+                pool.heard(url)
+                return resp.json()
         raise RuntimeError(f"POST {route} failed on the {pool.kind} servers {sorted(tried)} after "
                            f"{a.max_retries + 1} attempts: {detail}")
 

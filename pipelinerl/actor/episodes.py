@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pipelinerl.actor.client import Completion, CompletionsClient
+from pipelinerl.actor.pacing import take_turn
 from pipelinerl.config import Config
 from pipelinerl.envs.episode import NO_VERSION, EpisodeLimits
 from pipelinerl.envs.runner import EpisodeResult, run_episode
@@ -37,15 +38,20 @@ async def sample_episodes(client: CompletionsClient, http: httpx.AsyncClient, ta
                           priority: int = 0) -> list[EpisodeResult]:
     """n episodes of `item`, side by side (envs/runner.py), every turn one request (`temperature`: None is
     actor.sampling's) at vLLM request `priority`. Each turn's request carries `min_version`: the lag bound
-    taken at the episode's start."""
+    taken at the episode's start. An episode waits for its turn on the loop (actor/pacing.py) before its first
+    turn and after each completion."""
     async def generate(prefix: list[int], max_tokens: int, stop: tuple[str, ...] = ()) -> Completion:
         (done,) = await client.complete(http, prefix, greedy=greedy, n=1, temperature=temperature,
                                         min_version=min_version, max_tokens=max_tokens, priority=priority, stop=stop)
+        await take_turn()
         return done
 
+    async def episode(k: int) -> EpisodeResult:
+        await take_turn()
+        return await run_episode(generate, task.environment(item), tokenizer, limits, timeout_s, name=f"{name}/{k}")
+
     limits, timeout_s = episode_limits(cfg), cfg.actor.episode.step_timeout_s
-    return list(await asyncio.gather(*[run_episode(generate, task.environment(item), tokenizer, limits, timeout_s,
-                                                   name=f"{name}/{k}") for k in range(n)]))
+    return list(await asyncio.gather(*map(episode, range(n))))
 
 
 def episode_outcome(task: Task, item: PromptItem, results: list[EpisodeResult]) -> ItemOutcome:

@@ -45,7 +45,7 @@ from pipelinerl.actor.evals import SampledItem, actor_suites, sample_suite, toke
 from pipelinerl.actor.judge import judge_messages, parse_verdict
 from pipelinerl.actor.resume import record_started, resume_position
 from pipelinerl.actor.rewards import RewardModelInputs, check_same_tokenizer
-from pipelinerl.actor.transport import actor_client
+from pipelinerl.actor.transport import actor_client, ready_process
 from pipelinerl.config import Config
 from pipelinerl.config.actor import DEFAULT_EVAL_SET
 from pipelinerl.eval_metrics import scalars as eval_scalars
@@ -476,6 +476,7 @@ def run_actor(cfg: Config, actor_id: str = "actor0") -> None:
     """Entry point of `pipelinerl actor`: runs until SIGTERM/SIGINT, then publishes what it buffered."""
     import signal
 
+    ready_process()
     actor = Actor(cfg, actor_id)
     loop = asyncio.new_event_loop()
     main = loop.create_task(actor.run())
