@@ -4,6 +4,7 @@ raises, hangs or answers garbage ends only its own episode. Then the actor's str
 its statistics (actor/episodes.py), and the README's example environment."""
 
 import asyncio
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +90,41 @@ def test_a_tool_sums_episode_is_built_token_for_token_and_rewarded(tok, task):
     # every server call continued a prefix of the final sequence, the whole sequence so far
     assert [len(x) for x in policy.prefixes] == [p, p + call + tool]
     assert all(ep.token_ids[:len(x)] == x for x in policy.prefixes)
+
+
+def test_a_busy_slow_calculator_makes_the_item_call_again_as_its_demonstration_does(tok, monkeypatch):
+    """task.tool_sums (configs/tiny_agent_long_tail.yaml): an item's calculator answers `-` its first k calls (k
+    the item's own, geometric, capped), every call waits its delay (drawn: here forced to the bound), and the
+    demonstration calls k + 1 times within the task's episode limits."""
+    from pipelinerl.config.actor import ToolSumsConfig
+    from pipelinerl.tasks import tool_sums
+    from pipelinerl.tasks.warm_start import encode_episodes
+
+    slow = ToolSumsTask(TaskConfig(name="tool_sums", tool_sums=ToolSumsConfig(max_busy=7, latency_s=0.3)))
+    counts = [tool_sums.busy_calls(i, 7) for i in slow.train_items]
+    assert max(counts) == 7 and 0.45 < counts.count(0) / len(counts) < 0.55  # half never busy, a tail to the cap
+    assert counts == [tool_sums.busy_calls(i, 7) for i in slow.train_items]  # the item's own, every episode
+    item = next(i for i, k in zip(slow.train_items, counts) if k == 2)
+    call = "==" + item.prompt[:-1] + "="
+    monkeypatch.setattr(tool_sums.random, "uniform", lambda low, high: high)
+    started = time.monotonic()
+    result = _run(ScriptedPolicy(tok, [call, call, call, item.answer], versions=[0, 1, 2, 3]),
+                  slow.environment(item), tok, slow.episode_limits)
+    took = time.monotonic() - started
+    assert (result.end_reason, result.reward, result.tool_calls, result.tool_errors) == ("finished", 1.0, 3, 0)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    eos = tok.eos_token_id
+    assert result.episode.token_ids == ([tok.bos_token_id] + enc(item.prompt) + (enc(call) + [eos] + enc("-")) * 2
+                                        + enc(call) + [eos] + enc(item.answer) + enc(item.answer) + [eos])
+    assert took >= 3 * 0.3  # three calls, each waited its (forced) delay
+    impatient = _run(ScriptedPolicy(tok, [call, "1"], versions=[0, 1]), slow.environment(item), tok,
+                     slow.episode_limits)  # answers after the busy reply, without the sum
+    assert (impatient.end_reason, impatient.reward) == ("finished", 0.0)
+    longest = [i for i, k in zip(slow.train_items, counts) if k == 7][:4]
+    assert slow.demonstration(longest[0]) == ["==" + longest[0].prompt[:-1] + "="] * 8 + [longest[0].answer]
+    instant = ToolSumsTask(TaskConfig(name="tool_sums", tool_sums=ToolSumsConfig(max_busy=7)))  # the warm start's
+    _, labels = encode_episodes(tok, instant, longest)  # raises unless every demonstration solves its item
+    assert labels.shape[1] <= instant.episode_limits.max_total_tokens
 
 
 def test_wrong_answers_failed_calls_and_limits(tok, task):

@@ -121,3 +121,17 @@ def test_a_multi_turn_task_warm_starts_on_its_demonstrated_episodes(tiny_model_d
     assert [r.reward for r in batched] == [r.reward for r in reference]
     assert any(len(r.episode.model_turns) > 1 for r in batched)  # the model calls the tool: a real comparison
     assert greedy_success(model, tok, task, items) == sum(r.reward for r in batched) / len(items)
+
+
+def test_the_warm_start_of_a_slow_tool_task_runs_its_episodes_without_the_delay(tmp_path, monkeypatch):
+    """task.tool_sums.latency_s delays the actor's tool calls; the warm start (which only teaches the format)
+    builds its task without it, the busy answers kept."""
+    from pipelinerl.config.actor import ToolSumsConfig
+    from pipelinerl.tasks import warm_start as module
+
+    seen = []
+    monkeypatch.setattr(module, "warm_start", lambda model_dir, task, shape: seen.append(task) or {})
+    module.build_warm_tiny_model(tmp_path / "tiny", TinyModelConfig(seed=0),
+                                 TaskConfig(name="tool_sums", tool_sums=ToolSumsConfig(max_busy=5, latency_s=2.0)))
+    (task,) = seen
+    assert (task.latency_s, task.max_busy) == (0.0, 5)

@@ -310,6 +310,23 @@ class AgentTaskConfig:
 
 
 @dataclass
+class ToolSumsConfig:
+    """task.name=tool_sums made slow and long-tailed, as agentic episodes are (configs/tiny_agent_long_tail.yaml):
+    a busy calculator some items must call again and again, and a delay on every call."""
+
+    max_busy: int = doc(0, "each item's calculator first answers busy (`-`, the call is to be made again) k "
+                           "times, k drawn once per item from a geometric law (half of the items 0, a quarter 1, "
+                           "...) capped at max_busy: episodes of 2 to max_busy + 2 turns. 0 = never busy")
+    latency_s: float = doc(0.0, "every calculator call (busy ones too) waits a delay drawn uniformly in "
+                                "[0, latency_s], as a search tool or a sandbox does. 0 = instant", unit="s")
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.max_busy, int) and self.max_busy >= 0, "task.tool_sums.max_busy",
+              "must be an int >= 0")
+        check(self.latency_s >= 0, "task.tool_sums.latency_s", "must be >= 0")
+
+
+@dataclass
 class TaskConfig:
     """The data set and its reward."""
 
@@ -367,6 +384,7 @@ class TaskConfig:
     verifiers: VerifiersConfig = section(VerifiersConfig)
     openenv: OpenEnvConfig = section(OpenEnvConfig)
     agent: AgentTaskConfig = section(AgentTaskConfig)
+    tool_sums: ToolSumsConfig = section(ToolSumsConfig)
 
     def __post_init__(self) -> None:
         check_choice(self.name, ("addition", "arithmetic", "math", "math_tir", "tool_sums", "instructions",

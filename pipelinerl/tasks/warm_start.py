@@ -14,6 +14,7 @@ the step budget.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,7 +246,8 @@ def build_warm_tiny_model(model_dir: str | Path, shape: TinyModelConfig, task_cf
     from pipelinerl.tasks import get_task  # the registry imports this module's package
 
     build_tiny_model(model_dir, shape)
-    task = get_task(task_cfg)
+    # it teaches the turns' format: a tool's delay (task.tool_sums.latency_s) would only slow its episodes
+    task = get_task(dataclasses.replace(task_cfg, tool_sums=dataclasses.replace(task_cfg.tool_sums, latency_s=0.0)))
     try:
         return warm_start(model_dir, task, shape)
     finally:
