@@ -21,7 +21,10 @@ from bench_pipeline_vs_conventional import (  # noqa: E402
     RoleCpuSampler,
     _stream_stats,
     cpu_per_role,
+    mean_success,
     role_of,
+    seed_rows,
+    spread,
 )
 
 # burns `cpu_s` of its own CPU time, then waits for the file `stop`
@@ -153,11 +156,31 @@ def test_stream_statistics_count_model_tokens_turns_and_straddling(tmp_path):
         n = len(mask)
         return Rollout(run_id="r", group_id="g", sample_id=f"g/{k}", prompt_token_ids=[1], completion_token_ids=[5] * n,
                        behaviour_logprobs=[0.0] * n, versions=versions, loss_mask=mask, reward=0.0, finished=True,
-                       truncated=False, task="t", actor_id="a", turns=turns, created_at=100.0)
+                       truncated=False, task="t", actor_id="a", turns=turns, created_at=100.0,
+                       end_reason="finished" if k else "env_error")
 
     with StreamWriter(tmp_path, "rollouts", "a", StreamsConfig()) as writer:
         writer.write_group([row(0, [1, 1, 0, 0, 1], [3, 3, -1, -1, 4], 2), row(1, [1, 1, 1], [4, 4, 4], 1)])
     stats = _stream_stats(tmp_path, 0.0, 200.0)
     assert stats["tokens"] == 6 and stats["lengths"] == [3, 3] and stats["turn_lengths"] == [2, 1, 3]
     assert stats["turns"] == [2, 1] and stats["straddling"] == [True, False]
+    assert stats["end_reasons"] == {"env_error": 1, "finished": 1}
     assert _stream_stats(tmp_path, 0.0, 50.0)["tokens"] == 0  # received before the window
+
+
+def test_the_mean_held_out_success_is_the_area_under_the_curve_over_the_budget():
+    """Each evaluated version counts from the end of its step until the next one's, 0 before the first: by hand,
+    0 for 10 s, 0.2 for 20 s, 0.6 for the last 10 s of a 40 s budget (a later evaluation is past it)."""
+    curve = [(10.0, 0.2), (30.0, 0.6), (50.0, 0.9)]
+    assert abs(mean_success(curve, 40.0) - (0.2 * 20 + 0.6 * 10) / 40) < 1e-12
+    assert mean_success([], 10.0) == 0.0 and mean_success([(0.0, 0.5)], 10.0) == 0.5
+
+
+def test_the_repeats_give_each_ratio_its_median_and_range():
+    runs = [{"pipeline": {"samples_per_s": p, "mean_success": 0.5, "time_to_target_s": tp},
+             "conventional": {"samples_per_s": c, "mean_success": 0.25, "time_to_target_s": tc}}
+            for p, c, tp, tc in ((30.0, 10.0, 10.0, 20.0), (20.0, 10.0, 10.0, 40.0), (40.0, 10.0, None, 30.0))]
+    rows = {label: ratios for label, _, _, ratios in seed_rows(runs, [0.5])}
+    assert rows["samples trained / s"] == [3.0, 2.0, 4.0] and spread(rows["samples trained / s"]) == "3.00 [2.00, 4.00]"
+    assert rows["mean held-out success"] == [2.0, 2.0, 2.0]
+    assert rows["s to held-out 0.50"] == [2.0, 4.0, None] and spread(rows["s to held-out 0.50"]) == "n/a"

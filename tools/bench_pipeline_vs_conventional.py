@@ -10,20 +10,26 @@ inference.max_num_seqs: mean, and per quarter of the window), trainer idle fract
 rates, mean ESS and KL(behaviour||current) (k3) of the steps, the completion lengths (model tokens), for
 multi-turn tasks (configs/tiny_tools.yaml) the turns per sample, the share of samples straddling a weight
 update (model tokens of more than one version) and the model turns' lengths, the wall time from the end of
-the first optimizer step to the end of the step that made the first version evaluated at or above --target
-(the config's evaluation servers evaluate beside the run: inference.eval_servers), and the longest weight
-delivery to the training servers (goal: none over 1 s); then where the time goes:
+the first optimizer step to the end of the step that made the first version evaluated at or above each --target
+(the config's evaluation servers evaluate beside the run: inference.eval_servers), the episodes ended other than
+by themselves or a limit (aborted: must be 0), and the longest weight delivery to the training servers (goal:
+none over 1 s); then where the time goes:
 the trainer's mean seconds per step waiting for data, training and broadcasting, and each role's CPU time
 per trained sample (vLLM's engine core apart from its API server) with the cores all roles kept busy, from the
 run's process tree sampled every 0.5 s; then pipeline / conventional ratios (goal: >= 1.5 in samples/s and
 in time to the target, the inverse ratio for time).
 
+A held-out curve that sits flat near the target makes the time to it a coin toss, so: several --target values
+(on the steep part of the curve), the mean held-out success over a time budget (the area under the curve, which
+no single crossing decides), and `--seeds N` repeats of both modes, each ratio then given as its median and
+[min, max] over the repeats.
+
 A `--variant NAME=key=value[,key=value...]` adds a pipeline-mode run with those overrides, compared with the
 plain pipeline run in a table of its own (same seed, steps and machine): e.g.
 `--variant dynamic=rl.filter_zero_variance=true --variant curriculum=task.curriculum=pass_rate`.
 
-    python tools/bench_pipeline_vs_conventional.py [--config C] [--steps 120] [--target T] [--G 4]
-        [--variant NAME=k=v,...] [--summary PATH] [key=value ...]
+    python tools/bench_pipeline_vs_conventional.py [--config C] [--steps 120] [--target T [T ...]] [--G 4]
+        [--seeds N] [--budget-s S] [--variant NAME=k=v,...] [--summary PATH] [key=value ...]
 """
 
 from __future__ import annotations
@@ -78,6 +84,9 @@ class GaugeSampler(threading.Thread):
 # core (a child of its server, named by vLLM) is split out of its server.
 ROLE_COMMANDS = {"serve": "server API", "train": "trainer", "actor": "actor", "run": "launcher"}
 ENGINE_CORE = "server engine core"
+# the end reasons of an episode ended as it should: by itself, or cut by a limit (anything else, env_error above
+# all, counts as aborted; a weight update never aborts one)
+FINISHED_OR_CUT = ("finished", "truncated", "max_turns", "max_tokens_per_turn", "max_total_tokens")
 EVAL_SERVER = "evaluation server"  # `serve --eval` (inference.eval_servers), its engine core included
 
 
@@ -171,7 +180,7 @@ def mode_overrides(config: Path, mode: str, G: int) -> list[str]:
             f"actor.max_groups_in_flight={groups}"]
 
 
-def run_mode(config: Path, mode: str, out_dir: Path, overrides: list[str], target: float) -> dict:
+def run_mode(config: Path, mode: str, out_dir: Path, overrides: list[str], targets: list[float]) -> dict:
     """One `pipelinerl run` with the gauge sampled throughout; returns its measurements."""
     from pipelinerl.config import load_config
     from pipelinerl.rundir import bind_host
@@ -196,7 +205,7 @@ def run_mode(config: Path, mode: str, out_dir: Path, overrides: list[str], targe
         thread.join()
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} run failed:\n{stdout[-2000:]}\n{stderr[-4000:]}")
-    return measure(cfg, run_dir, sampler.samples, time.time() - started, target, cpu.samples)
+    return measure(cfg, run_dir, sampler.samples, time.time() - started, targets, cpu.samples)
 
 
 def _scalars(run_dir: Path, role: str) -> dict[str, list]:
@@ -218,20 +227,42 @@ def _time_to_target(evals: list, steps: dict[int, float], target: float) -> tupl
     return None, None
 
 
+def _curve(evals: list, steps: dict[int, float], t0: float) -> list[tuple[float, float]]:
+    """The held-out success curve: (seconds from the end of the first step to the end of the step that made the
+    version evaluated, its success), in version order; versions whose step is not logged are left out."""
+    return [(steps[e.step] - t0, e.value) for e in sorted(evals, key=lambda e: e.step) if e.step in steps]
+
+
+def mean_success(curve: list[tuple[float, float]], budget_s: float) -> float:
+    """The held-out success averaged over the first `budget_s` seconds from the first step (the area under the
+    curve / budget_s): each evaluated version counts from the end of the step that made it until the next one's,
+    0 before the first. Unlike a time to one target, it does not hinge on one crossing of a flat curve."""
+    area, last_t, last_v = 0.0, 0.0, 0.0
+    for t, v in curve:
+        if t >= budget_s:
+            break
+        area += (t - last_t) * last_v
+        last_t, last_v = max(t, 0.0), v
+    return (area + (budget_s - last_t) * last_v) / budget_s
+
+
 def _stream_stats(run_dir: Path, t0: float, t1: float) -> dict:
     """From the rollout stream: model tokens received by the actor in [t0, t1] (`tokens`), every sample's model
-    tokens (`lengths`), every model turn's length (a run of loss_mask 1s), the model turns per sample, and
-    whether a sample's model tokens come from more than one policy version (it straddled an update)."""
+    tokens (`lengths`), every model turn's length (a run of loss_mask 1s), the model turns per sample,
+    whether a sample's model tokens come from more than one policy version (it straddled an update), and the
+    rows per end reason."""
     import pyarrow as pa
 
     from pipelinerl.streams.segments import list_segments, list_writers, topic_dir
 
     tdir = topic_dir(run_dir, "rollouts")
-    out = {"tokens": 0, "lengths": [], "turn_lengths": [], "turns": [], "straddling": []}
+    out = {"tokens": 0, "lengths": [], "turn_lengths": [], "turns": [], "straddling": [], "end_reasons": {}}
     for writer in list_writers(tdir):
         for segment in list_segments(tdir / writer):
             with pa.memory_map(str(segment.path)) as mapped:
                 table = pa.ipc.open_file(mapped).read_all()
+            for reason in table.column("end_reason").to_pylist():
+                out["end_reasons"][reason] = out["end_reasons"].get(reason, 0) + 1
             rows = zip(table.column("loss_mask").to_pylist(), table.column("versions").to_pylist(),
                        table.column("turns").to_pylist(), table.column("created_at").to_pylist())
             for mask, versions, turns, created in rows:
@@ -256,7 +287,7 @@ def _runs_of_ones(mask: list[int]) -> list[int]:
     return runs
 
 
-def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float, target: float,
+def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float, targets: list[float],
             cpu_samples: list[tuple[float, dict[str, float]]]) -> dict:
     from pipelinerl.metrics import read_token_stats
 
@@ -272,8 +303,11 @@ def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float,
     quarters = [[v for t, v in gauge if t0 + q * window_s / 4 <= t < t0 + (q + 1) * window_s / 4] for q in range(4)]
     lag = read_token_stats(run_dir)["lag"]
     cpu = cpu_per_role(cpu_samples, t0, t1)
-    to_target_s, at_version = _time_to_target(_scalars(run_dir, "actor0").get("eval/success", []),
-                                              {e.step: e.wall_time for e in steps}, target)
+    evals, step_times = _scalars(run_dir, "actor0").get("eval/success", []), {e.step: e.wall_time for e in steps}
+    reached = {t: _time_to_target(evals, step_times, t) for t in targets}
+    to_target_s, at_version = reached[targets[0]]
+    turns = np.asarray(stream["turns"])
+    ends = stream["end_reasons"]
     broadcasts = [e.value for e in trainer.get("broadcast_s", [])]
     return {"mode": cfg.mode, "samples_per_s": (len(steps) - 1) * cfg.trainer.samples_per_step / window_s,
             "tokens_per_s": tokens / window_s, "running_mean": float(np.mean(running)) if running else 0.0,
@@ -283,10 +317,13 @@ def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float,
             "length_median": float(np.median(lengths)), "length_p99": float(np.percentile(lengths, 99)),
             "trainer_idle": busy[0] / sum(busy), "lag_mean": float(lag.mean()), "lag_max": int(lag.max()),
             "time_to_target_s": to_target_s, "target_version": at_version, "wall_s": wall_s,
+            **{f"time_to_{t:.2f}_s": reached[t][0] for t in targets[1:]},
+            "curve": _curve(evals, step_times, t0),
+            "end_reasons": ends, "aborted": sum(n for r, n in ends.items() if r not in FINISHED_OR_CUT),
             "broadcast_max_s": max(broadcasts, default=0.0), "broadcasts_over_1s": sum(b > 1.0 for b in broadcasts),
             "mean_length": float(np.mean(lengths)), "lengths": lengths,
-            "turns_mean": float(np.mean(stream["turns"])),
-            "multi_turn": float(np.mean(np.asarray(stream["turns"]) > 1)),
+            "turns_mean": float(np.mean(turns)), "turns_p99": float(np.percentile(turns, 99)),
+            "turns_max": int(turns.max()), "multi_turn": float(np.mean(turns > 1)),
             "straddling": float(np.mean(stream["straddling"])),
             "turn_length_median": float(np.median(turn_lengths)),
             "turn_length_p99": float(np.percentile(turn_lengths, 99)),
@@ -326,7 +363,9 @@ ROWS = [("samples trained / s", "samples_per_s", "{:.1f}"), ("generated tokens /
         ("lag max", "lag_max", "{}"), ("lag mean / max, lag model", "predicted", "{}"),
         ("ESS (mean of steps)", "ess", "{:.3f}"), ("KL(behaviour||current) k3", "kl_k3", "{:.4f}"),
         ("completion length median", "length_median", "{:.0f}"), ("completion length p99", "length_p99", "{:.0f}"),
-        ("model turns per sample", "turns_mean", "{:.2f}"), ("  samples of > 1 turn", "multi_turn", "{:.3f}"),
+        ("model turns per sample", "turns_mean", "{:.2f}"), ("  p99", "turns_p99", "{:.0f}"),
+        ("  max", "turns_max", "{}"), ("  samples of > 1 turn", "multi_turn", "{:.3f}"),
+        ("aborted episodes", "aborted", "{}"),
         ("  straddling an update", "straddling", "{:.3f}"),
         ("model turn length median", "turn_length_median", "{:.0f}"),
         ("model turn length p99", "turn_length_p99", "{:.0f}"),
@@ -355,22 +394,53 @@ def print_table(results: dict[str, dict], target: float) -> None:
         print(f"{label:<28}{show[0]:>21}{show[1]:>21}{ratio:>11}")
 
 
-def write_summary(summary: Summary, results: dict[str, dict], target: float, path: Path | None) -> None:
-    """The ratios with their goals (tools/bench_summary.py), and each run's samples/s and time to the target (the
-    variants' beside the plain pipeline's)."""
-    pipe, conv = results["pipeline"], results["conventional"]
-    summary.add("samples/s, pipeline / conventional", pipe["samples_per_s"] / conv["samples_per_s"], "ratio",
-                ">= 1.5")
-    speedup = None
-    if pipe["time_to_target_s"] is not None and conv["time_to_target_s"] is not None:
-        speedup = conv["time_to_target_s"] / pipe["time_to_target_s"]
-    summary.add(f"time to held-out {target:.2f}, conventional / pipeline", speedup, "ratio", ">= 1.5")
-    summary.add("pipeline: longest weight delivery", pipe["broadcast_max_s"], "s", "<= 1")
-    for mode, r in results.items():
-        summary.add(f"{mode}: samples trained/s", r["samples_per_s"], "samples/s")
-        summary.add(f"{mode}: inference batch occupancy", r["occupancy"], "fraction")
-        summary.add(f"{mode}: trainer idle fraction", r["trainer_idle"], "fraction")
-        summary.add(f"{mode}: s to held-out {target:.2f}", r["time_to_target_s"], "s")
+def spread(values: list[float | None]) -> str:
+    """A metric over the repeats: the median and [min, max] (`n/a` when a repeat has none: a target not reached)."""
+    if not values or any(v is None for v in values):
+        return "n/a" if values else "-"
+    return f"{np.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
+
+
+def seed_rows(per_seed: list[dict[str, dict]], targets: list[float]) -> list[tuple[str, list, list, list]]:
+    """(label, pipeline values, conventional values, ratios) over the repeats: samples/s, mean held-out success over
+    the budget, and the time to each target (its ratio conventional / pipeline, so > 1 favours the pipeline)."""
+    rows = []
+    keys = [("samples trained / s", "samples_per_s", False), ("mean held-out success", "mean_success", False),
+            *[(f"s to held-out {t:.2f}", "time_to_target_s" if k == 0 else f"time_to_{t:.2f}_s", True)
+              for k, t in enumerate(targets)]]
+    for label, key, inverse in keys:
+        pipe = [r["pipeline"].get(key) for r in per_seed]
+        conv = [r["conventional"].get(key) for r in per_seed]
+        ratios = [None if p is None or c is None or not (c if inverse else p) else (c / p if inverse else p / c)
+                  for p, c in zip(pipe, conv)]
+        rows.append((label, pipe, conv, ratios))
+    return rows
+
+
+def print_seeds(per_seed: list[dict[str, dict]], targets: list[float], budget_s: float) -> None:
+    print(f"\nover {len(per_seed)} repeat(s), median [min, max]; mean held-out success over the first {budget_s:.0f} s "
+          "from the first step; ratios: pipeline / conventional (time: conventional / pipeline)")
+    print(f"{'':<28}{'pipeline':>24}{'conventional':>24}{'ratio':>24}")
+    for label, pipe, conv, ratios in seed_rows(per_seed, targets):
+        print(f"{label:<28}{spread(pipe):>24}{spread(conv):>24}{spread(ratios):>24}")
+
+
+def write_summary(summary: Summary, per_seed: list[dict[str, dict]], targets: list[float], path: Path | None) -> None:
+    """The ratios' medians over the repeats with their goals (tools/bench_summary.py), and each mode's."""
+    for label, pipe, conv, ratios in seed_rows(per_seed, targets):
+        med = None if any(r is None for r in ratios) else float(np.median(ratios))
+        goal = ">= 1.5" if label != "mean held-out success" else None
+        summary.add(f"{label}, ratio (median of {len(ratios)})", med, "ratio", goal)
+        for mode, values in (("pipeline", pipe), ("conventional", conv)):
+            summary.add(f"{mode}: {label} (median)", None if None in values else float(np.median(values)))
+    pipe = [r["pipeline"] for r in per_seed]
+    summary.add("pipeline: longest weight delivery", max(r["broadcast_max_s"] for r in pipe), "s", "<= 1")
+    summary.add("pipeline: aborted episodes", sum(r["aborted"] for r in pipe), "episodes", "<= 0")
+    for mode in ("pipeline", "conventional"):
+        summary.add(f"{mode}: inference batch occupancy", float(np.mean([r[mode]["occupancy"] for r in per_seed])),
+                    "fraction")
+        summary.add(f"{mode}: trainer idle fraction", float(np.mean([r[mode]["trainer_idle"] for r in per_seed])),
+                    "fraction")
     summary.write(path)
 
 
@@ -380,33 +450,51 @@ def main() -> int:
                         help="the pipeline-mode config both modes run (conventional: with mode overrides)")
     parser.add_argument("--steps", type=int, default=160, help="optimizer steps per mode (a multiple of G)")
     parser.add_argument("--G", type=int, default=4, help="conventional: optimizer steps per generated batch")
-    parser.add_argument("--target", type=float, default=0.5, help="held-out greedy success to time")
+    parser.add_argument("--target", type=float, nargs="+", default=[0.5],
+                        help="held-out greedy success(es) to time; the first is the summary's headline")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="repeats of both modes (repeat k: seed=k; vLLM's sampling is not seeded either)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="mean held-out success over this many seconds from the first step (default: up to "
+                             "the earliest last evaluation among all runs)")
     parser.add_argument("--out-dir", type=Path, default=REPO / "runs" / "bench_pipeline_vs_conventional")
     parser.add_argument("--base-port", type=int, default=18650)
     parser.add_argument("--summary", type=Path, default=None, help="also write the ratios here (bench_all)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=k=v,...",
-                        help="also a pipeline run with these overrides, compared with the plain one")
+                        help="also a pipeline run with these overrides, compared with the plain one (first repeat)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides applied to both modes")
     args = parser.parse_args()
     summary = Summary("pipeline_vs_conventional")  # the load average before the runs
     variants = dict(v.split("=", 1) for v in args.variant)
     common = [f"trainer.max_steps={args.steps}", f"actor.eval_every_steps={args.G}",
               f"inference.base_port={args.base_port}", f"trainer.broadcast_port={args.base_port + 40}", *args.overrides]
-    results = {}
-    for mode in ("pipeline", "conventional"):
-        print(f"running {mode} ({args.steps} steps)...", flush=True)
-        overrides = mode_overrides(args.config, mode, args.G) + common
-        results[mode] = run_mode(args.config, mode, args.out_dir, overrides, args.target)
-        results[mode]["predicted"] = "{:.2f} / {:.2f}".format(*predicted_lag(results[mode], args.G))
-    print_table(results, args.target)
-    for name, extra in variants.items():
-        print(f"running pipeline with {extra} ({args.steps} steps)...", flush=True)
-        overrides = mode_overrides(args.config, "pipeline", args.G) + common + extra.split(",")
-        results[name] = run_mode(args.config, name, args.out_dir, overrides, args.target)
-        print_table({name: results[name], "pipeline": results["pipeline"]}, args.target)
-    saved = {m: {k: v for k, v in r.items() if k != "lengths"} for m, r in results.items()}
-    (args.out_dir / "results.json").write_text(json.dumps(saved, indent=1))
-    write_summary(summary, results, args.target, args.summary)
+    per_seed = []
+    for k in range(args.seeds):
+        out_dir = args.out_dir / f"seed{k}" if args.seeds > 1 else args.out_dir
+        seeded = [*common, f"seed={k}"] if args.seeds > 1 else common
+        results = {}
+        for mode in ("pipeline", "conventional"):
+            print(f"running {mode} ({args.steps} steps, repeat {k + 1} of {args.seeds})...", flush=True)
+            overrides = mode_overrides(args.config, mode, args.G) + seeded
+            results[mode] = run_mode(args.config, mode, out_dir, overrides, args.target)
+            results[mode]["predicted"] = "{:.2f} / {:.2f}".format(*predicted_lag(results[mode], args.G))
+        print_table(results, args.target[0])
+        if k == 0:
+            for name, extra in variants.items():
+                print(f"running pipeline with {extra} ({args.steps} steps)...", flush=True)
+                overrides = mode_overrides(args.config, "pipeline", args.G) + common + extra.split(",")
+                results[name] = run_mode(args.config, name, out_dir, overrides, args.target)
+                print_table({name: results[name], "pipeline": results["pipeline"]}, args.target[0])
+        per_seed.append(results)
+    runs = [r for results in per_seed for r in results.values()]
+    budget_s = args.budget_s or min((r["curve"][-1][0] for r in runs if r["curve"]), default=1.0)
+    for r in runs:
+        r["mean_success"] = mean_success(r["curve"], budget_s)
+    print_seeds(per_seed, args.target, budget_s)
+    saved = [{m: {k: v for k, v in r.items() if k != "lengths"} for m, r in results.items()} for results in per_seed]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "results.json").write_text(json.dumps({"budget_s": budget_s, "repeats": saved}, indent=1))
+    write_summary(summary, per_seed, args.target, args.summary)
     print(f"\nwrote {args.out_dir / 'results.json'}")
     return 0
 
