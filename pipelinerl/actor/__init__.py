@@ -19,7 +19,8 @@ check of each completion is kept in the row's metadata (`verified_reward`) and l
 A group is written once, after its scores arrived: a retried scoring request never writes a row twice.
 """
 
-from pipelinerl.actor.client import Completion, CompletionsClient, ServerPool
+from pipelinerl.actor.client import Completion, CompletionsClient
+from pipelinerl.actor.pool import ServerPool
 from pipelinerl.actor.scheduler import Actor, run_actor
 
 __all__ = ["Actor", "Completion", "CompletionsClient", "ServerPool", "run_actor"]

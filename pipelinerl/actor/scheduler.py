@@ -8,7 +8,7 @@ With max_lag = 0 the actor generates step k's batch only with version-k weights:
 on-policy RL. The bound is exact when groups finish in the order they started; the trainer's
 `rl.max_token_lag` drops any token that still exceeds it.
 
-Only servers within max_lag of the newest version any reports take groups (client.ServerPool), and v is
+Only servers within max_lag of the newest version any reports take groups (pool.ServerPool), and v is
 the oldest of theirs: a server restarted on an old checkpoint waits until it catches up, without holding
 the throttle back. Each group's request carries the version the throttle waited for (min_version), and only
 a server that reported at least that one takes it or a retry of it. In conventional mode only servers at
