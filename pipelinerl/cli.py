@@ -39,8 +39,11 @@ def cmd_show_config(args: argparse.Namespace) -> None:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> None:
-    shape = TinyModelConfig(seed=args.seed)
+    shape = TinyModelConfig(seed=args.seed, num_experts=args.experts)
+    kind = f"Qwen3-MoE ({args.experts} experts, top-{shape.experts_per_token})" if args.experts else "Qwen2"
     if args.reward_model:
+        if args.experts:
+            raise SystemExit("make-tiny-model: --experts builds a policy; the tiny reward model is dense")
         from pipelinerl.config import TaskConfig
         from pipelinerl.reward_model import build_tiny_reward_model
 
@@ -55,14 +58,14 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> None:
         from pipelinerl.tasks.warm_start import build_warm_tiny_model
 
         result = build_warm_tiny_model(args.out_dir, shape, TaskConfig(name=args.task, seed=args.seed))
-        print(f"tiny Qwen2 model saved to {args.out_dir}, warm-started on {args.task}: {result['steps']} steps in "
+        print(f"tiny {kind} model saved to {args.out_dir}, warm-started on {args.task}: {result['steps']} steps in "
               f"{result['seconds']:.0f} s, held-out greedy success {result['heldout_greedy']:.3f}")
         return
     from pipelinerl.tiny_model import build_tiny_model
 
     model, _ = build_tiny_model(args.out_dir, shape)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"tiny Qwen2 model ({n_params:,} parameters, seed {args.seed}) saved to {args.out_dir}")
+    print(f"tiny {kind} model ({n_params:,} parameters, seed {args.seed}) saved to {args.out_dir}")
 
 
 def cmd_streams_inspect(args: argparse.Namespace) -> None:
@@ -203,9 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with each field's unit and meaning as a comment (the same YAML data)")
     p.set_defaults(func=cmd_show_config)
 
-    p = sub.add_parser("make-tiny-model", help="build the offline tiny Qwen2 model + tokenizer (HF format)")
+    p = sub.add_parser("make-tiny-model", help="build the offline tiny Qwen2 (or Qwen3-MoE) model + tokenizer "
+                                                            "(HF format)")
     p.add_argument("out_dir", help="folder to write (replaced if it exists)")
     p.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default 0)")
+    p.add_argument("--experts", type=int, default=0,
+                   help="a Qwen3-MoE model with this many routed experts per layer, top-2 (default 0: dense Qwen2)")
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--warm-start", action="store_true",
                       help="then train it briefly (supervised) on --task so RL starts above 0 success")

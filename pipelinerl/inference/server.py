@@ -69,22 +69,24 @@ log = logging.getLogger(__name__)
 
 
 def check_model(model_dir: str) -> dict[str, list[int]]:
-    """Refuse models whose updates would be silently wrong; return the HF tensor names and shapes."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
+    """Refuse models whose updates would be silently wrong; return the names and shapes of the tensors an update
+    carries: the trainer's, i.e. those of transformers' model in memory (built on the meta device, no weights
+    read). They can differ from the checkpoint's: transformers keeps a mixture of experts' per-expert
+    checkpoint tensors fused in memory (`mlp.experts.gate_up_proj` [E, 2 x I, H] and `mlp.experts.down_proj`
+    [E, H, I] per layer), and vLLM's expert loader takes that layout as it is."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    if AutoConfig.from_pretrained(model_dir).tie_word_embeddings:
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.tie_word_embeddings:
         raise ValueError(f"{model_dir} ties its input and output embeddings: vLLM's weight reload leaves "
                          "the tied lm_head on the old weights, so updates would be silently wrong. "
                          "Save the model untied (tie_word_embeddings=false) to serve it here.")
-    expected: dict[str, list[int]] = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), "pt") as st:
-            for name in st.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                expected[name] = list(st.get_slice(name).get_shape())
-    if not expected:
+    if not any(Path(model_dir).glob("*.safetensors")):
         raise ValueError(f"{model_dir} has no *.safetensors weights (save with safe_serialization=True)")
-    return expected
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
 def bearer_auth(token: str):

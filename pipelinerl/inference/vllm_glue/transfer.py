@@ -248,6 +248,7 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
             initialize_layerwise_reload(self.model)
             self.model.load_weights(iter(self.staged))
             finalize_layerwise_reload(self.model, self.model_config)
+            repack_cpu_experts(self.model)
         self.staged = None
         self.timings["load_s"] = time.monotonic() - started
 
@@ -255,6 +256,24 @@ class StagedWeightEngine(WeightTransferEngine[GroupInitInfo, StagedUpdateInfo]):
         if self.group is not None:
             self.group.close()
         self.group = None
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> None:
+    """Put reloaded mixture-of-experts weights back into the CPU kernel's layout.
+
+    vLLM-CPU's fused-MoE kernel runs on expert weights prepacked for its grouped GEMM (`CPUUnquantizedExperts`,
+    at the first load). On a reload, vLLM 0.32's `UnquantizedFusedMoEMethod` copies the new weights into the
+    existing storage but skips that prepacking (it sets the kernel up on the first call only), so the kernel
+    reads plain weights as packed ones: measured here, reloading the very same weights changed the greedy
+    output. This runs the kernel's own prepacking again on every such layer; elsewhere (GPU kernels take the
+    copied weights as they are) it does nothing."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
 
 
 def register_engine(name: str) -> None:

@@ -1,0 +1,142 @@
+"""Mixture-of-experts routers in the trainer: their statistics, the load-balancing loss, and routing replay.
+
+Pure torch over an HF MoE causal LM (Qwen3-MoE, Qwen2-MoE: every sparse layer's `mlp.gate` is a top-k
+router returning (logits, top-k gate weights, top-k expert ids)). `RouterTap(lm)` wraps each router's forward
+in place (the same module, parameters and hooks, so ZeRO-3 and FSDP2 still gather its weight around the call)
+and, for every forward the trainer runs:
+
+- records each layer's router logits and chosen experts (`RouterTap.layers`), from which `router_stats` gives
+  the expert load (fraction of routed slots per expert), its entropy and max-over-mean per layer, and
+  `load_balancing_loss` the auxiliary load-balancing loss (rl.moe_aux_coef);
+- replays given routing (rl.routing_replay = r3: rollout routing replay). Inside `with tap.replaying(ids)`,
+  ids [T, L, k] (-1: the trainer routes that token itself), each replayed token goes to the experts the server
+  chose, with gate weights softmax(dense router logits) gathered at those experts and renormalised as the
+  router's own (norm_topk_prob). The gradient therefore reaches every router logit through the dense softmax:
+  taking the weights from probabilities already zeroed outside the trainer's own top-k would give an expert
+  the server chose but the trainer did not a weight of 0 and no gradient.
+
+Replaying the trainer's own routing reproduces its forward bit for bit: the gathered probabilities are the
+values top-k returned, and the experts' sum does not depend on the order of a token's k ids.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def find_routers(lm: torch.nn.Module) -> list[torch.nn.Module]:
+    """The top-k routers of an HF MoE LM in layer order ([] for a dense model)."""
+    return [m for m in lm.modules() if _is_router(m)]
+
+
+def _is_router(module: torch.nn.Module) -> bool:
+    return (type(module).__name__.endswith("TopKRouter") and hasattr(module, "top_k")
+            and hasattr(module, "num_experts") and isinstance(getattr(module, "weight", None), torch.Tensor))
+
+
+@dataclass
+class LayerRouting:
+    """One router call: logits [T, E] (the router's dtype, in the autograd graph) and chosen experts [T, k] long."""
+
+    logits: torch.Tensor
+    experts: torch.Tensor
+
+
+class RouterTap:
+    """Wraps an MoE LM's routers (see the module's docstring); `layers` holds the latest forward's routing."""
+
+    def __init__(self, lm: torch.nn.Module):
+        self.routers = find_routers(lm)
+        self.layers: list[LayerRouting] = []
+        self._replay: torch.Tensor | None = None  # [T, L, k] long, -1: not replayed
+        for index, router in enumerate(self.routers):
+            router.forward = types.MethodType(_routing_forward(self, index), router)
+
+    @property
+    def num_experts(self) -> int:
+        return self.routers[0].num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.routers[0].top_k
+
+    def start(self) -> None:
+        """Forget the previous forward's routing (call before each forward)."""
+        self.layers = [None] * len(self.routers)
+
+    @contextmanager
+    def replaying(self, ids_TLk: torch.Tensor | None) -> Iterator[None]:
+        """Route the next forwards' tokens by ids_TLk ([T, L, k], -1 = the trainer's own choice; None: no replay)."""
+        if ids_TLk is not None:
+            expected = (len(self.routers), self.top_k)
+            if tuple(ids_TLk.shape[1:]) != expected:
+                raise ValueError(f"replayed routing has shape {tuple(ids_TLk.shape)}; this model needs [tokens, "
+                                 f"{expected[0]} MoE layers, top-{expected[1]}]")
+            if int(ids_TLk.max()) >= self.num_experts:
+                raise ValueError(f"replayed routing names expert {int(ids_TLk.max())}; this model has "
+                                 f"{self.num_experts}")
+        self._replay = ids_TLk
+        try:
+            yield
+        finally:
+            self._replay = None
+
+
+def _routing_forward(tap: RouterTap, index: int):
+    def forward(router, hidden_states):
+        hidden_TH = hidden_states.reshape(-1, router.hidden_dim)
+        logits_TE = F.linear(hidden_TH, router.weight)
+        probs_TE = torch.softmax(logits_TE, dtype=torch.float, dim=-1)
+        gates_Tk, experts_Tk = torch.topk(probs_TE, router.top_k, dim=-1)
+        if tap._replay is not None:
+            replay_Tk = tap._replay[:, index].to(experts_Tk.device)
+            if len(replay_Tk) != len(experts_Tk):
+                raise ValueError(f"replayed routing covers {len(replay_Tk)} tokens, the forward has "
+                                 f"{len(experts_Tk)}")
+            replayed_T = (replay_Tk >= 0).all(-1)
+            experts_Tk = torch.where(replayed_T[:, None], replay_Tk.long(), experts_Tk)
+            gates_Tk = probs_TE.gather(-1, experts_Tk)
+        if router.norm_topk_prob:
+            gates_Tk = gates_Tk / gates_Tk.sum(dim=-1, keepdim=True)
+        if tap.layers:
+            tap.layers[index] = LayerRouting(logits_TE, experts_Tk.detach())
+        return logits_TE, gates_Tk.to(logits_TE.dtype), experts_Tk
+
+    return forward
+
+
+def load_balancing_loss(tap: RouterTap) -> torch.Tensor:
+    """The latest forward's auxiliary load-balancing loss (Switch Transformer), as transformers computes it for
+    these models (`load_balancing_loss_func`, every layer's tokens pooled) but over the experts the tokens were
+    actually routed to (replayed ones included): E x sum_e f_e x P_e, f_e the routed slots of expert e per token
+    (summing to k), P_e its mean router probability. k when the load is uniform; differentiable through P."""
+    slots_E = sum(torch.bincount(layer.experts.reshape(-1), minlength=tap.num_experts) for layer in tap.layers)
+    probs_E = sum(torch.softmax(layer.logits.float(), dim=-1).sum(0) for layer in tap.layers)
+    rows = sum(len(layer.experts) for layer in tap.layers)
+    return tap.num_experts * (slots_E.float() / rows * probs_E / rows).sum()
+
+
+def router_stats(tap: RouterTap) -> dict[str, float]:
+    """Per MoE layer i of the latest forward: moe/layer{i}/load_e{e} (fraction of routed slots to expert e),
+    moe/layer{i}/load_entropy (in nats; log E when uniform), moe/layer{i}/load_max_over_mean (1 when uniform,
+    E when one expert takes every slot); and moe/load_max_over_mean over all layers (their largest). Top-k
+    routing without capacity drops no token, so there is no dropped-token count."""
+    stats: dict[str, float] = {}
+    worst = 0.0
+    for i, layer in enumerate(tap.layers):
+        load_E = torch.bincount(layer.experts.reshape(-1), minlength=tap.num_experts).double()
+        load_E = load_E / load_E.sum()
+        for e, share in enumerate(load_E.tolist()):
+            stats[f"moe/layer{i}/load_e{e}"] = share
+        stats[f"moe/layer{i}/load_entropy"] = -sum(p * math.log(p) for p in load_E.tolist() if p > 0)
+        stats[f"moe/layer{i}/load_max_over_mean"] = float(load_E.max() * tap.num_experts)
+        worst = max(worst, stats[f"moe/layer{i}/load_max_over_mean"])
+    stats["moe/load_max_over_mean"] = worst
+    return stats
