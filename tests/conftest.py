@@ -66,6 +66,25 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def moe_model_dir(tmp_path_factory) -> Path:
+    """A freshly built tiny Qwen3-MoE model (8 experts, top-2), its routers far from uniform (weights of std 0.5,
+    not the initial 0.02): routing decided by the weights rather than by near-ties that float rounding flips."""
+    import torch
+
+    from pipelinerl.config import TinyModelConfig
+    from pipelinerl.tiny_model import build_tiny_model, save_model
+
+    out = tmp_path_factory.mktemp("models") / "moe"
+    model, tokenizer = build_tiny_model(out, TinyModelConfig(seed=0, num_experts=8))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5, generator=g)
+    save_model(model, tokenizer, out)
+    return out
+
+
 # Short `pipelinerl run`s, each shared by two modules (tests/test_conventional.py with tests/test_kl_analysis.py
 # or tests/test_e2e_rl_options.py): each run starts a vLLM server (two with a reference model) and 1-3
 # DeepSpeed ranks, about a minute of start-up for a few seconds of training.

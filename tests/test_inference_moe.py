@@ -21,20 +21,6 @@ PROMPTS = ["12+34=", "7*8=", "99-1="]
 
 
 @pytest.fixture(scope="module")
-def moe_model_dir(tmp_path_factory):
-    from pipelinerl.config import TinyModelConfig
-    from pipelinerl.tiny_model import build_tiny_model, save_model
-
-    out = tmp_path_factory.mktemp("models") / "moe"
-    model, tokenizer = build_tiny_model(out, TinyModelConfig(seed=0, num_experts=8))
-    with torch.no_grad():  # routers far from uniform: routing decided by the weights, not by near-ties
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(5))
-    save_model(model, tokenizer, out)
-    return out
-
-
-@pytest.fixture(scope="module")
 def server(moe_model_dir, tmp_path_factory):
     yield from serve(moe_model_dir, tmp_path_factory.mktemp("moe_run"), PORT)
 

@@ -66,7 +66,7 @@ def micro_batch_loss(mb, new_N, values_N, num_sequences):
 
 
 def _train(trainer, dist, first, last, micro_batch_tokens, vocab, log):
-    from pipelinerl.trainer.dist import all_reduce_sum
+    from pipelinerl.trainer.dist import all_reduce_sum, all_reduce_tensor
     from pipelinerl.trainer.packing import pack
 
     for step in range(first, last):
@@ -74,7 +74,10 @@ def _train(trainer, dist, first, last, micro_batch_tokens, vocab, log):
         mbs = pack(split_among_ranks(samples, dist.world_size)[dist.rank], micro_batch_tokens)
         stats = trainer.accumulate(mbs, functools.partial(micro_batch_loss, num_sequences=len(samples)))
         (loss,) = all_reduce_sum([sum(s["loss"] for s in stats)])
-        log.append({"loss": loss, **trainer.optimizer_step()})
+        entry = {"loss": loss}
+        if trainer.router_tap is not None:  # a mixture of experts: the step's routed slots per layer and expert
+            entry["moe_slots"] = all_reduce_tensor(sum(s["moe_slots"] for s in stats), "sum")
+        log.append({**entry, **trainer.optimizer_step()})
 
 
 def worker(rank, world, port, model_dir, spec, out_path):
@@ -134,7 +137,9 @@ def reference_run(model_dir, dtype, steps=STEPS, lora=0):
     from pipelinerl.trainer.model import lr_factor
 
     cfg = trainer_config(3, 1, lora=lora)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    # eager experts (a mixture of experts): transformers' default grouped GEMM has no float64 kernel
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa",
+                                                 experts_implementation="eager")
     if lora:
         model = add_adapters(model, cfg.lora)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -171,9 +176,10 @@ def reference_run(model_dir, dtype, steps=STEPS, lora=0):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory):
-    """Memoised trainer runs, keyed by their spec. ZeRO-3 on 2 ranks checkpoints every step (into
-    result["ckpt_root"]): saving must not change training, and the resume test starts from those."""
+def runs(tiny_model_dir, moe_model_dir, tmp_path_factory):
+    """Memoised trainer runs, keyed by their spec (moe=True: of the tiny mixture of experts). ZeRO-3 on 2 ranks
+    checkpoints every step (into result["ckpt_root"]): saving must not change training, and the resume test
+    starts from those."""
     out = tmp_path_factory.mktemp("trainer_runs")
 
     @functools.cache
@@ -181,7 +187,7 @@ def runs(tiny_model_dir, tmp_path_factory):
         name = "_".join(f"{k}{v}" for k, v in sorted(spec.items()) if k != "ckpt_root") + f"_w{world}"
         if world == 2 and (spec["stage"] == 3 or spec.get("backend") == "fsdp2") and "ckpt_root" not in spec:
             spec["ckpt_root"] = str(out / f"ckpt_{name}")
-        result = run_trainer(tiny_model_dir, out / f"{name}.pt", world, **spec)
+        result = run_trainer(moe_model_dir if spec.get("moe") else tiny_model_dir, out / f"{name}.pt", world, **spec)
         return {**result, "ckpt_root": Path(spec["ckpt_root"]) if "ckpt_root" in spec else None}
 
     return get
@@ -370,3 +376,33 @@ def test_zero3_in_bfloat16_accumulates_gradients_in_float32(runs):
     for got, want in zip(result["log"], f32["log"], strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=0.05, abs=1e-3)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=0.05)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_model_dir):
+    return reference_run(moe_model_dir, torch.float32), reference_run(moe_model_dir, torch.float64)
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "fsdp2"])
+def test_a_mixture_of_experts_on_two_ranks_equals_plain_pytorch(runs, moe_reference, moe_model_dir, backend):
+    """ZeRO-3 and FSDP2 shard the tiny MoE's fused expert tensors and routers like any weight; the routers' tap
+    (trainer/moe.py) changes nothing in the forward, and counts every token's k slots in every MoE layer. The
+    hf/ folder of a checkpoint is the gathered weights, in transformers' per-expert checkpoint layout."""
+    from transformers import AutoModelForCausalLM
+
+    result = runs(2, stage=3, backend=backend, micro_batch_tokens=24, steps=STEPS, moe=True)
+    assert_matches_reference(result, moe_reference)
+    initial = AutoModelForCausalLM.from_pretrained(moe_model_dir).state_dict()
+    assert any("experts.gate_up_proj" in n for n in result["state"])
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.gate.weight"):
+        assert (result["state"][name] - initial[name]).abs().max() > LR  # experts and routers trained
+    for step, entry in enumerate(result["log"]):
+        tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in step_samples(step, 17))
+        assert entry["moe_slots"].shape == (2, 8)
+        assert entry["moe_slots"].sum(1).tolist() == [2 * tokens] * 2  # top-2 in each of the 2 layers
+    hf_dir = result["ckpt_root"] / "step_00000004" / "hf"
+    with open(hf_dir / "model.safetensors", "rb") as f:
+        assert b"experts.0.gate_proj.weight" in f.read(1 << 16)  # the header: the checkpoint's own layout
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir).state_dict()
+    for name, want in result["state"].items():
+        torch.testing.assert_close(hf[name], want, rtol=0, atol=0, msg=name)

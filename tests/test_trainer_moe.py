@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pipelinerl.config import TinyModelConfig
 from pipelinerl.tiny_model import build_tokenizer, tiny_config
-from pipelinerl.trainer.moe import RouterTap, find_routers, load_balancing_loss, router_stats
+from pipelinerl.trainer.moe import RouterTap, find_routers, load_balancing_loss, load_stats, slot_counts
 
 SHAPE = TinyModelConfig(num_experts=8, experts_per_token=2, moe_intermediate_size=32)
 T = 12  # tokens in the test sequence
@@ -137,7 +137,9 @@ def test_router_stats_count_the_routed_slots(lm, tap):
     one_sided = torch.tensor([[0, 1]] * 6 + [[0, 2]] * 2)  # expert 0: 8 of 16 slots, 1: 6, 2: 2
     logits = torch.zeros(8, 8)
     tap.layers = [LayerRouting(logits, uniform), LayerRouting(logits, one_sided)]
-    stats = router_stats(tap)
+    slots = slot_counts(tap)
+    assert slots[1, :3].tolist() == [8, 6, 2] and slots.sum() == 32
+    stats = load_stats(slots + slots)  # two micro-batches' counts: the same loads
     assert stats["moe/layer0/load_entropy"] == pytest.approx(math.log(8))
     assert stats["moe/layer0/load_max_over_mean"] == pytest.approx(1.0)
     assert [stats[f"moe/layer1/load_e{e}"] for e in range(4)] == [0.5, 0.375, 0.125, 0.0]

@@ -218,10 +218,15 @@ class RLConfig:
                                 "loss (exact over those k tokens; the teacher's mass outside them is left out) "
                                 "instead of the sampled-token advantage; the task advantage still weighs "
                                 "teacher_task_weight. k above 20 raises the reference servers' --max-logprobs")
+    moe_aux_coef: float = doc(
+        0.0, "a mixture of experts: weight of the load-balancing auxiliary loss (Switch Transformer's, as "
+             "transformers computes it: k when the load is uniform) added to the loss; its value is logged "
+             "(moe_aux_loss) either way, with each MoE layer's expert load (moe/...)")
 
     def __post_init__(self) -> None:
         check_choice(self.algorithm, ("grpo", "dpo"), "rl.algorithm")
         check_choice(self.baseline, ("mean", "leave_one_out"), "rl.baseline")
+        check(self.moe_aux_coef >= 0, "rl.moe_aux_coef", "must be >= 0")
         check_positive(self.ppo_clip, "rl.ppo_clip", allow_null=True)
         check(self.tis_cap is None or self.tis_cap >= 1.0, "rl.tis_cap", "must be >= 1, or null for no cap")
         check(self.ppo_clip is None or self.tis_cap is None, "rl.tis_cap",

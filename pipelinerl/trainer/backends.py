@@ -37,4 +37,5 @@ def build_trainer(cfg: Config, dist: DistInfo, publisher: WeightPublisher | None
     """The backend named by cfg.trainer.backend, constructed (not yet initialised: call `init`)."""
     backend = backend_class(cfg.trainer.backend)
     return backend(cfg.trainer, dist, cfg.model.dtype, publisher=publisher, value_head=cfg.rl.value_function,
-                   temperature=cfg.actor.sampling.temperature, lm_head_fp32=cfg.model.lm_head_fp32)
+                   temperature=cfg.actor.sampling.temperature, lm_head_fp32=cfg.model.lm_head_fp32,
+                   moe_aux_coef=cfg.rl.moe_aux_coef)

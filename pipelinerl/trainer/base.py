@@ -25,9 +25,10 @@ import torch
 from pipelinerl.config import TrainerConfig
 from pipelinerl.dtypes import dtype_name
 from pipelinerl.trainer.contract import LossFn, WeightPublisher
-from pipelinerl.trainer.dist import DistInfo, all_reduce_max
+from pipelinerl.trainer.dist import DistInfo, all_reduce_max, all_reduce_sum
 from pipelinerl.trainer.lora import WeightGroup, adapter_tensors, add_adapters, weight_groups
 from pipelinerl.trainer.model import ValueHeadLM, completion_forward, enable_chunked_logprobs
+from pipelinerl.trainer.moe import RouterTap, find_routers, load_balancing_loss, slot_counts
 from pipelinerl.trainer.packing import MicroBatch, padding_micro_batch
 
 # Files of an HF folder that describe weights; everything else (config, tokenizer) is copied as-is.
@@ -41,19 +42,24 @@ class BackendBase:
     `temperature`: the rollouts' sampling temperature (actor.sampling.temperature); completion log-probs are
     scored at it, like the behaviour log-probs, cfg.logprob_chunk_tokens rows at a time (model.LogprobHead:
     scoring is a call of the LM head module, so a sharding framework's hooks on it gather its weight).
-    `lm_head_fp32` (model.lm_head_fp32): the LM head's logits in float32, as on the servers."""
+    `lm_head_fp32` (model.lm_head_fp32): the LM head's logits in float32, as on the servers. A mixture of experts
+    gets a RouterTap (moe.py): every micro-batch's routed-slot counts go into its statistics, and its load-balancing
+    loss, weighted by `moe_aux_coef` (rl.moe_aux_coef) and the micro-batch's share of the step's tokens, into its
+    loss (logged either way)."""
 
     # transformers' gradient_checkpointing_kwargs (trainer.gradient_checkpointing); None: its default
     checkpointing_kwargs: dict | None = None
 
     def __init__(self, cfg: TrainerConfig, dist: DistInfo, dtype: str = "float32",
                  publisher: WeightPublisher | None = None, value_head: bool = False, temperature: float = 1.0,
-                 lm_head_fp32: bool = False):
+                 lm_head_fp32: bool = False, moe_aux_coef: float = 0.0):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature!r} (actor.sampling.temperature)")
         self.cfg, self.dist, self.dtype, self.publisher = cfg, dist, dtype, publisher
         self.value_head, self.temperature, self.lm_head_fp32 = value_head, temperature, lm_head_fp32
         self.lora = cfg.lora.rank > 0
+        self.moe_aux_coef = moe_aux_coef
+        self.router_tap: RouterTap | None = None  # set by `prepare` for a mixture of experts
         self.model_path: Path | None = None
 
     @property
@@ -79,6 +85,10 @@ class BackendBase:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self.checkpointing_kwargs)
         if self.cfg.logprob_chunk_tokens is not None or self.lm_head_fp32:
             enable_chunked_logprobs(model, fp32=self.lm_head_fp32)
+        if find_routers(model):
+            self.router_tap = RouterTap(model)
+        elif self.moe_aux_coef:
+            raise ValueError("rl.moe_aux_coef is set but the model has no mixture-of-experts router")
         if self.lora:
             model = add_adapters(model, self.cfg.lora)
             if self.cfg.gradient_checkpointing:  # frozen embeddings: a checkpointed layer's input needs a grad
@@ -90,6 +100,8 @@ class BackendBase:
         return [p for p in model.parameters() if p.requires_grad]
 
     def forward(self, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.router_tap is not None:
+            self.router_tap.start()
         return completion_forward(self.model, micro_batch, self.device, self.temperature,
                                   self.cfg.logprob_chunk_tokens)
 
@@ -104,6 +116,7 @@ class BackendBase:
         count = max(all_reduce_max(len(micro_batches)), 1)  # >= 1 pass: the optimizer step needs gradients
         first = micro_batches[0] if micro_batches else None
         pad = padding_micro_batch(first.fields_N, first.seq_fields_S) if first else padding_micro_batch()
+        step_tokens = all_reduce_sum([sum(mb.num_tokens for mb in micro_batches)])[0] if self.router_tap else 0
         stats = []
         for mb in micro_batches + [pad] * (count - len(micro_batches)):
             new_N, values_N = self.forward(mb)
@@ -111,9 +124,23 @@ class BackendBase:
                 loss = (new_N.sum() if values_N is None else new_N.sum() + values_N.sum()) * 0.0
             else:
                 loss, mb_stats = loss_fn(mb, new_N, values_N)
+                if self.router_tap is not None:
+                    loss = loss + self._router_terms(mb_stats, mb.num_tokens / max(step_tokens, 1))
                 stats.append(mb_stats)
             self.backward(loss)
         return stats
+
+    def _router_terms(self, mb_stats: dict, share: float) -> torch.Tensor:
+        """A micro-batch's router statistics (added to mb_stats) and its share of the load-balancing loss."""
+        aux = load_balancing_loss(self.router_tap) * share
+        mb_stats.update(moe_slots=slot_counts(self.router_tap), moe_aux_loss=aux.detach().double())
+        return aux * self.moe_aux_coef
+
+    def zero_router_stats(self) -> dict[str, torch.Tensor]:
+        """The router statistics of a rank with nothing to train (the keys every rank's all-reduce expects)."""
+        if self.router_tap is None:
+            return {}
+        return {"moe_slots": slot_counts(self.router_tap) * 0, "moe_aux_loss": torch.zeros((), dtype=torch.float64)}
 
     def weight_groups(self) -> Iterator[WeightGroup]:
         """The LM's weights (HF names, no value head) as groups of parameters gathered together, in a fixed

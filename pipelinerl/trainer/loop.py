@@ -205,12 +205,16 @@ def _model_token_gae(rewards_S: torch.Tensor, values_N: torch.Tensor, seq_N: tor
 def _reduce_stats(stats_list: list[dict]) -> dict[str, float]:
     """Merge micro-batch statistics, then over ranks (sum, or max for max_* keys) and summarise."""
     from pipelinerl.rl import merge_stats, summarize_stats
+    from pipelinerl.trainer.moe import load_stats
 
     merged = merge_stats(stats_list)
     out = {}
     for key in sorted(merged):
         out[key] = all_reduce_tensor(merged[key].double(), "max" if key.startswith("max_") else "sum")
+    slots = out.pop("moe_slots", None)  # a mixture of experts: [layers, experts] routed slots (trainer/moe.py)
     summary = summarize_stats(out)
+    if slots is not None:
+        summary.update(load_stats(slots))
     summary.update({k: float(v) for k, v in out.items() if k.endswith("_loss")})
     return summary
 
@@ -244,7 +248,7 @@ def train_step(trainer: Trainer, samples: list[Sample], cfg: Config, dist: DistI
         pad = padding_micro_batch(*_field_names(cfg))
         no_values = torch.zeros(1, device=trainer.device) if cfg.rl.value_function else None
         no_logprobs = torch.zeros((1, 1 + cfg.rl.teacher_top_k) if cfg.rl.teacher_top_k else 1, device=trainer.device)
-        mb_stats = [loss_fn(pad, no_logprobs, no_values)[1]]
+        mb_stats = [{**loss_fn(pad, no_logprobs, no_values)[1], **trainer.zero_router_stats()}]
     stats = _reduce_stats(mb_stats)
     stats.update(trainer.optimizer_step())
     stats.update(sequences=num_sequences, completion_tokens=tokens,

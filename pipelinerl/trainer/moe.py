@@ -5,8 +5,8 @@ router returning (logits, top-k gate weights, top-k expert ids)). `RouterTap(lm)
 in place (the same module, parameters and hooks, so ZeRO-3 and FSDP2 still gather its weight around the call)
 and, for every forward the trainer runs:
 
-- records each layer's router logits and chosen experts (`RouterTap.layers`), from which `router_stats` gives
-  the expert load (fraction of routed slots per expert), its entropy and max-over-mean per layer, and
+- records each layer's router logits and chosen experts (`RouterTap.layers`), from which `slot_counts` and
+  `load_stats` give the expert load (fraction of routed slots per expert), its entropy and max-over-mean per layer, and
   `load_balancing_loss` the auxiliary load-balancing loss (rl.moe_aux_coef);
 - replays given routing (rl.routing_replay = r3: rollout routing replay). Inside `with tap.replaying(ids)`,
   ids [T, L, k] (-1: the trainer routes that token itself), each replayed token goes to the experts the server
@@ -123,20 +123,28 @@ def load_balancing_loss(tap: RouterTap) -> torch.Tensor:
     return tap.num_experts * (slots_E.float() / rows * probs_E / rows).sum()
 
 
-def router_stats(tap: RouterTap) -> dict[str, float]:
-    """Per MoE layer i of the latest forward: moe/layer{i}/load_e{e} (fraction of routed slots to expert e),
-    moe/layer{i}/load_entropy (in nats; log E when uniform), moe/layer{i}/load_max_over_mean (1 when uniform,
-    E when one expert takes every slot); and moe/load_max_over_mean over all layers (their largest). Top-k
-    routing without capacity drops no token, so there is no dropped-token count."""
+def slot_counts(tap: RouterTap) -> torch.Tensor:
+    """[L, E] float64: the routed slots each expert of each MoE layer took in the latest forward (zeros before
+    any). Sums over micro-batches and ranks are the step's; `load_stats` summarises them."""
+    counts = torch.zeros(len(tap.routers), tap.num_experts, dtype=torch.float64)
+    for i, layer in enumerate(tap.layers or []):
+        if layer is not None:
+            counts[i] = torch.bincount(layer.experts.reshape(-1).cpu(), minlength=tap.num_experts).double()
+    return counts
+
+
+def load_stats(slots_LE: torch.Tensor) -> dict[str, float]:
+    """Per MoE layer i: moe/layer{i}/load_e{e} (the fraction of its routed slots expert e took), moe/layer{i}/
+    load_entropy (in nats; log E when uniform) and moe/layer{i}/load_max_over_mean (1 when uniform, E when one
+    expert takes every slot); moe/load_max_over_mean is the largest over the layers. Top-k routing has no
+    capacity limit here (neither transformers' nor vLLM's kernels drop tokens), so there is no dropped count."""
     stats: dict[str, float] = {}
-    worst = 0.0
-    for i, layer in enumerate(tap.layers):
-        load_E = torch.bincount(layer.experts.reshape(-1), minlength=tap.num_experts).double()
-        load_E = load_E / load_E.sum()
+    num_experts = slots_LE.shape[1]
+    for i, slots_E in enumerate(slots_LE):
+        load_E = slots_E / slots_E.sum().clamp(min=1)
         for e, share in enumerate(load_E.tolist()):
             stats[f"moe/layer{i}/load_e{e}"] = share
         stats[f"moe/layer{i}/load_entropy"] = -sum(p * math.log(p) for p in load_E.tolist() if p > 0)
-        stats[f"moe/layer{i}/load_max_over_mean"] = float(load_E.max() * tap.num_experts)
-        worst = max(worst, stats[f"moe/layer{i}/load_max_over_mean"])
-    stats["moe/load_max_over_mean"] = worst
+        stats[f"moe/layer{i}/load_max_over_mean"] = float(load_E.max() * num_experts)
+    stats["moe/load_max_over_mean"] = max(stats[f"moe/layer{i}/load_max_over_mean"] for i in range(len(slots_LE)))
     return stats
