@@ -26,8 +26,12 @@ trainer rank  params: b x P, sharded over N by ZeRO-3; grads: the float32 accumu
               2 GB). The plan is rank 0's, the fullest: with NCCL weight updates its two send buffers,
               2 x max(bucket, largest tensor x b), stay on its GPU from one round to the next.
               Host RAM of rank 0's node: the published versions, 2 x b x P (weights/publish.py; 3 x b x P
-              with evaluation servers, whose delivery leases a version of its own), and with delta updates
-              each delivery's encoder base, b x P more each.
+              with evaluation servers, whose delivery leases a version of its own), with delta updates
+              each delivery's encoder base, b x P more each, and with ZeRO's offload_optimizer the float32
+              master and Adam moments of the node's ranks (12 B x P x their share).
+              A mixture of experts (plan_shapes.ModelShape): P counts every expert; activations count the FFN
+              width a token passes through (its k routed experts) and the router's float32 logits; the largest
+              tensor (an update bucket's floor) is a layer's fused gate-up experts, E x 2 x I_e x H.
               trainer.backend=fsdp2: float32 master params, float32 grads and Adam m and v, all sharded over
               N: 16 B x P / N; fsdp_buffers: the root module's gathered params (embeddings, final norm, LM
               head: R = V x H x (1 or 2 untied) + H), which stay gathered from forward to backward, and two
@@ -159,7 +163,7 @@ def _zero(cfg: Config) -> dict:
 
 def layer_activation_bytes(shape: ModelShape, b: int) -> int:
     """Bytes one decoder layer keeps per token for backward (module docstring)."""
-    return b * (8 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate)
+    return b * (8 * shape.hidden + 2 * shape.kv_dim + 4 * shape.ffn_width) + 4 * shape.experts
 
 
 def trainer_activations(shape: ModelShape, b: int, tokens: int, checkpointing: bool) -> float:
@@ -179,8 +183,9 @@ def logprob_bytes(shape: ModelShape, b: int, tokens: int, chunk: int | None) -> 
 def lora_params(shape: ModelShape, cfg: Config) -> int:
     """Trainable parameters of trainer.lora: r x (in + out) per adapted linear layer (0: LoRA off)."""
     h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
-    sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
-             "up_proj": (h, i), "down_proj": (i, h)}
+    sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    if not shape.experts:  # a mixture of experts' fused expert tensors are no nn.Linear peft can adapt
+        sizes.update(gate_proj=(h, i), up_proj=(h, i), down_proj=(i, h))
     lora = cfg.trainer.lora
     return lora.rank * shape.layers * sum(sum(sizes[t]) for t in lora.target_modules if t in sizes)
 
@@ -244,15 +249,32 @@ def trainer_plan(cfg: Config, shape: ModelShape, ranks: int, gpu_gb: float) -> R
              f"{'off' if t.gradient_checkpointing else 'on'})",
              f"forward/backward {fwd_bwd:.1f} GB and optimizer step {items['optimizer_step']:.1f} GB never coexist: "
              "the total counts the larger"]
+    if shape.experts:
+        notes.append(moe_note(shape) + "; every expert's weights, gradients and optimizer state are sharded like "
+                     "any weight (no expert parallelism)")
     if t.lora.rank:
         notes.append(f"LoRA rank {t.lora.rank} on {', '.join(t.lora.target_modules)}: {trained:,} trained "
                      f"parameters of {shape.params:,}; gradients and optimizer state for those alone")
-    role = RolePlan("trainer rank", items, total, notes, host=trainer_host_bytes(cfg, shape))
+    host = trainer_host_bytes(cfg, shape)
+    if not fsdp2 and zero["offload_optimizer"]:
+        slurm = cfg.launch.backend == "slurm" and cfg.launch.slurm.gpus_per_node
+        on_node = min(cfg.launch.slurm.gpus_per_node, ranks) if slurm else ranks
+        host["offloaded_optimizer"] = ((4 if b < 4 else 0) + 8) * trained * on_node / ranks / GB
+    role = RolePlan("trainer rank", items, total, notes, host=host)
     role.notes.append(f"rank 0's plan (the fullest rank): its host RAM {sum(role.host.values()):.1f} GB holds "
-                      "the published versions" + (" and the delta base" if t.broadcast_delta == "auto" else ""))
+                      "the published versions" + (" and the delta base" if t.broadcast_delta == "auto" else "") +
+                      (" and its node's ranks' offloaded optimizer state" if "offloaded_optimizer" in host else ""))
     if total > gpu_gb:
         role.problems.append(f"trainer rank: {total:.1f} GB > {gpu_gb:g} GB; {_trainer_knobs(cfg)}")
     return role
+
+
+def moe_note(shape: ModelShape) -> str:
+    """A mixture of experts' parameter counts, and the expert ids a routing-replay stream would carry per token."""
+    id_bytes = 1 if shape.experts <= 256 else 2
+    return (f"mixture of experts: {shape.params / 1e9:.2f}B parameters, {shape.active_params / 1e9:.2f}B active per "
+            f"token (top-{shape.experts_per_token} of {shape.experts} experts in each of {shape.layers} layers); "
+            f"its routed expert ids are {shape.layers * shape.experts_per_token * id_bytes} B per model token")
 
 
 def _trainer_knobs(cfg: Config) -> str:
@@ -274,7 +296,7 @@ def server_plan(cfg: Config, shape: ModelShape, gpu_gb: float, kind: str = "poli
     classifier = kind == "reward" and cfg.reward.kind == "model"
     sampler = 0.0 if classifier else inf.max_num_seqs * shape.vocab * 4 * SAMPLER_COPIES
     items = {"weights": model_bytes / tp,
-             "activations": batched * ((3 * shape.intermediate + shape.q_dim + 2 * shape.kv_dim) / tp
+             "activations": batched * ((3 * shape.ffn_width + shape.q_dim + 2 * shape.kv_dim) / tp
                                        + 4 * shape.hidden) * b + sampler,
              "cuda_graphs_runtime": SERVER_RUNTIME_GB * GB}
     budget = inf.gpu_memory_utilization * gpu
@@ -287,6 +309,9 @@ def server_plan(cfg: Config, shape: ModelShape, gpu_gb: float, kind: str = "poli
     items = {k: v / GB for k, v in items.items()}
     role = RolePlan(f"{kind} server", items, budget / GB + sum(
         v for k, v in items.items() if k in ("prompt_logprobs", "update_staging", "update_group")))
+    if shape.experts:
+        role.notes.append(moe_note(shape) + "; the weights count every expert on each server's GPUs (TP shards "
+                          "them; expert parallelism is not used)")
     _server_checks(cfg, shape, gpu_gb, role, kind, model_bytes / GB)
     return role
 
@@ -329,7 +354,7 @@ def _server_checks(cfg: Config, shape: ModelShape, gpu_gb: float, role: RolePlan
 
 def update_bucket_bytes(cfg: Config, shape: ModelShape) -> float:
     """One weight-update bucket: trainer.broadcast_bucket_mb, at least the largest tensor (sent alone)."""
-    largest = max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate) * DTYPE_BYTES[cfg.model.dtype]
+    largest = shape.largest_tensor * DTYPE_BYTES[cfg.model.dtype]
     return max(cfg.trainer.broadcast_bucket_mb * 2**20, largest)
 
 

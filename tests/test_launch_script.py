@@ -32,8 +32,8 @@ def _render_command(script: str) -> list[str]:
 
 
 def test_every_shipped_script_is_covered():
-    assert SCRIPTS == ["run_32b.sh", "run_7b.sh", "run_7b_one_node.sh", "run_8b_rlhf.sh", "run_tiny.sh",
-                       "run_tiny_flagship.sh"]
+    assert SCRIPTS == ["run_30b_a3b.sh", "run_32b.sh", "run_7b.sh", "run_7b_one_node.sh", "run_8b_rlhf.sh",
+                       "run_tiny.sh", "run_tiny_flagship.sh"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

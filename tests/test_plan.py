@@ -43,6 +43,11 @@ P_7B = 28 * LAYER_7B + 2 * V * 3584 + 3584
 # Qwen2.5-32B: hidden 5120, 64 layers, FFN 27648, 40 heads / 8 KV heads of 128.
 LAYER_32B = (5120 * 5120 + 5120) + 2 * (5120 * 1024 + 1024) + 5120 * 5120 + 3 * 5120 * 27648 + 2 * 5120
 P_32B = 64 * LAYER_32B + 2 * V * 5120 + 5120
+# Qwen3-30B-A3B: hidden 2048, 48 layers, 32 heads / 4 KV heads of 128, 128 experts of width 768 (top-8), a router
+# per layer, vocabulary 151936, untied; q/k/v biases counted as for Qwen2 (it has q/k norms instead: 0.01 %).
+ATTN_30B = (2048 * 4096 + 4096) + 2 * (2048 * 512 + 512) + 4096 * 2048
+P_30B = 48 * (ATTN_30B + 128 * 3 * 2048 * 768 + 128 * 2048 + 2 * 2048) + 2 * 151936 * 2048 + 2048
+ACTIVE_30B = 48 * (ATTN_30B + 8 * 3 * 2048 * 768 + 128 * 2048 + 2 * 2048) + 2 * 151936 * 2048 + 2048
 
 
 def _cfg(name: str, *overrides: str):
@@ -400,3 +405,46 @@ def test_a_reward_server_is_planned_with_the_reward_models_shape_and_no_staging(
     assert missing.roles["reward"].items["weights"] == pytest.approx(reward.items["weights"])
     assert any("the policy's shape" in note for note in missing.roles["reward"].notes)
     assert "reward" not in _plan("qwen7b_orz.yaml", "launch.gpu_memory_gb=80").roles
+
+
+def test_30b_a3b_counts_every_expert_and_fits_one_training_node_with_the_optimizer_in_host_ram():
+    plan = _plan("qwen3_30b_a3b.yaml")
+    assert plan.fits, plan.problems
+    assert plan.params == P_30B and round(P_30B / 1e9, 1) == 30.5
+    trainer, server = plan.roles["trainer"], plan.roles["server"]
+    assert f"{ACTIVE_30B / 1e9:.2f}B active per token (top-8 of 128 experts" in " ".join(trainer.notes)
+    assert "384 B per model token" in " ".join(trainer.notes)  # 48 layers x 8 uint8 expert ids
+    assert trainer.items["params"] == pytest.approx(2 * P_30B / 8 / GB)  # ZeRO-3 over 8 ranks
+    assert trainer.items["grads"] == pytest.approx(4 * P_30B / 8 / GB)  # float32 accumulation
+    assert trainer.items["optimizer"] == 0 and trainer.items["optimizer_step"] == 0  # offloaded
+    assert trainer.host["offloaded_optimizer"] == pytest.approx(12 * P_30B / GB)  # the node's 8 ranks
+    # a layer's fused gate-up experts (805 MB in bf16) fit the 1 GiB bucket: two buckets on the receiving GPU
+    assert server.items["update_staging"] == pytest.approx(2 * 2**30 / GB)
+    assert server.items["weights"] == pytest.approx(2 * P_30B / 2 / GB)  # TP 2, every expert
+    tokens = 8192
+    layer = tokens * (2 * (8 * 2048 + 2 * 512 + 4 * 8 * 768) + 4 * 128)  # the 8 routed experts' FFN, the router
+    assert trainer.items["activations"] == pytest.approx((48 * tokens * 2048 * 2 + 2 * layer) / GB)
+    # FSDP2 keeps float32 master weights and Adam moments on the GPUs: 16 B x P over 8 ranks does not fit one
+    # node, and does over two
+    fsdp2 = _plan("qwen3_30b_a3b.yaml", "trainer.backend=fsdp2")
+    assert not fsdp2.fits and fsdp2.roles["trainer"].items["params"] == pytest.approx(4 * P_30B / 8 / GB)
+    assert _plan("qwen3_30b_a3b.yaml", "trainer.backend=fsdp2", "launch.slurm.training_nodes=2",
+                 "trainer.num_gpus=16").fits
+
+
+def test_the_tiny_moe_to_be_built_is_counted_as_transformers_counts_it(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipelinerl.plan_shapes import load_shape, shape_from_hf_config
+    from pipelinerl.tiny_model import build_tokenizer, tiny_config
+
+    cfg = _cfg("tiny_moe.yaml", f"model.path={tmp_path / 'absent'}")
+    shape, source = load_shape(cfg)
+    assert source == "model.tiny (to be built)" and (shape.experts, shape.experts_per_token) == (8, 2)
+    hf = tiny_config(cfg.model.tiny, build_tokenizer())
+    assert shape_from_hf_config(hf.to_dict()) == shape  # from the config.json it will have
+    with torch.device("meta"):
+        built = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
+    layers, q, kv = 2, 128, 64
+    assert shape.params - built == layers * (q + 2 * kv - 2 * 32)  # q/k/v biases counted, q/k norms not

@@ -38,7 +38,7 @@ from pipelinerl.trainer.checkpoints import latest_checkpoint
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = {"run_7b.sh": "configs/qwen7b_orz.yaml", "run_32b.sh": "configs/qwen32b_orz.yaml",
            "run_tiny.sh": "configs/tiny_cpu.yaml", "run_tiny_flagship.sh": "configs/tiny_cpu.yaml",
-           "run_7b_one_node.sh": "configs/qwen7b_orz.yaml"}
+           "run_7b_one_node.sh": "configs/qwen7b_orz.yaml", "run_30b_a3b.sh": "configs/qwen3_30b_a3b.yaml"}
 CLUSTER_STATE = "/tmp/pipelinerl-vcluster-tests"
 SHARED = Path(CLUSTER_STATE) / "shared"  # every node's network mount of it; here, the file server's own folder
 SUBNET = "10.214.0"  # the cluster's bridge: node vnI is SUBNET.(10+I)
@@ -123,6 +123,17 @@ def test_32b_script_renders_two_inference_and_two_training_nodes():
     # Each inference node splits its 8 GPUs into two tensor-parallel groups of 4, one server each.
     cfg = load_config(REPO / "configs/qwen32b_orz.yaml")
     assert node_placement(cfg).server_gpus == [["0", "1", "2", "3"], ["4", "5", "6", "7"]]
+
+
+def test_30b_a3b_script_renders_four_tp2_servers_and_one_training_node():
+    roles = _dry_run("run_30b_a3b.sh")
+    assert roles["servers@inference0"][1][1:4] == ["--het-group=0", "--nodes=1", "--nodelist=inference0"]
+    env, trainer = roles["trainer"]
+    assert trainer[1:6] == ["--het-group=1", "--nodes=1", "--nodelist=training0", "--ntasks=8", "--ntasks-per-node=8"]
+    assert _rank_command(trainer).endswith("-m pipelinerl.cli train runs/qwen3_30b_a3b/config.yaml")
+    cfg = load_config(REPO / "configs/qwen3_30b_a3b.yaml")
+    assert node_placement(cfg).server_gpus == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]]
+    check_config(cfg)
 
 
 def test_flagship_script_renders_two_servers_and_two_training_nodes():

@@ -30,12 +30,15 @@ pytestmark = pytest.mark.slow  # real multi-process DeepSpeed: about 2 minutes
 PERSIST_NOTHING = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}  # shard every tensor
 
 
-def trainer_config(stage: int, micro_batch_tokens: int, backend: str = "deepspeed", lora: int = 0) -> TrainerConfig:
+def trainer_config(stage: int, micro_batch_tokens: int, backend: str = "deepspeed", lora: int = 0,
+                   offload: bool = False) -> TrainerConfig:
+    ds = PERSIST_NOTHING if not offload else {"zero_optimization": {**PERSIST_NOTHING["zero_optimization"],
+                                                                    "offload_optimizer": {"device": "cpu"}}}
     return TrainerConfig(backend=backend, zero_stage=stage, micro_batch_tokens=micro_batch_tokens,
                          lora=LoraConfig(rank=lora, alpha=8.0, target_modules=LORA_TARGETS),
                          samples_per_step=SAMPLES_PER_STEP,
                          max_steps=STEPS, lr=LR, lr_schedule="linear", warmup_steps=2, weight_decay=0.01,
-                         grad_clip=1.0, deepspeed_config=PERSIST_NOTHING, dist_timeout_s=120,
+                         grad_clip=1.0, deepspeed_config=ds, dist_timeout_s=120,
                          data_timeout_s=60)
 
 
@@ -95,7 +98,7 @@ def worker(rank, world, port, model_dir, spec, out_path):
 
     dist = read_dist_env()
     cfg = trainer_config(spec["stage"], spec["micro_batch_tokens"], spec.get("backend", "deepspeed"),
-                         spec.get("lora", 0))
+                         spec.get("lora", 0), spec.get("offload", False))
     init_process_group(dist, cfg.dist_timeout_s, cfg.jit_lock_stale_s)
     trainer = backend_class(cfg.backend)(cfg, dist, dtype=spec.get("dtype", "float32"))
     trainer.init(model_dir)
@@ -111,8 +114,10 @@ def worker(rank, world, port, model_dir, spec, out_path):
         if spec.get("ckpt_root"):
             save_checkpoint(trainer, spec["ckpt_root"], step + 1, {"version": step + 1}, keep_last=3, dist=dist)
     state = trainer.full_state_dict()
+    optimizer = type(getattr(getattr(trainer, "engine", None), "basic_optimizer", None)).__name__
     if dist.is_main:
-        torch.save({"log": log, "state": state, "first": first, "stored": stored, "accum": accum}, out_path)
+        torch.save({"log": log, "state": state, "optimizer": optimizer, "first": first, "stored": stored,
+                    "accum": accum}, out_path)
     close_process_group()
     # The results are saved: skip the C++ teardown, which still aborts now and then ("terminate called without
     # an active exception", SIGABRT: 2 of 6 runs of this module after close_process_group) and spawn would
@@ -406,3 +411,11 @@ def test_a_mixture_of_experts_on_two_ranks_equals_plain_pytorch(runs, moe_refere
     hf = AutoModelForCausalLM.from_pretrained(hf_dir).state_dict()
     for name, want in result["state"].items():
         torch.testing.assert_close(hf[name], want, rtol=0, atol=0, msg=name)
+
+
+def test_zero3_with_the_optimizer_offloaded_steps_with_deepspeeds_cpu_adam_as_adamw_does(runs, moe_reference):
+    """configs/qwen3_30b_a3b.yaml offloads the optimizer (its Adam state does not fit beside the weights on one
+    node's GPUs): DeepSpeed's CPU Adam then steps the float32 master weights, the same AdamW."""
+    result = runs(2, stage=3, micro_batch_tokens=24, steps=STEPS, moe=True, offload=True)
+    assert result["optimizer"] == "DeepSpeedCPUAdam"
+    assert_matches_reference(result, moe_reference)

@@ -90,8 +90,14 @@ class DeepSpeedTrainer(BackendBase):
         # A value head is created outside zero.Init: under ZeRO-3 deepspeed.initialize partitions it like the LM.
         model = self.prepare(model)
         cfg = self.cfg
+        offload = (ds_config["zero_optimization"].get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
 
         def make_optimizer(params):
+            if offload:  # ZeRO-Offload steps on the CPU: DeepSpeed's vectorised CPU Adam (a JIT-built C++ op)
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                return DeepSpeedCPUAdam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
+                                        weight_decay=cfg.weight_decay, adamw_mode=True)
             return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
                                      weight_decay=cfg.weight_decay)
 
