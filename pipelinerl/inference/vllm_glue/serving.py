@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from pipelinerl.config import Config, ConfigError
 from pipelinerl.inference.vllm_glue import ENGINE_NAME, WORKER_EXTENSION
+from pipelinerl.inference.vllm_glue.routing import ENV as ROUTING_ENV
 from pipelinerl.inference.vllm_glue.spin import SPIN_ENV
 from pipelinerl.rundir import POLICY_KINDS
 
@@ -114,10 +115,12 @@ def parse_vllm_args(argv: list[str]):
     return args
 
 
-def setup_process(cpu_kv_cache_gb: float | None, engine_spin_s: float | None, tensor_parallel_size: int) -> None:
-    """vLLM's CLI set-up (spawn for worker processes), the CPU KV-cache size and the engine's spin
-    (inference.engine_spin_s: PipelineRL's plugin applies it in the engine core and worker processes, spin.py),
-    before the engine starts.
+def setup_process(cpu_kv_cache_gb: float | None, engine_spin_s: float | None, tensor_parallel_size: int,
+                  routed_experts: bool = False) -> None:
+    """vLLM's CLI set-up (spawn for worker processes), the CPU KV-cache size, the engine's spin
+    (inference.engine_spin_s: PipelineRL's plugin applies it in the engine core and worker processes, spin.py)
+    and the capture of routed experts (inference.return_routed_experts: routing.py, also by the plugin), before
+    the engine starts.
 
     On CPU with one tensor-parallel rank the model runs in the engine core process (vLLM's "uni" executor), as
     it does on a GPU: vLLM's CPU platform otherwise starts a worker process of its own (for the OpenMP thread
@@ -158,6 +161,8 @@ def setup_process(cpu_kv_cache_gb: float | None, engine_spin_s: float | None, te
         engine_spin_s = 0.0 if current_platform.is_cpu() else None
     if engine_spin_s is not None:
         os.environ[SPIN_ENV] = repr(float(engine_spin_s))
+    if routed_experts:
+        os.environ[ROUTING_ENV] = "1"
 
 
 @dataclass

@@ -9,6 +9,13 @@ completion choice (the one with its `finish_reason`):
                                             `token_ids`; streamed: as all the choice's chunks
                                             together): the policy version that produced it
 
+    choices[i].routed_experts: {"dtype", "shape", "data"} | absent
+                                            with inference.return_routed_experts (a mixture of
+                                            experts): each completion token's experts in every MoE
+                                            layer, shape [tokens, layers, k], the ids' little-endian
+                                            bytes (uint8, or uint16 past 254 experts) in base64
+                                            (routing.py)
+
 Versions are integers because the server always sets them from the trainer's integer versions.
 `serving.open_server` applies `add_versions` on policy servers.
 """
@@ -20,7 +27,10 @@ import json
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
+from pipelinerl.inference.vllm_glue.routing import encode
+
 FIELD = "policy_versions"
+ROUTING_FIELD = "routed_experts"
 
 
 def per_token_versions(output) -> list[int] | None:
@@ -47,7 +57,7 @@ class VersionedChat(OpenAIServingChat):
         if final and hasattr(response, "choices"):
             by_index = {o.index: o for o in final[0].outputs}
             for choice in response.choices:
-                setattr(choice, FIELD, per_token_versions(by_index[choice.index]))
+                _annotate(choice, by_index[choice.index])
         return response
 
 
@@ -56,19 +66,19 @@ class VersionedCompletion(OpenAIServingCompletion):
         response = super().request_output_to_completion_response(final_res_batch, *args, **kwargs)
         outputs = [o for res in final_res_batch for o in res.outputs]
         for choice, output in zip(response.choices, outputs):
-            setattr(choice, FIELD, per_token_versions(output))
+            _annotate(choice, output)
         return response
 
 
     async def completion_stream_generator(self, request, engine_inputs, result_generator, *args, **kwargs):
         num_choices = request.n or 1
-        finished: dict[int, list[int] | None] = {}  # choice index -> versions, once its output finished
+        finished: dict[int, dict] = {}  # choice index -> its extra fields, once its output finished
 
         async def remember_finished():
             async for prompt_idx, res in result_generator:
                 for output in res.outputs:
                     if output.finished():
-                        finished[output.index + prompt_idx * num_choices] = per_token_versions(output)
+                        finished[output.index + prompt_idx * num_choices] = _fields(output)
                 yield prompt_idx, res
 
         async for event in super().completion_stream_generator(request, engine_inputs, remember_finished(),
@@ -76,8 +86,23 @@ class VersionedCompletion(OpenAIServingCompletion):
             yield _with_versions(event, finished) if finished else event
 
 
-def _with_versions(event: str, finished: dict[int, list[int] | None]) -> str:
-    """A streamed `data: {...}` chunk with `policy_versions` on each choice that finished in it."""
+def _fields(output) -> dict:
+    """The extra fields of a finished output's choice: its versions, and its routed experts when captured."""
+    fields = {FIELD: per_token_versions(output)}
+    routed = encode(getattr(output, "routed_experts", None))
+    if routed is not None:
+        fields[ROUTING_FIELD] = routed
+    return fields
+
+
+def _annotate(choice, output) -> None:
+    for name, value in _fields(output).items():
+        setattr(choice, name, value)
+
+
+def _with_versions(event: str, finished: dict[int, dict]) -> str:
+    """A streamed `data: {...}` chunk with `policy_versions` (and routed experts) on each choice that finished
+    in it."""
     if not event.startswith("data: {"):
         return event
     chunk = json.loads(event[len("data: "):])
@@ -85,7 +110,7 @@ def _with_versions(event: str, finished: dict[int, list[int] | None]) -> str:
     if not ended:
         return event
     for choice in ended:
-        choice[FIELD] = finished.pop(choice["index"])
+        choice.update(finished.pop(choice["index"]))
     return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
 
 
