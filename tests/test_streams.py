@@ -41,11 +41,12 @@ def expected_row(writer: str, group: int, i: int) -> dict:
     """The sample `i` of group `group` of `writer`; float values are exact in float32. In every third group
     the samples of 3 tokens or more are two-turn episodes: model tokens (one version), environment tokens
     (loss mask 0, version -1, log-prob 0), model tokens (the next version). Every fourth group carries a teacher's
-    top-2 per token."""
+    top-2 per token, every fifth routed experts (2 layers x top-2 per token; ids up to 300: uint16)."""
     length = 1 + (group * 7 + i) % 13
     episode = group % 3 == 2 and length >= 3
     mask = [int(not (episode and length // 3 <= k < 2 * length // 3)) for k in range(length)]
     top = group % 4 == 3
+    routed = group % 5 == 4
     return {"run_id": "run", "group_id": f"{writer}/g{group}", "sample_id": f"{writer}/g{group}/s{i}",
                 "prompt_token_ids": [(group + k) % 997 for k in range(3 + group % 4)],
                 "completion_token_ids": [(group * 31 + i * 7 + k) % 151_000 for k in range(length)],
@@ -55,6 +56,7 @@ def expected_row(writer: str, group: int, i: int) -> dict:
                 "reference_logprobs": [-(k % 5) / 8 for k in range(length)] if group % 2 else [],
                 "teacher_top_ids": [(k * 3 + j) % 15 for k in range(length) for j in range(2)] if top else [],
                 "teacher_top_logprobs": [-(k + j) / 4 for k in range(length) for j in range(2)] if top else [],
+                "routed_experts": [(k * 7 + j * 150) % 301 for k in range(length) for j in range(4)] if routed else [],
                 "reward": float(i == group % G), "finished": i % 2 == 0, "truncated": i % 2 == 1,
                 "turns": 1 + episode, "tool_calls": int(episode), "tool_errors": int(episode and i == 3),
                 "end_reason": "finished" if i % 2 == 0 else "max_turns" if episode else "truncated", "task": "addition",
@@ -108,12 +110,15 @@ def test_round_trip_keeps_every_field_for_lists_and_numpy(tmp_path):
                        loss_mask=np.array(r["loss_mask"], np.int8))
                   for r in expected_group("w0", 8)]
     dataclass_rows = [Rollout(**r) for r in expected_group("w0", 11)]
+    routed_rows = [dict(r, routed_experts=np.array(r["routed_experts"], np.uint16)) for r in expected_group("w0", 14)]
     with StreamWriter(tmp_path, TOPIC, "w0", cfg_()) as w:
         w.write_group(rows)
         w.write_group(numpy_rows)
         w.write_group(dataclass_rows)
+        w.write_group(routed_rows)
     groups = read_all(StreamReader(tmp_path, TOPIC, cfg_()))
-    assert [b.column("group_id")[0].as_py() for b in groups] == ["w0/g5", "w0/g8", "w0/g11"]
+    assert [b.column("group_id")[0].as_py() for b in groups] == ["w0/g5", "w0/g8", "w0/g11", "w0/g14"]
+    assert groups[3].column("routed_experts").flatten().to_pylist()[:6] == [0, 150, 300, 149, 7, 157]
     assert all(0 in b.column("loss_mask").flatten().to_pylist() for b in groups)  # episodes: environment tokens
     for b in groups:
         check_group(b)
@@ -380,19 +385,19 @@ def test_a_segment_from_another_schema_version_is_an_error_not_corruption(tmp_pa
 
 
 def test_a_segment_of_the_previous_schema_version_is_refused_naming_both_versions(tmp_path):
-    """A version-3 segment (no teacher top-k columns) is an error that says what was found and what this reader
+    """A version-4 segment (no routed-experts column) is an error that says what was found and what this reader
     expects, not data read with guessed defaults, nor corruption."""
     wdir = tmp_path / "streams" / TOPIC / "w0"
     wdir.mkdir(parents=True)
-    v4_only = ("teacher_top_ids", "teacher_top_logprobs")
-    v3 = pa.schema([f for f in ROLLOUT_SCHEMA if f.name not in v4_only], metadata={SCHEMA_VERSION_KEY: b"3"})
-    rows = [{k: v for k, v in r.items() if k not in v4_only} for r in expected_group("w0", 0)]
+    v5_only = ("routed_experts",)
+    v4 = pa.schema([f for f in ROLLOUT_SCHEMA if f.name not in v5_only], metadata={SCHEMA_VERSION_KEY: b"4"})
+    rows = [{k: v for k, v in r.items() if k not in v5_only} for r in expected_group("w0", 0)]
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, v3) as f:
-        f.write_batch(pa.RecordBatch.from_pylist([dict(r, written_at=0.0) for r in rows], v3))
+    with pa.ipc.new_file(sink, v4) as f:
+        f.write_batch(pa.RecordBatch.from_pylist([dict(r, written_at=0.0) for r in rows], v4))
     _publish_bytes(wdir, 0, sink.getvalue().to_pybytes())
-    assert SCHEMA_VERSION == 4
-    expected = "has rollout schema version 3; this reader expects version 4 .*older pipelinerl"
+    assert SCHEMA_VERSION == 5
+    expected = "has rollout schema version 4; this reader expects version 5 .*older pipelinerl"
     with pytest.raises(ValueError, match=expected):
         StreamReader(tmp_path, TOPIC, cfg_()).read_groups(1, 1.0)
     assert not list(wdir.glob("*.corrupt"))

@@ -67,6 +67,7 @@ class ModelTrainer:
     loss function and backward, per micro-batch."""
 
     device = CPU
+    router_tap = None  # a dense model
 
     def __init__(self, lm):
         self.lm, self.losses = lm, []

@@ -159,3 +159,26 @@ def test_the_load_balancing_loss_is_transformers_own_without_replay(lm, tap):
     torch.testing.assert_close(ours, theirs.float())
     ours.backward()
     assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in tap.routers)
+
+
+def test_routing_compared_but_not_applied_changes_nothing_and_counts_the_differing_token_layers(lm, tap):
+    own_logits, own = _forward(lm, tap)
+    replay = torch.stack(own, 1).clone()
+    tap.start()
+    with tap.replaying(replay, apply=False):
+        lm(input_ids=_ids(), use_cache=False)
+    assert tap.compared.tolist() == [T * 2, 0]  # every token-layer given, none differs from the trainer's own
+    last = SHAPE.num_layers - 1
+    unused = [e for e in range(SHAPE.num_experts) if e not in own[last][5].tolist()]
+    replay[5, last] = torch.tensor(unused[:2])
+    replay[6, 0] = replay[6, 0].flip(-1)  # the same set in another order: not a difference
+    replay[:2] = -1  # not given: neither counted nor compared
+    tap.start()
+    with tap.replaying(replay, apply=False):
+        logits = lm(input_ids=_ids(), use_cache=False).logits[0]
+    assert torch.equal(logits, own_logits)
+    assert tap.compared.tolist() == [(T - 2) * 2, 1]
+    with tap.replaying(replay):  # applied: the same count, and now the output moves
+        tap.start()
+        assert not torch.equal(lm(input_ids=_ids(), use_cache=False).logits[0], own_logits)
+    assert tap.compared.tolist() == [(T - 2) * 2, 1]

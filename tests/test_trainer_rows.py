@@ -121,6 +121,32 @@ def test_teacher_top_k_rows_become_k_values_per_token_packed_as_columns():
         rows_to_samples([group_batch(bare)], version=0, first_index=0, cfg=cfg)
 
 
+def test_routed_experts_become_l_times_k_ids_per_token_and_r3_refuses_rows_without_them():
+    """A mixture of experts' routing (inference.return_routed_experts, rl.routing_replay): 2 layers x top-2 per
+    token in the row, split token by token for the trainer (moe.py replays or compares them)."""
+    routed = [[(t * 4 + j) % 8 for t in range(n) for j in range(4)] for n in (2, 1)]
+    rows = group_batch([
+        {"run_id": "r", "group_id": "a", "sample_id": f"a-{i}", "prompt_token_ids": [1, 5],
+         "completion_token_ids": [4] * len(v), "behaviour_logprobs": [-0.5] * len(v), "versions": v, "reward": 1.0 - i,
+         "finished": True, "truncated": False, "task": "t", "actor_id": "a", "routed_experts": routed[i]}
+        for i, v in enumerate([[0, 0], [0]])])
+    base = ["run_dir=x", "model.path=m", "actor.attempts=2", "trainer.samples_per_step=2"]
+    for option in ("inference.return_routed_experts=true", "rl.routing_replay=r3"):
+        samples = rows_to_samples([rows], version=1, first_index=0, cfg=load_config(None, base + [option]))
+        assert samples[0].token_fields["routed_experts"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert samples[1].token_fields["routed_experts"] == [[0, 1, 2, 3]]
+        mb = pack(samples, 64)[0]
+        assert mb.fields_N["routed_experts"].shape == (3, 4)
+    plain = rows_to_samples([rows], version=1, first_index=0, cfg=load_config(None, base))
+    assert "routed_experts" not in plain[0].token_fields  # not asked for: not carried
+    with pytest.raises(ValueError, match="routed-expert ids"):
+        rows_to_samples([_group("a", [1.0, 0.0], [[0], [0]])], version=1, first_index=0,
+                        cfg=load_config(None, base + ["rl.routing_replay=r3"]))
+    multi_turn = base + ["task.name=tool_sums", "rl.routing_replay=r3"]
+    with pytest.raises(ConfigError, match="rl.routing_replay"):
+        load_config(None, multi_turn)
+
+
 def test_rows_without_reference_logprobs_are_refused_when_the_kl_needs_them():
     cfg = load_config(None, ["run_dir=x", "model.path=m", "actor.attempts=2", "rl.kl_coef=0.1"])
     with pytest.raises(ValueError, match="a-0 has 0 reference log-probs for 2 completion tokens.*reference servers"):
@@ -196,6 +222,7 @@ class ShiftedScores:
 
     SHIFT = 0.25
     device = torch.device("cpu")
+    router_tap = None  # a dense model
 
     def __init__(self):
         self.losses = []

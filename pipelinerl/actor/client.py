@@ -8,6 +8,7 @@ choices into `Completion`s and classifications into scores. It knows nothing of 
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import json
 import logging
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
+import numpy as np
 
 from pipelinerl.actor.pool import ServerPool
 from pipelinerl.actor.transport import request_slot
@@ -46,6 +48,7 @@ class Completion:
     reference_logprobs: list[float] = field(default_factory=list)  # per token; empty: no reference model
     teacher_top_ids: list[int] = field(default_factory=list)  # rl.teacher_top_k: k per token, flattened; else empty
     teacher_top_logprobs: list[float] = field(default_factory=list)  # their log-probs under the teacher, aligned
+    routed_experts: np.ndarray | None = None  # inference.return_routed_experts: [tokens, MoE layers, k] ids
 
 
 class _Moved(Exception):
@@ -341,8 +344,20 @@ def _parse_choice(choice: dict) -> Completion:
     if not (len(token_ids) == len(logprobs) == len(versions)):
         raise ValueError(f"server returned {len(token_ids)} tokens, {len(logprobs)} log-probs and "
                          f"{len(versions)} versions: {json.dumps(choice)[:300]}")
+    routed = choice.get("routed_experts")
+    routed = None if routed is None else decode_routed_experts(routed)
+    if routed is not None and len(routed) != len(token_ids):
+        raise ValueError(f"server returned {len(token_ids)} tokens and routed experts for {len(routed)}: "
+                         f"{json.dumps(choice)[:300]}")
     return Completion(token_ids, logprobs, versions, choice.get("text") or "",
-                      finished=choice.get("finish_reason") == "stop")
+                      finished=choice.get("finish_reason") == "stop", routed_experts=routed)
+
+
+def decode_routed_experts(field: dict) -> np.ndarray:
+    """A choice's `routed_experts` ({"dtype", "shape", "data": base64 of the ids' little-endian bytes}, the
+    policy servers' field with inference.return_routed_experts) as a [tokens, layers, k] array."""
+    ids = np.frombuffer(base64.b64decode(field["data"]), dtype=np.dtype(field["dtype"]))
+    return ids.reshape(field["shape"])
 
 
 def _completion_logprobs(choice: dict, prompt_len: int, token_ids: list[int]) -> list[float]:

@@ -267,7 +267,8 @@ class Actor:
         return [Rollout(run_id=self.cfg.run_dir, group_id=group_id, sample_id=f"{group_id}/{k}/{uuid.uuid4().hex[:12]}",
                         prompt_token_ids=prompt_ids, completion_token_ids=c.token_ids, behaviour_logprobs=c.logprobs,
                         versions=c.versions, reference_logprobs=c.reference_logprobs,
-                        teacher_top_ids=c.teacher_top_ids, teacher_top_logprobs=c.teacher_top_logprobs, reward=reward,
+                        teacher_top_ids=c.teacher_top_ids, teacher_top_logprobs=c.teacher_top_logprobs,
+                        routed_experts=[] if c.routed_experts is None else c.routed_experts.reshape(-1), reward=reward,
                         finished=c.finished, truncated=not c.finished, task=self.task.name, actor_id=self.actor_id,
                         metadata={"prompt_id": item.id, **metadata})
                 for k, (c, reward) in enumerate(zip(completions, rewards))]

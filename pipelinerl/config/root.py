@@ -40,6 +40,11 @@ class Config:
     launch: LaunchConfig = section(LaunchConfig)
     conventional: ConventionalConfig = section(ConventionalConfig)
 
+    @property
+    def returns_routed_experts(self) -> bool:
+        """Whether the policy servers return each sampled token's routed experts (and the stream carries them)."""
+        return self.inference.return_routed_experts or self.rl.routing_replay == "r3"
+
     def __post_init__(self) -> None:
         check(bool(self.run_dir), "run_dir", "set it to a folder (it is created if missing)")
         check(self.trainer.samples_per_step % self.actor.attempts == 0, "trainer.samples_per_step",
@@ -73,6 +78,9 @@ class Config:
               f"got {self.reward.kind!r}: a reward model or judge scores single-turn completions; {self.task.name}'s "
               "episodes are graded by the task (reward.kind=verify; a verifiers environment's judges may use the "
               "run's judge servers: reward.kind=judge)")
+        check(self.rl.routing_replay == "none" or self.task.name not in EPISODE_TASKS, "rl.routing_replay",
+              f"r3 replays the routing of single-turn completions; {self.task.name}'s multi-turn episodes do not carry "
+              "their model turns' routing yet: use none")
         check(self.task.name != "instructions" or self.reward.kind != "verify", "reward.kind",
               "the instructions task's prompts have no answer to check: set reward.kind=model (a reward model) or "
               "judge")

@@ -218,6 +218,13 @@ class RLConfig:
                                 "loss (exact over those k tokens; the teacher's mass outside them is left out) "
                                 "instead of the sampled-token advantage; the task advantage still weighs "
                                 "teacher_task_weight. k above 20 raises the reference servers' --max-logprobs")
+    routing_replay: str = doc(
+        "none", "a mixture of experts: none (the trainer routes every token itself) | r3 (rollout routing replay: each "
+                "sampled token's forward row goes to the experts the server routed it to, with gates from the "
+                "trainer's dense router probabilities over them; the servers return them, as with "
+                "inference.return_routed_experts). Either way, when the servers return routing the share of "
+                "token-layer routings the trainer would choose differently is logged (moe/routing_mismatch). "
+                "Single-turn completions only: multi-turn episodes carry no routing yet")
     moe_aux_coef: float = doc(
         0.0, "a mixture of experts: weight of the load-balancing auxiliary loss (Switch Transformer's, as "
              "transformers computes it: k when the load is uniform) added to the loss; its value is logged "
@@ -227,6 +234,7 @@ class RLConfig:
         check_choice(self.algorithm, ("grpo", "dpo"), "rl.algorithm")
         check_choice(self.baseline, ("mean", "leave_one_out"), "rl.baseline")
         check(self.moe_aux_coef >= 0, "rl.moe_aux_coef", "must be >= 0")
+        check_choice(self.routing_replay, ("none", "r3"), "rl.routing_replay")
         check_positive(self.ppo_clip, "rl.ppo_clip", allow_null=True)
         check(self.tis_cap is None or self.tis_cap >= 1.0, "rl.tis_cap", "must be >= 1, or null for no cap")
         check(self.ppo_clip is None or self.tis_cap is None, "rl.tis_cap",

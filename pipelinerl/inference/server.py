@@ -271,5 +271,5 @@ def serve(cfg: Config, port: int, version: int, kind: str = "policy") -> None:
     check_version()
     check_plugin()
     setup_process(cfg.inference.cpu_kv_cache_gb, cfg.inference.engine_spin_s, cfg.inference.tensor_parallel_size,
-                  routed_experts=kind in rundir.POLICY_KINDS and cfg.inference.return_routed_experts)
+                  routed_experts=kind in rundir.POLICY_KINDS and cfg.returns_routed_experts)
     uvloop.run(run(cfg, parse_vllm_args(argv), updates, kind))

@@ -7,7 +7,10 @@ Token-level columns are Arrow lists; `behaviour_logprobs[i]` and `versions[i]` d
 reference server; the list is empty when the run has no reference model (rl.kl_coef = 0 and no
 dpo_reference=reference), and rows written without the key get an empty list. With rl.teacher_top_k = k,
 `teacher_top_ids` and `teacher_top_logprobs` hold the teacher's k likeliest tokens at each completion position
-and their log-probs, flattened token by token (token i's are entries i*k .. i*k + k - 1); empty otherwise.
+and their log-probs, flattened token by token (token i's are entries i*k .. i*k + k - 1); empty otherwise. With
+inference.return_routed_experts (a mixture of experts), `routed_experts` holds each completion token's experts
+in every MoE layer, L x k ids per token flattened token by token, then layer by layer (token i's layer l's are
+entries (i*L + l)*k .. + k - 1); empty otherwise.
 
 A multi-turn episode is one row: `completion_token_ids` hold everything after the prompt, the model's
 tokens and the environment's (tool results, the chat template's turn markers) in order. `loss_mask[i]` is 1
@@ -30,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 4  # bump on any incompatible change; readers refuse versions they do not know
+SCHEMA_VERSION = 5  # bump on any incompatible change; readers refuse versions they do not know
 SCHEMA_VERSION_KEY = b"pipelinerl.rollout_schema_version"
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -46,6 +49,7 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("reference_logprobs", pa.list_(pa.float32()), nullable=False),  # one per token, or none
         pa.field("teacher_top_ids", pa.list_(pa.int32()), nullable=False),  # k per token, or none
         pa.field("teacher_top_logprobs", pa.list_(pa.float32()), nullable=False),  # k per token, or none
+        pa.field("routed_experts", pa.list_(pa.uint16()), nullable=False),  # L x k per token, or none
         pa.field("reward", pa.float64(), nullable=False),
         pa.field("finished", pa.bool_(), nullable=False),  # ended with EOS / a stop string
         pa.field("truncated", pa.bool_(), nullable=False),  # hit the max_new_tokens limit
@@ -69,7 +73,7 @@ NO_VERSION = -1  # the version of an environment token (loss_mask 0): no policy 
 # the writer), reference_logprobs and the teacher's top-k [] (none), loss_mask all ones (every token sampled), the
 # counts as in _COUNT_COLUMNS, end_reason "finished" or "truncated" (from `finished`).
 _OPTIONAL_FIELDS = ("metadata", "created_at", "written_at", "reference_logprobs", "teacher_top_ids",
-                    "teacher_top_logprobs", "loss_mask", *_COUNT_COLUMNS, "end_reason")
+                    "teacher_top_logprobs", "routed_experts", "loss_mask", *_COUNT_COLUMNS, "end_reason")
 
 TokenSeq = Sequence[int]  # a list, or a 1-D numpy array (converted without per-element Python work)
 
@@ -95,6 +99,7 @@ class Rollout:
     #                                                               reference model in this run
     teacher_top_ids: TokenSeq = field(default_factory=list)  # rl.teacher_top_k: k per completion token, or empty
     teacher_top_logprobs: TokenSeq = field(default_factory=list)  # their teacher log-probs, aligned
+    routed_experts: TokenSeq = field(default_factory=list)  # L x k expert ids per completion token, or empty
     created_at: float = field(default_factory=time.time)
     loss_mask: TokenSeq | None = None  # one per completion token: 1 sampled by the model, 0 environment token;
     #                                    None: all ones (a single-turn completion)
@@ -136,6 +141,10 @@ def _check_row(row: Mapping[str, Any]) -> None:
         raise ValueError(f"{where}: `teacher_top_ids` has {n_top} entries and `teacher_top_logprobs` "
                          f"{len(row.get('teacher_top_logprobs', ()))}; they must hold the same k entries per "
                          f"completion token, {n} tokens here, or none")
+    n_routed = len(row.get("routed_experts", ()))
+    if n_routed and (n == 0 or n_routed % n):
+        raise ValueError(f"{where}: `routed_experts` has {n_routed} entries for {n} completion tokens; it must "
+                         "hold the same L x k expert ids per token, or none")
     for name in ("finished", "truncated"):
         if not isinstance(row[name], bool):
             raise ValueError(f"{where}: `{name}` must be a bool, got {row[name]!r}")  # noqa: TRY004 - one error type for bad rows

@@ -38,4 +38,4 @@ def build_trainer(cfg: Config, dist: DistInfo, publisher: WeightPublisher | None
     backend = backend_class(cfg.trainer.backend)
     return backend(cfg.trainer, dist, cfg.model.dtype, publisher=publisher, value_head=cfg.rl.value_function,
                    temperature=cfg.actor.sampling.temperature, lm_head_fp32=cfg.model.lm_head_fp32,
-                   moe_aux_coef=cfg.rl.moe_aux_coef)
+                   moe_aux_coef=cfg.rl.moe_aux_coef, routing_replay=cfg.rl.routing_replay)

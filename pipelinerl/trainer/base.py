@@ -14,6 +14,7 @@ must run the same number of them: `accumulate` pads the shorter ranks with zero-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -28,7 +29,7 @@ from pipelinerl.trainer.contract import LossFn, WeightPublisher
 from pipelinerl.trainer.dist import DistInfo, all_reduce_max, all_reduce_sum
 from pipelinerl.trainer.lora import WeightGroup, adapter_tensors, add_adapters, weight_groups
 from pipelinerl.trainer.model import ValueHeadLM, completion_forward, enable_chunked_logprobs
-from pipelinerl.trainer.moe import RouterTap, find_routers, load_balancing_loss, slot_counts
+from pipelinerl.trainer.moe import RouterTap, find_routers, load_balancing_loss, router_stats
 from pipelinerl.trainer.packing import MicroBatch, padding_micro_batch
 
 # Files of an HF folder that describe weights; everything else (config, tokenizer) is copied as-is.
@@ -45,20 +46,21 @@ class BackendBase:
     `lm_head_fp32` (model.lm_head_fp32): the LM head's logits in float32, as on the servers. A mixture of experts
     gets a RouterTap (moe.py): every micro-batch's routed-slot counts go into its statistics, and its load-balancing
     loss, weighted by `moe_aux_coef` (rl.moe_aux_coef) and the micro-batch's share of the step's tokens, into its
-    loss (logged either way)."""
+    loss (logged either way); a micro-batch whose tokens carry the servers' routing (a `routed_experts` field)
+    is routed by it with `routing_replay` r3 (rl.routing_replay), and either way compared with the trainer's own."""
 
     # transformers' gradient_checkpointing_kwargs (trainer.gradient_checkpointing); None: its default
     checkpointing_kwargs: dict | None = None
 
     def __init__(self, cfg: TrainerConfig, dist: DistInfo, dtype: str = "float32",
                  publisher: WeightPublisher | None = None, value_head: bool = False, temperature: float = 1.0,
-                 lm_head_fp32: bool = False, moe_aux_coef: float = 0.0):
+                 lm_head_fp32: bool = False, moe_aux_coef: float = 0.0, routing_replay: str = "none"):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature!r} (actor.sampling.temperature)")
         self.cfg, self.dist, self.dtype, self.publisher = cfg, dist, dtype, publisher
         self.value_head, self.temperature, self.lm_head_fp32 = value_head, temperature, lm_head_fp32
         self.lora = cfg.lora.rank > 0
-        self.moe_aux_coef = moe_aux_coef
+        self.moe_aux_coef, self.routing_replay = moe_aux_coef, routing_replay
         self.router_tap: RouterTap | None = None  # set by `prepare` for a mixture of experts
         self.model_path: Path | None = None
 
@@ -119,28 +121,40 @@ class BackendBase:
         step_tokens = all_reduce_sum([sum(mb.num_tokens for mb in micro_batches)])[0] if self.router_tap else 0
         stats = []
         for mb in micro_batches + [pad] * (count - len(micro_batches)):
-            new_N, values_N = self.forward(mb)
-            if mb.is_padding:  # touches every parameter, adds nothing
-                loss = (new_N.sum() if values_N is None else new_N.sum() + values_N.sum()) * 0.0
-            else:
-                loss, mb_stats = loss_fn(mb, new_N, values_N)
-                if self.router_tap is not None:
-                    loss = loss + self._router_terms(mb_stats, mb.num_tokens / max(step_tokens, 1))
-                stats.append(mb_stats)
-            self.backward(loss)
+            with self._routing(mb):
+                new_N, values_N = self.forward(mb)
+                if mb.is_padding:  # touches every parameter, adds nothing
+                    loss = (new_N.sum() if values_N is None else new_N.sum() + values_N.sum()) * 0.0
+                else:
+                    loss, mb_stats = loss_fn(mb, new_N, values_N)
+                    if self.router_tap is not None:
+                        loss = loss + self._router_terms(mb_stats, mb.num_tokens / max(step_tokens, 1))
+                    stats.append(mb_stats)
+                self.backward(loss)
         return stats
+
+    def _routing(self, mb: MicroBatch):
+        """The servers' routing of the micro-batch's completion tokens, replayed (r3) or compared, through its
+        forward and backward; nothing to do without a router tap or routing."""
+        routed_NW = mb.fields_N.get("routed_experts")
+        if self.router_tap is None or routed_NW is None:
+            return contextlib.nullcontext()
+        tap = self.router_tap
+        layers, k = len(tap.routers), tap.top_k
+        if routed_NW.shape[1] != layers * k:
+            raise ValueError(f"the stream's routed experts hold {routed_NW.shape[1]} ids per token; this model "
+                             f"routes {layers} MoE layers x top-{k}")
+        ids_TLk = torch.full((mb.num_tokens, layers, k), -1, dtype=torch.long)
+        # token i's routing is that of the row whose logits chose it (the server's forward row), target_pos_N - 1
+        ids_TLk[mb.target_pos_N - 1] = routed_NW.long().view(-1, layers, k)
+        return tap.replaying(ids_TLk.to(self.device), apply=self.routing_replay == "r3")
 
     def _router_terms(self, mb_stats: dict, share: float) -> torch.Tensor:
         """A micro-batch's router statistics (added to mb_stats) and its share of the load-balancing loss."""
         aux = load_balancing_loss(self.router_tap) * share
-        mb_stats.update(moe_slots=slot_counts(self.router_tap), moe_aux_loss=aux.detach().double())
+        mb_stats.update(router_stats(self.router_tap, aux.detach().double()))
         return aux * self.moe_aux_coef
 
-    def zero_router_stats(self) -> dict[str, torch.Tensor]:
-        """The router statistics of a rank with nothing to train (the keys every rank's all-reduce expects)."""
-        if self.router_tap is None:
-            return {}
-        return {"moe_slots": slot_counts(self.router_tap) * 0, "moe_aux_loss": torch.zeros((), dtype=torch.float64)}
 
     def weight_groups(self) -> Iterator[WeightGroup]:
         """The LM's weights (HF names, no value head) as groups of parameters gathered together, in a fixed

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from pipelinerl.trainer.moe import RouterTap
 from pipelinerl.trainer.packing import MicroBatch
 
 if TYPE_CHECKING:
@@ -40,12 +41,16 @@ class Trainer(Protocol):
 
     Constructed by backends.build_trainer as
     ``Backend(cfg: TrainerConfig, dist: DistInfo, dtype: str, publisher: WeightPublisher | None,
-    value_head: bool, temperature: float, lm_head_fp32: bool)``: dtype is model.dtype; publisher is rank 0's weights
+    value_head: bool, temperature: float, lm_head_fp32: bool, moe_aux_coef: float, routing_replay: str)``: dtype
+    is model.dtype; publisher is rank 0's weights
     publication (None on the other ranks, or to gather without publishing); value_head trains a critic head
     beside the LM (rl.value_function); temperature is the rollouts' sampling temperature, at which
     completion log-probs are scored (actor.sampling.temperature); lm_head_fp32 computes the logits in
     float32 (model.lm_head_fp32). cfg.logprob_chunk_tokens bounds
-    how many rows of [tokens, vocab] logits `forward` and its backward hold at once (model.completion_forward)."""
+    how many rows of [tokens, vocab] logits `forward` and its backward hold at once (model.completion_forward).
+    moe_aux_coef and routing_replay are rl.moe_aux_coef and rl.routing_replay (a mixture of experts: moe.py)."""
+
+    router_tap: RouterTap | None  # a mixture of experts' routers, once `init` has loaded it; None: a dense model
 
     @property
     def device(self) -> torch.device:

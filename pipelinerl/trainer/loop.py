@@ -36,6 +36,7 @@ from pipelinerl.trainer.dist import (
     init_process_group,
     read_dist_env,
 )
+from pipelinerl.trainer.moe import load_stats, router_stats
 from pipelinerl.trainer.packing import MicroBatch, Sample, pack, padding_micro_batch
 from pipelinerl.trainer.step_data import StepData
 
@@ -97,6 +98,8 @@ def rows_to_samples(batches, version: int, first_index: int, cfg: Config, resume
                 tokens["reference"] = _reference_logprobs(rows, i, n)
             if cfg.rl.teacher_top_k:
                 tokens.update(_teacher_top_k(rows, i, n, cfg.rl.teacher_top_k))
+            if cfg.returns_routed_experts:
+                tokens.update(_routed_experts(rows, i, n, cfg.rl.routing_replay == "r3"))
             seq = {"advantage": float(adv[i]), "group": float(g)}
             if cfg.rl.value_function:
                 seq["reward"] = float(rewards[i])
@@ -144,6 +147,19 @@ def _teacher_top_k(rows: dict, i: int, n: int, k: int) -> dict[str, list[list[fl
                          "rl.teacher_top_k")
     return {"teacher_top_ids": [ids[t * k:(t + 1) * k] for t in range(n)],
             "teacher_top_logprobs": [logprobs[t * k:(t + 1) * k] for t in range(n)]}
+
+
+def _routed_experts(rows: dict, i: int, n: int, required: bool) -> dict[str, list[list[int]]]:
+    """Row i's routed experts, L x k ids per completion token (trainer/moe.py replays or compares them); none
+    when the row has none (a multi-turn episode), which rl.routing_replay=r3 refuses."""
+    ids = rows.get("routed_experts", [[]] * len(rows["reward"]))[i]
+    if not ids and not required:
+        return {}
+    if not ids or len(ids) % n:
+        raise ValueError(f"rollout {rows['sample_id'][i]} has {len(ids)} routed-expert ids for {n} completion "
+                         "tokens: rl.routing_replay=r3 needs the policy servers' routing of every completion token")
+    width = len(ids) // n
+    return {"routed_experts": [ids[t * width:(t + 1) * width] for t in range(n)]}
 
 
 def step_samples(batches, cfg: Config, dist: DistInfo, version: int,
@@ -205,16 +221,18 @@ def _model_token_gae(rewards_S: torch.Tensor, values_N: torch.Tensor, seq_N: tor
 def _reduce_stats(stats_list: list[dict]) -> dict[str, float]:
     """Merge micro-batch statistics, then over ranks (sum, or max for max_* keys) and summarise."""
     from pipelinerl.rl import merge_stats, summarize_stats
-    from pipelinerl.trainer.moe import load_stats
 
     merged = merge_stats(stats_list)
     out = {}
     for key in sorted(merged):
         out[key] = all_reduce_tensor(merged[key].double(), "max" if key.startswith("max_") else "sum")
     slots = out.pop("moe_slots", None)  # a mixture of experts: [layers, experts] routed slots (trainer/moe.py)
+    compared = out.pop("moe_compared", None)  # (token-layer routings the servers gave, of them differing)
     summary = summarize_stats(out)
     if slots is not None:
         summary.update(load_stats(slots))
+    if compared is not None and compared[0] > 0:
+        summary["moe/routing_mismatch"] = float(compared[1] / compared[0])
     summary.update({k: float(v) for k, v in out.items() if k.endswith("_loss")})
     return summary
 
@@ -248,7 +266,7 @@ def train_step(trainer: Trainer, samples: list[Sample], cfg: Config, dist: DistI
         pad = padding_micro_batch(*_field_names(cfg))
         no_values = torch.zeros(1, device=trainer.device) if cfg.rl.value_function else None
         no_logprobs = torch.zeros((1, 1 + cfg.rl.teacher_top_k) if cfg.rl.teacher_top_k else 1, device=trainer.device)
-        mb_stats = [{**loss_fn(pad, no_logprobs, no_values)[1], **trainer.zero_router_stats()}]
+        mb_stats = [{**loss_fn(pad, no_logprobs, no_values)[1], **router_stats(trainer.router_tap)}]
     stats = _reduce_stats(mb_stats)
     stats.update(trainer.optimizer_step())
     stats.update(sequences=num_sequences, completion_tokens=tokens,

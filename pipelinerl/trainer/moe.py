@@ -56,6 +56,9 @@ class RouterTap:
         self.routers = find_routers(lm)
         self.layers: list[LayerRouting] = []
         self._replay: torch.Tensor | None = None  # [T, L, k] long, -1: not replayed
+        self._apply = True  # replay the routing; False: only compare it with the trainer's own (`compared`)
+        self.compared = torch.zeros(2, dtype=torch.float64)  # since `start`: (token-layer routings given, of
+        #                                                       them those whose expert set the trainer's differs)
         for index, router in enumerate(self.routers):
             router.forward = types.MethodType(_routing_forward(self, index), router)
 
@@ -68,12 +71,15 @@ class RouterTap:
         return self.routers[0].top_k
 
     def start(self) -> None:
-        """Forget the previous forward's routing (call before each forward)."""
+        """Forget the previous forward's routing and comparison (call before each forward)."""
         self.layers = [None] * len(self.routers)
+        self.compared = torch.zeros(2, dtype=torch.float64)
 
     @contextmanager
-    def replaying(self, ids_TLk: torch.Tensor | None) -> Iterator[None]:
-        """Route the next forwards' tokens by ids_TLk ([T, L, k], -1 = the trainer's own choice; None: no replay)."""
+    def replaying(self, ids_TLk: torch.Tensor | None, apply: bool = True) -> Iterator[None]:
+        """Route the next forwards' tokens by ids_TLk ([T, L, k], -1 = the trainer's own choice; None: no replay);
+        with apply=False, only count how often the trainer's own top-k differs from them (`compared`). Keep it
+        open through backward: gradient checkpointing re-runs the forward there."""
         if ids_TLk is not None:
             expected = (len(self.routers), self.top_k)
             if tuple(ids_TLk.shape[1:]) != expected:
@@ -82,11 +88,11 @@ class RouterTap:
             if int(ids_TLk.max()) >= self.num_experts:
                 raise ValueError(f"replayed routing names expert {int(ids_TLk.max())}; this model has "
                                  f"{self.num_experts}")
-        self._replay = ids_TLk
+        self._replay, self._apply = ids_TLk, apply
         try:
             yield
         finally:
-            self._replay = None
+            self._replay, self._apply = None, True
 
 
 def _routing_forward(tap: RouterTap, index: int):
@@ -96,13 +102,16 @@ def _routing_forward(tap: RouterTap, index: int):
         probs_TE = torch.softmax(logits_TE, dtype=torch.float, dim=-1)
         gates_Tk, experts_Tk = torch.topk(probs_TE, router.top_k, dim=-1)
         if tap._replay is not None:
-            replay_Tk = tap._replay[:, index].to(experts_Tk.device)
+            replay_Tk = tap._replay[:, index].to(experts_Tk.device).long()
             if len(replay_Tk) != len(experts_Tk):
                 raise ValueError(f"replayed routing covers {len(replay_Tk)} tokens, the forward has "
                                  f"{len(experts_Tk)}")
             replayed_T = (replay_Tk >= 0).all(-1)
-            experts_Tk = torch.where(replayed_T[:, None], replay_Tk.long(), experts_Tk)
-            gates_Tk = probs_TE.gather(-1, experts_Tk)
+            differs_T = (experts_Tk.sort(-1).values != replay_Tk.sort(-1).values).any(-1) & replayed_T
+            tap.compared += torch.stack([replayed_T.sum(), differs_T.sum()]).double().cpu()
+            if tap._apply:
+                experts_Tk = torch.where(replayed_T[:, None], replay_Tk, experts_Tk)
+                gates_Tk = probs_TE.gather(-1, experts_Tk)
         if router.norm_topk_prob:
             gates_Tk = gates_Tk / gates_Tk.sum(dim=-1, keepdim=True)
         if tap.layers:
@@ -131,6 +140,18 @@ def slot_counts(tap: RouterTap) -> torch.Tensor:
         if layer is not None:
             counts[i] = torch.bincount(layer.experts.reshape(-1).cpu(), minlength=tap.num_experts).double()
     return counts
+
+
+def router_stats(tap: RouterTap | None, aux_loss: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """A micro-batch's router statistics, summed over micro-batches and ranks by the loop: routed slots
+    (`slot_counts`), the load-balancing loss share, and the comparison with the servers' routing (`compared`).
+    Without a forward (`aux_loss` None: a rank with nothing to train) the same keys at zero; {} for a dense model."""
+    if tap is None:
+        return {}
+    if aux_loss is None:
+        return {"moe_slots": slot_counts(tap) * 0, "moe_aux_loss": torch.zeros((), dtype=torch.float64),
+                "moe_compared": torch.zeros(2, dtype=torch.float64)}
+    return {"moe_slots": slot_counts(tap), "moe_aux_loss": aux_loss, "moe_compared": tap.compared.clone()}
 
 
 def load_stats(slots_LE: torch.Tensor) -> dict[str, float]:
