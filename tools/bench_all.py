@@ -61,6 +61,7 @@ BENCHES = {
                           quick_timeout_s=300),
     "turn_cost": Bench(quick_args=("--turns", "100", "--repeats", "1"), timeout_s=600, quick_timeout_s=300),
     "actor_scale": Bench(quick_args=("--quick",), timeout_s=1800, quick_timeout_s=300),
+    "moe_replay": Bench(quick_args=("--steps", "12"), timeout_s=3600, quick_timeout_s=1200),
     # needs the `verifiers` extra (installed by the test set-up)
     "env_adapters": Bench(quick_args=("--episodes", "64", "--concurrency", "16")),
     # needs the `trl` extra (pip install -e '.[trl]'); without it, a FAILED row saying how to install it
