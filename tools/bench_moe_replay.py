@@ -77,9 +77,9 @@ def table(results: dict[str, dict[str, float]]) -> str:
     rows = ["| run | mismatch | \\|log ratio\\| (p99) | lag 0 / stale | stale share | lag | ESS | KL(b\\|\\|t) k3 "
             "| held-out first -> last |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
-        rows.append(f"| {name} | {r['mismatch']:.4f} | {r['abs_log_ratio']:.4f} ({r['abs_log_ratio_p99']:.3f}) | "
-                    f"{r['abs_log_ratio_lag0']:.4f} / {r['abs_log_ratio_stale']:.4f} | {r['stale_share']:.2f} | "
-                    f"{r['lag_mean']:.2f} | {r['ess']:.4f} | {r['kl_k3']:.5f} | "
+        rows.append(f"| {name} | {r['mismatch']:.4f} | {r['abs_log_ratio']:.3g} ({r['abs_log_ratio_p99']:.3g}) | "
+                    f"{r['abs_log_ratio_lag0']:.3g} / {r['abs_log_ratio_stale']:.3g} | {r['stale_share']:.2f} | "
+                    f"{r['lag_mean']:.2f} | {r['ess']:.4f} | {r['kl_k3']:.3g} | "
                     f"{r['heldout_first']:.3f} -> {r['heldout_last']:.3f} |")
     return "\n".join(rows)
 
