@@ -6,9 +6,10 @@ in place (the same module, parameters and hooks, so ZeRO-3 and FSDP2 still gathe
 and, for every forward the trainer runs:
 
 - records each layer's router logits and chosen experts (`RouterTap.layers`), from which `slot_counts` and
-  `load_stats` give the expert load (fraction of routed slots per expert), its entropy and max-over-mean per layer, and
-  `load_balancing_loss` the auxiliary load-balancing loss (rl.moe_aux_coef);
-- replays given routing (rl.routing_replay = r3: rollout routing replay). Inside `with tap.replaying(ids)`,
+  `load_stats` give the expert load (fraction of routed slots per expert), its entropy and max-over-mean per
+  layer, and `load_balancing_loss` the auxiliary load-balancing loss (rl.moe_aux_coef);
+- replays given routing (rl.routing_replay = r3: rollout routing replay), or only compares the trainer's own
+  with it (`compared`: moe/routing_mismatch). Inside `with tap.replaying(ids)`,
   ids [T, L, k] (-1: the trainer routes that token itself), each replayed token goes to the experts the server
   chose, with gate weights softmax(dense router logits) gathered at those experts and renormalised as the
   router's own (norm_topk_prob). The gradient therefore reaches every router logit through the dense softmax:
