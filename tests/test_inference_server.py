@@ -137,6 +137,38 @@ def _ids(models, text: str) -> list[int]:
     return list(models["tok"](text).input_ids)
 
 
+def greedy_matches(server, models, model, version: int | None = None) -> list[tuple[list[int], dict]]:
+    """Each of PROMPTS' 24-token greedy completions from the server is transformers' with `model`'s weights (and,
+    given `version`, every token carries it); returns the (prompt ids, choice) pairs."""
+    out = []
+    for text in PROMPTS:
+        ids = _ids(models, text)
+        choice = _complete(server, ids, 24)
+        assert choice["token_ids"] == hf_greedy(model, ids, 24), text
+        if version is not None:
+            assert choice["policy_versions"] == [version] * 24, text
+        out.append((ids, choice))
+    return out
+
+
+def send_deltas(server, broadcaster, model, g: torch.Generator, versions: range) -> list[dict]:
+    """`model` sent as a delta broadcaster's base (version versions.start - 1), then for each version moved by
+    perturb_sparsely and sent again: each reply says the server applied it as a delta. The delta broadcaster's
+    group replaces `broadcaster`'s, which then re-forms its own (as a restarted trainer's would). The replies."""
+    delta = connect_broadcaster(server, delta=True)
+    replies = []
+    try:
+        _send(delta, versions.start - 1, model)
+        for version in versions:
+            perturb_sparsely(model, g)
+            replies.append(_send(delta, version, model))
+            assert replies[-1]["servers"][server["url"]]["delta_base"] == version
+    finally:
+        delta.close()
+        broadcaster.connect()
+    return replies
+
+
 def _auth(server) -> dict:
     return {"Authorization": f"Bearer {server['token']}"}
 
@@ -173,11 +205,7 @@ def test_update_a_b_a_matches_transformers(server, models, broadcaster):
     for version, key in ((1, "B"), (2, "A")):
         reply = _send(broadcaster, version, models[key])
         assert reply["servers"][server["url"]]["version"] == version
-        for text in PROMPTS:
-            ids = _ids(models, text)
-            choice = _complete(server, ids, 24)
-            assert choice["token_ids"] == hf_greedy(models[key], ids, 24), (key, text)
-            assert choice["policy_versions"] == [version] * 24
+        greedy_matches(server, models, models[key], version)
     assert hf_greedy(models["A"], _ids(models, PROMPTS[0]), 24) != hf_greedy(models["B"], _ids(models, PROMPTS[0]), 24)
     status = httpx.get(server["url"] + "/status", timeout=HTTP_TIMEOUT_S).json()
     assert status["version"] == 2 and status["updates"] == 2
@@ -190,27 +218,14 @@ def test_update_a_b_a_matches_transformers(server, models, broadcaster):
 def test_twenty_delta_updates_are_exact_and_match_transformers(server, models, broadcaster):
     """Sparse changes (1 % of each tensor's elements per version) go as deltas into the real worker engine;
     every update is CRC-checked tensor by tensor before loading (the broadcaster's checksum_every=1), and
-    the served model then generates as transformers does with the same weights. The delta broadcaster's
-    group replaces the module's, which then re-forms its own (as a restarted trainer's would)."""
+    the served model then generates as transformers does with the same weights."""
     import copy
 
     model = copy.deepcopy(models["A"])
-    g = torch.Generator().manual_seed(3)
-    delta = connect_broadcaster(server, delta=True)
-    try:
-        _send(delta, 30, model)
-        dense = sum(p.numel() * 4 for p in model.parameters())
-        for version in range(31, 51):
-            perturb_sparsely(model, g)
-            reply = _send(delta, version, model)
-            assert reply["servers"][server["url"]]["delta_base"] == version
-            assert reply["bytes"] < 0.05 * dense and reply["delta_tensors"] == len(list(model.parameters()))
-    finally:
-        delta.close()
-        broadcaster.connect()
-    for text in PROMPTS:
-        ids = _ids(models, text)
-        assert _complete(server, ids, 24)["token_ids"] == hf_greedy(model, ids, 24), text
+    dense = sum(p.numel() * 4 for p in model.parameters())
+    for reply in send_deltas(server, broadcaster, model, torch.Generator().manual_seed(3), range(31, 51)):
+        assert reply["bytes"] < 0.05 * dense and reply["delta_tensors"] == len(list(model.parameters()))
+    greedy_matches(server, models, model)
     assert hf_greedy(model, _ids(models, PROMPTS[0]), 24) != hf_greedy(models["A"], _ids(models, PROMPTS[0]), 24)
 
 

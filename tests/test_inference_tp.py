@@ -14,9 +14,18 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import connect_broadcaster
 from helpers import hf_greedy, worker_port
-from test_inference_server import HTTP_TIMEOUT_S, PROMPTS, _auth, _complete, _ids, _send, perturb_sparsely, serve
+from test_inference_server import (
+    HTTP_TIMEOUT_S,
+    PROMPTS,
+    _auth,
+    _complete,
+    _ids,
+    _send,
+    greedy_matches,
+    send_deltas,
+    serve,
+)
 
 from pipelinerl.weights import (
     InitRequest,
@@ -60,12 +69,6 @@ def _staging_files(server) -> list[str]:
     return files
 
 
-def _greedy_matches(server, models, model) -> None:
-    for text in PROMPTS:
-        ids = _ids(models, text)
-        assert _complete(server, ids, 24)["token_ids"] == hf_greedy(model, ids, 24), text
-
-
 def _update_bytes(model, bucket_bytes: int) -> int:
     metas = [TensorMeta(n, dtype_name(p.dtype), list(p.shape)) for n, p in model.named_parameters()]
     return sum(b.nbytes for b in plan_buckets(wire_parts(UpdateRequest(1, bucket_bytes, metas)), bucket_bytes))
@@ -81,7 +84,7 @@ def test_one_worker_receives_and_both_serve_the_new_weights(server, models, broa
         # the staging is one copy of the update (the first update's buckets, kept); the other worker has none
         assert receiver["staging_bytes"] == _update_bytes(models[key], 1 << 16) and other["staging_bytes"] == 0
         assert "receive_s" not in other
-        _greedy_matches(server, models, models[key])
+        greedy_matches(server, models, models[key])
         assert _staging_files(server) == []
     assert "as rank(s) 1..1" in (server["run_dir"] / "server.log").read_text()
 
@@ -92,18 +95,9 @@ def test_delta_updates_from_the_shared_base_are_exact(server, models, broadcaste
     import copy
 
     model = copy.deepcopy(models["A"])
-    g = torch.Generator().manual_seed(5)
-    delta = connect_broadcaster(server, delta=True)
-    try:
-        _send(delta, 10, model)
-        for version in range(11, 16):
-            perturb_sparsely(model, g)
-            reply = _send(delta, version, model)
-            assert reply["servers"][server["url"]]["delta_base"] == version and reply["delta_tensors"] > 0
-    finally:
-        delta.close()
-        broadcaster.connect()
-    _greedy_matches(server, models, model)
+    for reply in send_deltas(server, broadcaster, model, torch.Generator().manual_seed(5), range(11, 16)):
+        assert reply["delta_tensors"] > 0
+    greedy_matches(server, models, model)
     assert _staging_files(server) == []
 
 
@@ -146,5 +140,5 @@ def test_a_broken_broadcast_leaves_the_old_weights_serving_and_no_file(server, m
     assert _staging_files(server) == []
     broadcaster.connect()  # the next group, and a complete update, work as before
     _send(broadcaster, 22, models["B"])
-    _greedy_matches(server, models, models["B"])
+    greedy_matches(server, models, models["B"])
     assert _staging_files(server) == []

@@ -1,8 +1,8 @@
 """The trainer's MoE routers (trainer/moe.py) on the tiny Qwen3-MoE model: replay, statistics, the auxiliary loss.
 
 References: the model's own forward (replaying its own routing must change nothing, bit for bit), causality
-(which positions a changed routing may reach), a float64 re-computation of a sparse block with replayed
-experts (gradients of the router), transformers' load_balancing_loss_func, and loads counted by hand.
+(which positions a changed routing may reach, beyond float32 rounding), a float64 re-computation of a sparse block
+with replayed experts (gradients of the router), transformers' load_balancing_loss_func, and loads counted by hand.
 """
 
 import math
@@ -74,7 +74,7 @@ def test_a_different_routing_changes_exactly_the_tokens_it_reaches(lm, tap):
     unused = [e for e in range(SHAPE.num_experts) if e not in own[last][5].tolist()]
     replay[5, last] = torch.tensor(unused[:2])
     logits, routed = _forward(lm, tap, replay)
-    changed = (logits != own_logits).any(-1)
+    changed = _changed(logits, own_logits)
     assert changed.tolist() == [t == 5 for t in range(T)]
     assert routed[last][5].tolist() == unused[:2]
     # the first layer, token 7: attention carries it to every later position and to none before
@@ -82,8 +82,15 @@ def test_a_different_routing_changes_exactly_the_tokens_it_reaches(lm, tap):
     unused = [e for e in range(SHAPE.num_experts) if e not in own[0][7].tolist()]
     replay[7, 0] = torch.tensor(unused[:2])
     logits, _ = _forward(lm, tap, replay)
-    changed = (logits != own_logits).any(-1)
+    changed = _changed(logits, own_logits)
     assert changed[:7].sum() == 0 and changed[7:].all()
+
+
+def _changed(logits: torch.Tensor, own_logits: torch.Tensor) -> torch.Tensor:
+    """[T] bool: the positions whose logits moved beyond float32 rounding. A token's experts changed moves its
+    logits by ~1e-2; the other tokens an expert GEMM holds change count, so their rows may round otherwise (seen:
+    up to 9e-8 with transformers 5.19's grouped GEMM and its eager loop alike)."""
+    return ((logits - own_logits).abs() > 1e-5).any(-1)
 
 
 def test_replayed_gates_come_from_the_dense_router_logits_with_their_float64_gradient(lm, tap):

@@ -3,10 +3,11 @@
 Each step runs what the device and the installed libraries allow, and says "skipped: <why>" otherwise:
 
 1. trainer: optimizer steps of the project's trainer on a random-init model built offline (the tiny model,
-   and on CUDA a Qwen2-1.5B-shaped one). With DeepSpeed: the DeepSpeed backend, ZeRO-3 on one rank, built
-   from a Config by `backends.build_trainer` (`--trainer fsdp2`: the FSDP2 backend, the same way). Without
-   it: plain torch in the same precision scheme (bf16
-   weights and gradients, float32 master weights and AdamW states), with the same chunked log-prob head.
+   and on CUDA a Qwen2-1.5B-shaped one; mixtures of experts: the tiny Qwen3-MoE, and on CUDA four layers of
+   Qwen3-30B-A3B's shape, trained with rollout routing replay, rl.routing_replay=r3). With DeepSpeed: the
+   DeepSpeed backend, ZeRO-3 on one rank, built from a Config by `backends.build_trainer` (`--trainer fsdp2`:
+   the FSDP2 backend, the same way). Without it: plain torch in the same precision scheme (bf16 weights and
+   gradients, float32 master weights and AdamW states), with the same chunked log-prob head.
    Peak memory (CUDA: max_memory_allocated; CPU: growth of the process's peak RSS, getrusage) and step time.
 2. plan: `pipelinerl plan`'s predicted trainer memory per GPU for the same config, beside the measured peak.
 3. gather: the trainer's full-model gather (ZeRO-3: module by module) packed into the wire format's buckets
@@ -15,17 +16,23 @@ Each step runs what the device and the installed libraries allow, and says "skip
    sampled completion, and the lag-0 agreement of the server's log-probs with the trainer's.
 5-8. bf16 vs float32 trainer steps, the LM head's GEMMs, the double-buffered receive, and what NCCL needs
    (tools/gpu_check_device.py says what each runs).
+9. routing replay (MoE shapes): replaying the trainer's own routing reproduces its log-probs bit for bit, and
+   the steps' replayed random routing differs from the trainer's own about as often as chance says.
+10. server MoE (MoE shapes, with the server step): the server returns each token's routed experts, and at lag 0
+   they agree with the trainer's router (tools/gpu_check_server.py).
 
 Each trainer measurement runs in a child process (`--child`), so peaks are per model.
 
-    tools/gpu_check.sh                    # CUDA: tiny + 1.5B-shaped, server step when vLLM imports
-    tools/gpu_check.sh --device cpu       # CI smoke test: tiny only, no server unless --with-server
+    tools/gpu_check.sh                    # CUDA: tiny + 1.5B-shaped + the two MoE shapes, server steps when
+                                          # vLLM imports
+    tools/gpu_check.sh --device cpu       # CI smoke test: tiny + tiny_moe, no server unless --with-server
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -46,7 +53,14 @@ SHAPES = {
     "small": (512, 8, 8, 4, 1536, None),  # ~25M params: step times above the per-call overheads on CPU
     "base": (768, 14, 12, 4, 2048, None),  # ~88M params: the bench's larger CPU model
     "1.5b": (1536, 28, 12, 2, 8960, 151936),  # Qwen2.5-1.5B's shape (untied here, as every tiny build)
+    "tiny_moe": (128, 2, 4, 2, 512, None),  # configs/tiny_moe.yaml's model
+    # Qwen3-30B-A3B's layer (width 2048, 32 query / 4 KV heads of 128, 128 experts of width 768, top-8) x 4 of its
+    # 48 layers, ~2.4B params: the experts, routers and attention at the flagship's size. The tiny vocabulary
+    # keeps the served model decodable; the 1.5b row measures a real-size LM head.
+    "a3b_4l": (2048, 4, 32, 4, 6144, None),
 }
+# MoE shapes -> (experts, experts per token, expert FFN width, head_dim or None for hidden / heads)
+MOE_SHAPES = {"tiny_moe": (8, 2, 64, None), "a3b_4l": (128, 8, 768, 128)}
 
 
 @dataclass
@@ -79,15 +93,19 @@ def build_model(out_dir: Path, shape: str, device: str):
     from transformers import AutoModelForCausalLM
 
     from pipelinerl.config import TinyModelConfig
-    from pipelinerl.tiny_model import build_tokenizer, save_model, tiny_qwen2_config
+    from pipelinerl.tiny_model import build_tokenizer, save_model, tiny_config
 
     hidden, layers, heads, kv, ffn, vocab = SHAPES[shape]
+    experts, top_k, expert_ffn, head_dim = MOE_SHAPES.get(shape, (0, 2, 64, None))
     tiny = TinyModelConfig(hidden_size=hidden, num_layers=layers, num_attention_heads=heads,
-                           num_key_value_heads=kv, intermediate_size=ffn, max_position_embeddings=4096)
+                           num_key_value_heads=kv, intermediate_size=ffn, max_position_embeddings=4096,
+                           num_experts=experts, experts_per_token=top_k, moe_intermediate_size=expert_ffn)
     tokenizer = build_tokenizer()
-    config = tiny_qwen2_config(tiny, tokenizer)
+    config = tiny_config(tiny, tokenizer)
     if vocab is not None:
         config.vocab_size = vocab
+    if head_dim is not None:
+        config.head_dim = head_dim
     torch.manual_seed(tiny.seed)
     # A 1.5B model initialises in seconds on the GPU, minutes on CPU; bf16 halves what is written.
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -113,8 +131,10 @@ def write_config(path: Path, model_dir: Path, run_dir: Path, args, extra: tuple[
 
 # ---- step 1 and 3, in a child process: trainer steps, peak memory, gather into buckets ------------------
 
-def random_samples(vocab: int, tokens: int, seq_len: int, seed: int):
-    """Packed-sequence samples of random ids (1/8 prompt), filling one micro-batch of `tokens`."""
+def random_samples(vocab: int, tokens: int, seq_len: int, seed: int, routing: tuple[int, int, int] | None = None):
+    """Packed-sequence samples of random ids (1/8 prompt), filling one micro-batch of `tokens`. routing
+    (MoE layers, experts, top-k): each completion token also carries a random routing, k distinct experts per
+    layer, as the stream's `routed_experts` field does."""
     import torch
 
     from pipelinerl.trainer.packing import Sample
@@ -125,7 +145,12 @@ def random_samples(vocab: int, tokens: int, seq_len: int, seed: int):
     for i in range(max(1, tokens // seq_len)):
         ids = torch.randint(3, vocab, (seq_len,), generator=g).tolist()
         adv = float(torch.randn((), generator=g))
-        out.append(Sample(ids[:prompt], ids[prompt:], index=i, token_fields={"advantage": [adv] * (seq_len - prompt)}))
+        fields = {"advantage": [adv] * (seq_len - prompt)}
+        if routing is not None:
+            layers, experts, k = routing
+            chosen = torch.rand(seq_len - prompt, layers, experts, generator=g).argsort(-1)[..., :k]
+            fields["routed_experts"] = chosen.reshape(seq_len - prompt, layers * k).tolist()
+        out.append(Sample(ids[:prompt], ids[prompt:], index=i, token_fields=fields))
     return out
 
 
@@ -153,13 +178,34 @@ class BackendStepper:
         self.trainer.init(cfg.model.path)
         self.device = self.trainer.device
         self.vocab = self.trainer.lm.config.vocab_size
+        self.tap = self.trainer.router_tap  # a mixture of experts: replays the samples' routing (r3)
+        self.compared = [0.0, 0.0]  # over the steps: token-layer routings replayed, of them the trainer's differs
 
     def step(self, mbs, num_sequences: int) -> tuple[float, float]:
         """One optimizer step; (the step's loss, the gradient norm)."""
         import functools
 
         stats = self.trainer.accumulate(mbs, functools.partial(pg_loss, num_sequences=num_sequences))
+        for s in stats:
+            if "moe_compared" in s:
+                self.compared = [a + float(b) for a, b in zip(self.compared, s["moe_compared"])]
         return sum(s["loss"] for s in stats), self.trainer.optimizer_step()["grad_norm"]
+
+    def self_replay(self, mb) -> dict:
+        """The micro-batch's completion log-probs routed by the trainer, then replaying that same routing: their
+        largest difference, and that of a second unreplayed forward (the kernels' run-to-run noise: 0 unless
+        they reduce with atomics). trainer/moe.py's claim is that replay adds nothing to that noise."""
+        import torch
+
+        with torch.no_grad():
+            own_N, _ = self.trainer.forward(mb)
+            ids_TLk = torch.stack([layer.experts for layer in self.tap.layers], dim=1)
+            again_N, _ = self.trainer.forward(mb)
+            with self.tap.replaying(ids_TLk):
+                replayed_N, _ = self.trainer.forward(mb)
+        return {"self_replay_max_diff": float((own_N - replayed_N).abs().max()),
+                "rerun_max_diff": float((own_N - again_N).abs().max()),
+                "self_replay_bitwise": bool(torch.equal(own_N, replayed_N))}
 
     def weights(self):
         from pipelinerl.weights import TensorMeta
@@ -287,9 +333,12 @@ def run_child(args) -> dict:
         import deepspeed  # noqa: F401 - both backends' process group starts through deepspeed.init_distributed
     rss0 = current_rss()
     stepper = TorchStepper(cfg, args.device) if args.trainer == "torch" else BackendStepper(cfg)
+    tap = getattr(stepper, "tap", None)
+    routing = (len(tap.routers), tap.num_experts, tap.top_k) if tap is not None else None
     times, losses, norms = [], [], []
     for step in range(args.steps):
-        samples = random_samples(stepper.vocab, args.tokens, min(args.seq_len, args.tokens), seed=step)
+        samples = random_samples(stepper.vocab, args.tokens, min(args.seq_len, args.tokens), seed=step,
+                                 routing=routing)
         mbs = pack(samples, cfg.trainer.micro_batch_tokens)
         synchronize(stepper.device)
         start = time.perf_counter()
@@ -299,6 +348,12 @@ def run_child(args) -> dict:
         losses.append(loss)
         norms.append(norm)
     peak, how = peak_bytes(stepper.device, rss0)
+    moe = {}
+    if routing is not None:
+        layers, experts, k = routing
+        moe = {"layers": layers, "experts": experts, "top_k": k, "replay": cfg.rl.routing_replay,
+               "replayed": stepper.compared[0], "random_mismatch": stepper.compared[1] / max(stepper.compared[0], 1),
+               "chance_mismatch": 1 - 1 / math.comb(experts, k), **stepper.self_replay(mbs[0])}
     metas, tensors = stepper.weights()
     start = time.perf_counter()
     buckets = sum(1 for _ in pack_buckets(metas, tensors, int(cfg.trainer.broadcast_bucket_mb * 2**20),
@@ -309,7 +364,7 @@ def run_child(args) -> dict:
             "step_s": statistics.median(times[1:] or times), "tokens_per_step": args.tokens,
             "losses": losses, "grad_norms": norms, "grad_accum": grad_accum_dtype(stepper),
             "peak_bytes": peak, "peak_how": how, "gather_s": gather_s, "buckets": buckets,
-            "gather_bytes": sum(m.nbytes for m in metas), "params": sum(_numel(m.shape) for m in metas)}
+            "gather_bytes": sum(m.nbytes for m in metas), "params": sum(_numel(m.shape) for m in metas), "moe": moe}
 
 
 def grad_accum_dtype(stepper) -> str:
@@ -363,7 +418,8 @@ def trainer_rows(shape: str, workdir: Path, args) -> list[Row]:
     start = time.monotonic()
     build_model(model_dir, shape, args.device)
     build_s = time.monotonic() - start
-    cfg_path = write_config(workdir / f"{shape}.yaml", model_dir, workdir / f"run_{shape}", args)
+    extra = ("rl.routing_replay=r3",) if shape in MOE_SHAPES else ()
+    cfg_path = write_config(workdir / f"{shape}.yaml", model_dir, workdir / f"run_{shape}", args, extra)
     try:
         m = measure_trainer(cfg_path, args, workdir)
     except (RuntimeError, subprocess.TimeoutExpired) as err:
@@ -379,7 +435,28 @@ def trainer_rows(shape: str, workdir: Path, args) -> list[Row]:
                     f"{args.bucket_mb:g} MiB: {m['gather_s']:.3f} s, {m['gather_bytes'] / m['gather_s'] / GB:.2f} GB/s "
                     f"(gather + pack on the device, no collective)",
                     {k: m[k] for k in ("gather_s", "gather_bytes", "buckets")}))
+    if shape in MOE_SHAPES:
+        rows.append(replay_row(shape, m["moe"]))
     return rows
+
+
+def replay_row(shape: str, moe: dict) -> Row:
+    """Step 9: what the trainer's routing replay did in the steps (random routing replayed) and after them (its
+    own routing replayed)."""
+    step = f"routing replay [{shape}]"
+    if not moe:
+        return Row(step, "skipped: needs the project's trainer backend (deepspeed or fsdp2)")
+    n, p = moe["replayed"], moe["chance_mismatch"]
+    bound = 5 * math.sqrt(p * (1 - p) / max(n, 1)) + 1e-3  # 5 standard errors of a binomial share
+    numbers = (f"{moe['layers']} layers x {moe['experts']} experts, top-{moe['top_k']}: random routing replayed on "
+               f"{n:.0f} token-layers differs from the trainer's {moe['random_mismatch']:.3f} (chance {p:.3f}); own "
+               f"routing replayed: max |dlogprob| {moe['self_replay_max_diff']:.1e} (rerun noise "
+               f"{moe['rerun_max_diff']:.1e})")
+    if moe["self_replay_max_diff"] > moe["rerun_max_diff"]:
+        return Row(step, "FAILED: replaying the trainer's own routing changed its log-probs", numbers, moe)
+    if n == 0 or abs(moe["random_mismatch"] - p) > bound:
+        return Row(step, f"FAILED: the replayed routing's mismatch is not chance's (+-{bound:.3f})", numbers, moe)
+    return Row(step, "ok", numbers, moe)
 
 
 def plan_row(shape: str, cfg_path: Path, measured: dict, args) -> Row:
@@ -434,12 +511,14 @@ def run_checks(args) -> list[Row]:
     elif not importable("vllm"):
         rows.append(Row(step, "skipped: vllm not importable"))
     else:
-        try:
-            from gpu_check_server import server_check
+        from gpu_check_server import server_check
 
-            rows.append(server_check(workdir / "model_tiny", workdir, args))
-        except Exception as err:  # noqa: BLE001 - one failed step is a row, the table still prints
-            rows.append(Row(step, f"FAILED: {type(err).__name__}: {str(err)[-500:]}"))
+        moe_shapes = [s for s in args.models.split(",") if s in MOE_SHAPES]
+        for shape, moe in [("tiny", False)] + [(s, True) for s in moe_shapes]:
+            try:
+                rows.append(server_check(workdir / f"model_{shape}", workdir, args, moe=moe))
+            except Exception as err:  # noqa: BLE001 - one failed step is a row, the table still prints
+                rows.append(Row(f"server [{shape}]", f"FAILED: {type(err).__name__}: {str(err)[-500:]}"))
     return rows
 
 
@@ -449,7 +528,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trainer", choices=("auto", "deepspeed", "fsdp2", "torch"), default="auto",
                    help="auto: the DeepSpeed backend when deepspeed imports, else plain torch")
     p.add_argument("--models", help="comma-separated shapes of " + ", ".join(SHAPES) +
-                   " (default: tiny,1.5b on CUDA, tiny on CPU)")
+                   " (default: tiny,1.5b,tiny_moe,a3b_4l on CUDA, tiny,tiny_moe on CPU)")
     p.add_argument("--dtype", help="trainer dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--tokens", type=int, help="tokens per step, one micro-batch (default 8192 CUDA, 256 CPU)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence")
@@ -460,6 +539,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--with-server", action=argparse.BooleanOptionalAction, default=None,
                    help="run the vLLM server step (default: on CUDA when vllm imports; off on CPU)")
     p.add_argument("--max-logprob-diff", type=float, default=1e-3, help="lag-0 max |dlogprob| that passes")
+    p.add_argument("--max-routing-mismatch", type=float, default=0.02,
+                   help="MoE: the lag-0 share of token-layers routed otherwise by server and trainer that passes")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the trainer child (0: torch's)")
     p.add_argument("--step-timeout-s", type=float, default=420.0, help="limit of one trainer measurement")
     p.add_argument("--json", help="also write the rows (with their raw numbers) to this JSON file")
@@ -478,7 +559,7 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     gpu = args.device == "cuda"
     if args.trainer == "auto":
         args.trainer = "deepspeed" if importable("deepspeed") else "torch"
-    args.models = args.models or ("tiny,1.5b" if gpu else "tiny")
+    args.models = args.models or ("tiny,1.5b,tiny_moe,a3b_4l" if gpu else "tiny,tiny_moe")
     unknown = set(args.models.split(",")) - set(SHAPES)
     if unknown:
         raise SystemExit(f"gpu_check: unknown --models {sorted(unknown)}; choose from {', '.join(SHAPES)}")

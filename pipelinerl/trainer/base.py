@@ -29,7 +29,7 @@ from pipelinerl.trainer.contract import LossFn, WeightPublisher
 from pipelinerl.trainer.dist import DistInfo, all_reduce_max, all_reduce_sum
 from pipelinerl.trainer.lora import WeightGroup, adapter_tensors, add_adapters, weight_groups
 from pipelinerl.trainer.model import ValueHeadLM, completion_forward, enable_chunked_logprobs
-from pipelinerl.trainer.moe import RouterTap, find_routers, load_balancing_loss, router_stats
+from pipelinerl.trainer.moe import RouterTap, find_routers, load_balancing_loss, replay_ids, router_stats
 from pipelinerl.trainer.packing import MicroBatch, padding_micro_batch
 
 # Files of an HF folder that describe weights; everything else (config, tokenizer) is copied as-is.
@@ -139,15 +139,8 @@ class BackendBase:
         routed_NW = mb.fields_N.get("routed_experts")
         if self.router_tap is None or routed_NW is None:
             return contextlib.nullcontext()
-        tap = self.router_tap
-        layers, k = len(tap.routers), tap.top_k
-        if routed_NW.shape[1] != layers * k:
-            raise ValueError(f"the stream's routed experts hold {routed_NW.shape[1]} ids per token; this model "
-                             f"routes {layers} MoE layers x top-{k}")
-        ids_TLk = torch.full((mb.num_tokens, layers, k), -1, dtype=torch.long)
-        # token i's routing is that of the row whose logits chose it (the server's forward row), target_pos_N - 1
-        ids_TLk[mb.target_pos_N - 1] = routed_NW.long().view(-1, layers, k)
-        return tap.replaying(ids_TLk.to(self.device), apply=self.routing_replay == "r3")
+        ids_TLk = replay_ids(self.router_tap, mb, routed_NW)
+        return self.router_tap.replaying(ids_TLk.to(self.device), apply=self.routing_replay == "r3")
 
     def _router_terms(self, mb_stats: dict, share: float) -> torch.Tensor:
         """A micro-batch's router statistics (added to mb_stats) and its share of the load-balancing loss."""

@@ -17,7 +17,8 @@ and, for every forward the trainer runs:
   the server chose but the trainer did not a weight of 0 and no gradient.
 
 Replaying the trainer's own routing reproduces its forward bit for bit: the gathered probabilities are the
-values top-k returned, and the experts' sum does not depend on the order of a token's k ids.
+values top-k returned, put in top-k's order (descending probability), so neither the order of a token's k ids
+in the stream nor the kernels' summation order changes the result.
 """
 
 from __future__ import annotations
@@ -96,6 +97,19 @@ class RouterTap:
             self._replay, self._apply = None, True
 
 
+def replay_ids(tap: RouterTap, mb, routed_NW: torch.Tensor) -> torch.Tensor:
+    """A packed micro-batch's (packing.MicroBatch) routing to replay, [T, L, k] long on the CPU, from its
+    completion tokens' served routing routed_NW [N, L x k] (the stream's `routed_experts` token field): token i's
+    routing is that of the row whose logits chose it (the server's forward row), target_pos_N - 1; -1 elsewhere."""
+    layers, k = len(tap.routers), tap.top_k
+    if routed_NW.shape[1] != layers * k:
+        raise ValueError(f"the stream's routed experts hold {routed_NW.shape[1]} ids per token; this model "
+                         f"routes {layers} MoE layers x top-{k}")
+    ids_TLk = torch.full((mb.num_tokens, layers, k), -1, dtype=torch.long)
+    ids_TLk[mb.target_pos_N.cpu() - 1] = routed_NW.long().cpu().view(-1, layers, k)
+    return ids_TLk
+
+
 def _routing_forward(tap: RouterTap, index: int):
     def forward(router, hidden_states):
         hidden_TH = hidden_states.reshape(-1, router.hidden_dim)
@@ -112,7 +126,10 @@ def _routing_forward(tap: RouterTap, index: int):
             tap.compared += torch.stack([replayed_T.sum(), differs_T.sum()]).double().cpu()
             if tap._apply:
                 experts_Tk = torch.where(replayed_T[:, None], replay_Tk, experts_Tk)
-                gates_Tk = probs_TE.gather(-1, experts_Tk)
+                # in top-k's order (descending probability): the experts' kernels may sum a token's k outputs in
+                # slot order (transformers 5.19 does), and the trainer's own routing must come out bit for bit
+                gates_Tk, order_Tk = probs_TE.gather(-1, experts_Tk).sort(dim=-1, descending=True, stable=True)
+                experts_Tk = experts_Tk.gather(-1, order_Tk)
         if router.norm_topk_prob:
             gates_Tk = gates_Tk / gates_Tk.sum(dim=-1, keepdim=True)
         if tap.layers:
