@@ -802,3 +802,34 @@ def test_submitit_sweep_of_two_points_prints_its_table(slurm_env, tiny_model_dir
         fields = line.split()
         assert fields[0] == f"trainer.lr={lr}" and fields[2:5] == ["COMPLETED", "3", str(3 * SAMPLES_PER_STEP)], line
         assert (shared / "sweep" / f"trainer.lr={lr}" / "checkpoints" / "step_00000003").is_dir()
+
+
+@pytest.mark.slow
+def test_staleness_study_runs_its_grid_as_a_job_array_reports_it_and_resumes(slurm_env, tiny_model_dir, tmp_path):
+    """tools/study_staleness.py's plumbing (not its science): 2 objectives x 2 staleness levels at 2 steps each as
+    one submitit job array, the report built from the run directories, and a second invocation that finds every
+    point finished and runs nothing."""
+    shared = _shared_dir(tmp_path)
+    out_dir = shared / "study"
+    overrides = _tiny_overrides(out_dir, tiny_model_dir, max_steps=2, port=18470) + [
+        "actor.eval_every_steps=2", "actor.eval_samples=16"]
+    argv = [sys.executable, "tools/study_staleness.py", "configs/tiny_cpu.yaml", "--objectives", "grpo,rloo",
+            "--staleness", "1,2", "--seeds", "0", "--executor", "slurm", "--out", str(out_dir), "--timeout-s", "720",
+            *overrides]
+    out = subprocess.run(argv, check=False, env=slurm_env, cwd=REPO, capture_output=True, text=True, timeout=840)
+    assert out.returncode == 0, out.stdout + out.stderr[-5000:]
+    assert "4 point(s), 4 pending" in out.stdout and "submitted job array" in out.stdout
+    report = (out_dir / "report.md").read_text()
+    rows = [line.split("|")[1:-1] for line in report.splitlines() if line.startswith("| grpo") or
+            line.startswith("| rloo")]
+    assert [(r[0].strip(), r[1].strip(), r[2].strip()) for r in rows] == [
+        (o, f"conventional.steps_per_batch={n}", "1") for o in ("grpo", "rloo") for n in (1, 2)]
+    for row, n in zip(rows, (1, 2, 1, 2)):
+        lag_p95, gold = row[4].strip(), row[5].strip()
+        assert lag_p95 == str(n - 1), row  # a batch of N steps trains its last step's samples N - 1 versions late
+        assert gold != "-" and 0 <= float(gold) <= 1, row  # evaluated at version 2 by the task's check
+    for image in ("frontier.png", "gold_vs_lag.png"):
+        assert (out_dir / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = subprocess.run(argv, check=False, env=slurm_env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "4 point(s), 0 pending" in again.stdout, again.stdout + again.stderr[-3000:]
+    assert "submitted" not in again.stdout

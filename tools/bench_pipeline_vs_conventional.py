@@ -167,14 +167,14 @@ def _running_requests(prometheus_text: str) -> float:
                if line.startswith("vllm:num_requests_running"))
 
 
-def mode_overrides(config: Path, mode: str, G: int) -> list[str]:
-    """What turns the (pipeline) config into `mode`: conventional = G optimizer steps per generated batch of
-    G x samples_per_step, all of it in flight at once, the lag bounded by construction."""
+def mode_overrides(config: Path, mode: str, G: int, overrides: list[str] = ()) -> list[str]:
+    """What turns the (pipeline) config, with `overrides`, into `mode`: conventional = G optimizer steps per
+    generated batch of G x samples_per_step, all of it in flight at once, the lag bounded by construction."""
     from pipelinerl.config import load_config
 
     if mode == "pipeline":
         return []
-    cfg = load_config(config, [])
+    cfg = load_config(config, list(overrides))
     groups = G * cfg.trainer.samples_per_step // cfg.actor.attempts
     return ["mode=conventional", f"conventional.steps_per_batch={G}", "actor.max_lag=null",
             f"actor.max_groups_in_flight={groups}"]

@@ -42,10 +42,11 @@ def point_name(point: list[str]) -> str:
     return re.sub(r"[^A-Za-z0-9._=+-]", "-", "_".join(point)) or "base"
 
 
-def point_overrides(config: str, common: list[str], point: list[str], index: int) -> list[str]:
-    """The full override list of point `index` (validated): common, its grid values, run dir and ports."""
+def point_overrides(config: str, common: list[str], point: list[str], index: int, name: str | None = None) -> list[str]:
+    """The full override list of point `index` (validated): common, its grid values, run dir (RUN_DIR/`name`,
+    by default point_name) and ports."""
     base = load_config(config, [*common, *point])
-    overrides = [*common, *point, f"run_dir={Path(base.run_dir) / point_name(point)}",
+    overrides = [*common, *point, f"run_dir={Path(base.run_dir) / (name or point_name(point))}",
                  f"inference.base_port={base.inference.base_port + index * base.inference.num_servers}",
                  f"trainer.broadcast_port={base.trainer.broadcast_port + index}"]
     if base.launch.slurm.master_port is not None:  # else derived from each array task's own job id

@@ -7,6 +7,7 @@
     job = ex.submit(run_pipeline, "/abs/path/configs/tiny_cpu.yaml", ["trainer.lr=1e-4"])
     print(job.result())  # RunSummary(run_dir=..., steps=..., last_checkpoint=..., heldout_success=...)
 
+`local_executor` + `run_local_pipeline` run the same on this machine instead, one job at a time.
 `executor` asks for one homogeneous allocation of inference_nodes + training_nodes (submitit cannot
 submit heterogeneous jobs, nor can Slurm make arrays of them; launch/slurm.py's "split" shape);
 `run_pipeline` is what each job runs; `wait_jobs` + `outcome_rows` + `format_table` turn finished
@@ -24,7 +25,8 @@ from pipelinerl.config import Config
 from pipelinerl.launch.slurm import allocation_from_env, launch, slurm_command
 from pipelinerl.launch.summary import RunSummary, summarize
 
-__all__ = ["RunSummary", "executor", "format_table", "outcome_rows", "run_pipeline", "summarize", "wait_jobs"]
+__all__ = ["RunSummary", "executor", "format_table", "local_executor", "outcome_rows", "run_local_pipeline",
+           "run_pipeline", "summarize", "wait_jobs"]
 
 
 def run_pipeline(config: str, overrides: list[str]) -> RunSummary:
@@ -35,6 +37,26 @@ def run_pipeline(config: str, overrides: list[str]) -> RunSummary:
     cfg = load_config(config, overrides)
     launch(cfg, allocation_from_env(cfg))
     return summarize(cfg.run_dir)
+
+
+def run_local_pipeline(config: str, overrides: list[str]) -> RunSummary:
+    """What a `local_executor` job runs: `pipelinerl run` (every role on this machine), then its summary."""
+    from pipelinerl.config import load_config
+    from pipelinerl.launch.local import run_local
+
+    cfg = load_config(config, overrides)
+    run_local(cfg)
+    return summarize(cfg.run_dir)
+
+
+def local_executor(folder: str | Path, timeout_min: int):
+    """A submitit executor running jobs as processes of this machine (`run_local_pipeline`), for a laptop or one
+    node: submit one point at a time and wait for it, each run takes the whole machine."""
+    import submitit
+
+    ex = submitit.LocalExecutor(folder)
+    ex.update_parameters(timeout_min=timeout_min)
+    return ex
 
 
 def executor(cfg: Config, folder: str | Path):
