@@ -189,7 +189,7 @@ def _cell(stat: tuple[float, float, float] | None, fmt: str) -> str:
 COLUMNS = [("lag_mean", "lag mean", ".2f"), ("lag_p95", "lag p95", ".0f"), ("gold_final", "gold final", ".3f"),
            ("proxy", "proxy reward", ".3g"), ("kl_init", "KL to init", ".3g"),
            ("time_to_target", "s to target", ".0f"), ("samples_per_s", "samples/s", ".0f"), ("ess", "ESS", ".3f"),
-           ("kl_behaviour", "KL(b||c)", ".2g")]
+           ("kl_behaviour", "KL(b‖c)", ".2g")]
 
 
 def table(metrics: dict[Point, dict], target: float) -> str:
