@@ -58,14 +58,10 @@ class Target:
         return (self.run_dir / "eval" / name) if self.run_dir is not None else Path("eval_report.json")
 
 
-def _meta(checkpoint: Path) -> dict:
-    return json.loads((checkpoint / "meta.json").read_text())
-
-
 def resolve_target(target: str | Path, step: int | None = None, config: str | Path | None = None,
                    overrides: list[str] | tuple[str, ...] = ()) -> Target:
     """What `pipelinerl eval TARGET [--step K] [--config C]` evaluates (see the module's docstring)."""
-    from pipelinerl.trainer.checkpoints import checkpoint_path, complete_checkpoints, latest_checkpoint
+    from pipelinerl.trainer.checkpoints import checkpoint_meta, checkpoint_path, complete_checkpoints, latest_checkpoint
 
     path = Path(target)
     if (path / "config.json").is_file():  # an HF model folder
@@ -74,8 +70,8 @@ def resolve_target(target: str | Path, step: int | None = None, config: str | Pa
         run_dir = path.parent.parent.parent if path.parent.parent.name == "checkpoints" else None
         if config is None and (run_dir is None or not (run_dir / "config.yaml").is_file()):
             raise ConfigError(f"{path} is not a checkpoint of a run directory: give its config with --config")
-        ckpt = path.parent if (path.parent / "meta.json").is_file() else None
-        return Target(str(path), int(_meta(ckpt)["version"]) if ckpt else 0, _meta(ckpt)["step"] if ckpt else None,
+        meta = checkpoint_meta(path.parent if (path.parent / "meta.json").is_file() else None)
+        return Target(str(path), int(meta.get("version", 0)), meta.get("step"),
                       Path(config) if config is not None else run_dir / "config.yaml", run_dir)
     if not ((path / "config.yaml").is_file() or (path / "checkpoints").is_dir()):
         raise ConfigError(f"{path} is neither a run directory (config.yaml, checkpoints/) nor an HF model folder "
@@ -93,7 +89,7 @@ def resolve_target(target: str | Path, step: int | None = None, config: str | Pa
     if ckpt is None:  # nothing trained yet: the run's initial model, as its servers would start
         cfg = load_config(config_path, [*overrides, f"run_dir={path}"])
         return Target(cfg.model.path, 0, None, config_path, path)
-    meta = _meta(ckpt)
+    meta = checkpoint_meta(ckpt)
     return Target(str(ckpt / "hf"), int(meta["version"]), int(meta["step"]), config_path, path)
 
 

@@ -42,6 +42,21 @@ class Scalars:
         self.writer.close()
 
 
+def read_scalars(folder: str | Path) -> dict[str, list]:
+    """Every scalar of one role's TensorBoard folder (RUN_DIR/tb/<role>), read with TensorBoard's own
+    EventAccumulator: tag -> its events (.step, .value, .wall_time) in write order; {} where the folder is missing."""
+    import logging
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not Path(folder).is_dir():
+        return {}
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its per-file INFO lines bury a tool's output
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
+
+
 class TokenStats:
     """Appendable per-token arrays under RUN_DIR/stats/<writer> (one writer per trainer rank)."""
 

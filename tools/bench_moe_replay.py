@@ -49,11 +49,9 @@ def run(out: Path, replay: str, lag: int, steps: int) -> Path:
 
 
 def scalars(run_dir: Path, role: str) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from pipelinerl.metrics import read_scalars
 
-    acc = EventAccumulator(str(run_dir / "tb" / role), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    return {tag: {e.step: e.value for e in events} for tag, events in read_scalars(run_dir / "tb" / role).items()}
 
 
 def measure(run_dir: Path) -> dict[str, float]:

@@ -208,14 +208,6 @@ def run_mode(config: Path, mode: str, out_dir: Path, overrides: list[str], targe
     return measure(cfg, run_dir, sampler.samples, time.time() - started, targets, cpu.samples)
 
 
-def _scalars(run_dir: Path, role: str) -> dict[str, list]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tb" / role), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
-
-
 def _time_to_target(evals: list, steps: dict[int, float], target: float) -> tuple[float | None, int | None]:
     """(seconds from the end of the first optimizer step to the end of the step that made the first version
     evaluated at >= target, that version), or Nones. Timed by the step, not by when its evaluation ended: with
@@ -289,9 +281,9 @@ def _runs_of_ones(mask: list[int]) -> list[int]:
 
 def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float, targets: list[float],
             cpu_samples: list[tuple[float, dict[str, float]]]) -> dict:
-    from pipelinerl.metrics import read_token_stats
+    from pipelinerl.metrics import read_scalars, read_token_stats
 
-    trainer = _scalars(run_dir, "trainer")
+    trainer = read_scalars(run_dir / "tb" / "trainer")
     steps = sorted(trainer["read_s"], key=lambda e: e.step)
     t0, t1 = steps[0].wall_time, steps[-1].wall_time  # from the end of step 1 to the end of the last
     window_s = t1 - t0
@@ -303,7 +295,8 @@ def measure(cfg, run_dir: Path, gauge: list[tuple[float, float]], wall_s: float,
     quarters = [[v for t, v in gauge if t0 + q * window_s / 4 <= t < t0 + (q + 1) * window_s / 4] for q in range(4)]
     lag = read_token_stats(run_dir)["lag"]
     cpu = cpu_per_role(cpu_samples, t0, t1)
-    evals, step_times = _scalars(run_dir, "actor0").get("eval/success", []), {e.step: e.wall_time for e in steps}
+    evals = read_scalars(run_dir / "tb" / "actor0").get("eval/success", [])
+    step_times = {e.step: e.wall_time for e in steps}
     reached = {t: _time_to_target(evals, step_times, t) for t in targets}
     to_target_s, at_version = reached[targets[0]]
     turns = np.asarray(stream["turns"])

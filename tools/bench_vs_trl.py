@@ -112,6 +112,7 @@ def run_pipelinerl(config: Path, row: str, seed: int, steps: int, out_dir: Path,
     """One `pipelinerl run` (pipeline or conventional mode) in a fresh run directory: launch time, step end
     times and held-out curve from its TensorBoard scalars, and bench_pipeline_vs_conventional's measures."""
     from pipelinerl.launch.procs import free_port
+    from pipelinerl.metrics import read_scalars
 
     mode = "conventional" if row == "conventional" else "pipeline"
     port = free_port(18850)
@@ -120,8 +121,8 @@ def run_pipelinerl(config: Path, row: str, seed: int, steps: int, out_dir: Path,
     launch = time.time()
     measured = bpc.run_mode(config, row, out_dir, overrides, target)
     run_dir = out_dir / row
-    trainer = bpc._scalars(run_dir, "trainer")["read_s"]
-    evals = bpc._scalars(run_dir, "actor0").get("eval/success", [])
+    trainer = read_scalars(run_dir / "tb" / "trainer")["read_s"]
+    evals = read_scalars(run_dir / "tb" / "actor0").get("eval/success", [])
     return {"launch": launch, "step_end": {e.step: e.wall_time for e in trainer},
             "evals": sorted((e.step, e.value) for e in evals), "run_dir": str(run_dir),
             "details": {k: v for k, v in measured.items() if k != "lengths"}}

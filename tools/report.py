@@ -19,13 +19,11 @@ PANELS = [  # (title, role, [(tag, label)], y label)
 ]
 
 
-def read_scalars(run_dir: Path, role: str) -> dict[str, tuple[list[int], list[float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+def role_series(run_dir: Path, role: str) -> dict[str, tuple[list[int], list[float]]]:
+    from pipelinerl.metrics import read_scalars as read_folder
 
-    acc = EventAccumulator(str(run_dir / "tb" / role), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: ([e.step for e in acc.Scalars(tag)], [e.value for e in acc.Scalars(tag)])
-            for tag in acc.Tags()["scalars"]}
+    return {tag: ([e.step for e in events], [e.value for e in events])
+            for tag, events in read_folder(run_dir / "tb" / role).items()}
 
 
 def plot(run_dir: Path, out: Path) -> list[str]:
@@ -35,7 +33,7 @@ def plot(run_dir: Path, out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    roles = {role: read_scalars(run_dir, role) for role in {p[1] for p in PANELS}}
+    roles = {role: role_series(run_dir, role) for role in {p[1] for p in PANELS}}
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
     missing = []
     for ax, (title, role, series, ylabel) in zip(axes.flat, PANELS):

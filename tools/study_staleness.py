@@ -33,7 +33,6 @@ success against KL to the initial policy over each run, as seed 004 plots win ra
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -86,10 +85,9 @@ def grid(objectives: list[str], knob: str, levels: list[int], seeds: list[int]) 
 
 def finished(run_dir: Path, max_steps: int) -> bool:
     """The run holds a complete checkpoint at trainer.max_steps."""
-    from pipelinerl.trainer.checkpoints import latest_checkpoint
+    from pipelinerl.trainer.checkpoints import checkpoint_meta, latest_checkpoint
 
-    latest = latest_checkpoint(run_dir / "checkpoints")
-    return latest is not None and json.loads((latest / "meta.json").read_text()).get("step", 0) >= max_steps
+    return checkpoint_meta(latest_checkpoint(run_dir / "checkpoints")).get("step", 0) >= max_steps
 
 
 # ---- running -----------------------------------------------------------------------------------------------
@@ -121,16 +119,6 @@ def run_points(config: str, todo: list[tuple[Point, list[str]]], executor: str, 
 
 # ---- the report, from the run directories ------------------------------------------------------------------
 
-def _scalars(folder: Path) -> dict[str, list]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    if not folder.is_dir():
-        return {}
-    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
-
-
 def _last_quarter_mean(events: list) -> float | None:
     values = [e.value for e in sorted(events, key=lambda e: e.step)]
     return statistics.fmean(values[-max(1, len(values) // 4):]) if values else None
@@ -138,12 +126,12 @@ def _last_quarter_mean(events: list) -> float | None:
 
 def run_metrics(run_dir: Path, target: float) -> dict:
     """One run's numbers for the report (None where the run did not record them)."""
-    from pipelinerl.metrics import read_token_stats
+    from pipelinerl.metrics import read_scalars, read_token_stats
 
     cfg = load_config(run_dir / "config.yaml")
-    trainer = _scalars(run_dir / "tb" / "trainer")
+    trainer = read_scalars(run_dir / "tb" / "trainer")
     evals = sorted((e for folder in sorted((run_dir / "tb").glob("actor*"))
-                    for e in _scalars(folder).get("eval/success", [])), key=lambda e: e.step)
+                    for e in read_scalars(folder).get("eval/success", [])), key=lambda e: e.step)
     step_time = {e.step: e.wall_time for e in trainer.get("reward_mean", [])}  # logged at the end of each step
     kl_ref = {e.step: e.value for e in trainer.get("kl_ref", [])}
     out = {"gold_final": evals[-1].value if evals else None, "gold_first": evals[0].value if evals else None,

@@ -4,7 +4,6 @@ ends with `summary_line` of it; a submitit job returns it (launch/submit.py)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,11 +25,11 @@ class RunSummary:
 
 def summarize(run_dir: str | Path) -> RunSummary:
     """The run's summary, from RUN_DIR/checkpoints and RUN_DIR/tb."""
-    from pipelinerl.trainer.checkpoints import latest_checkpoint
+    from pipelinerl.trainer.checkpoints import checkpoint_meta, latest_checkpoint
 
     run_dir = Path(run_dir)
     latest = latest_checkpoint(run_dir / "checkpoints")
-    meta = json.loads((latest / "meta.json").read_text()) if latest else {}
+    meta = checkpoint_meta(latest)
     heldout = [_last_scalar(folder, "eval/success") for folder in sorted((run_dir / "tb").glob("actor*"))]
     return RunSummary(str(run_dir), meta.get("step", 0), meta.get("samples_seen", 0),
                       None if latest is None else str(latest), _last_scalar(run_dir / "tb" / "trainer", "reward_mean"),
@@ -49,13 +48,7 @@ def summary_line(summary: RunSummary) -> str:
 
 
 def _last_scalar(folder: Path, tag: str) -> float | None:
-    if not folder.is_dir():
-        return None
-    import logging
+    from pipelinerl.metrics import read_scalars
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its per-file INFO lines would bury the summary
-    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
-    acc.Reload()
-    return acc.Scalars(tag)[-1].value if tag in acc.Tags()["scalars"] else None
+    events = read_scalars(folder).get(tag)
+    return events[-1].value if events else None

@@ -49,6 +49,11 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def checkpoint_meta(path: Path | None) -> dict[str, Any]:
+    """A complete checkpoint's meta.json ({} for None: no checkpoint)."""
+    return json.loads((Path(path) / "meta.json").read_text()) if path is not None else {}
+
+
 def save_checkpoint(trainer: Trainer, root: Path, step: int, meta: dict[str, Any], keep_last: int,
                     dist: DistInfo) -> Path:
     """Collective: every rank writes its state shard, rank 0 the HF weights, meta.json and the rename."""
@@ -74,7 +79,7 @@ def save_checkpoint(trainer: Trainer, root: Path, step: int, meta: dict[str, Any
 def load_checkpoint(trainer: Trainer, path: Path) -> dict[str, Any]:
     """Collective: restore the backend's state on every rank; returns the checkpoint's meta.json."""
     trainer.load_state(Path(path) / STATE_DIR)
-    return json.loads((Path(path) / "meta.json").read_text())
+    return checkpoint_meta(path)
 
 
 class StopSignals:
