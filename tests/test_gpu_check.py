@@ -2,7 +2,7 @@
 mixture of experts (with routing replay) through the trainer, the plan and the gather, and prints one table; the
 bucket packing it times is checked against the wire format's layout."""
 
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
@@ -14,12 +14,11 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+def load_tool(name: str = "gpu_check"):
+    """A module of tools/gpu_check*.py, imported as the tool imports its siblings (tools/ on sys.path)."""
+    if str(REPO / "tools") not in sys.path:
+        sys.path.insert(0, str(REPO / "tools"))
+    return importlib.import_module(name)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +98,7 @@ def test_pack_buckets_lays_tensors_out_as_the_wire_format_says():
     """What the gather row times is the broadcaster's packing: each tensor's bytes at plan_buckets' offset."""
     from pipelinerl.weights import TensorMeta, dtype_name, plan_buckets
 
-    tool = load_tool()
+    tool = load_tool("gpu_check_trainer")
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(shape, generator=g).to(dtype) for shape, dtype in
                (((3, 5), torch.float32), ((7,), torch.bfloat16), ((4, 4), torch.float32), ((1,), torch.bfloat16))]

@@ -33,16 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu_check import (
-    SHAPES,
-    BackendStepper,
-    build_model,
-    current_rss,
-    peak_bytes,
-    pg_loss,
-    random_samples,
-    write_config,
-)
+from gpu_check_common import SHAPES, build_model, write_config
+from gpu_check_trainer import BackendStepper, current_rss, peak_bytes, pg_loss, random_samples
 
 REPO = Path(__file__).resolve().parent.parent
 MB = 1e6

@@ -18,7 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from gpu_check import GB, Row, build_model, measure_trainer, synchronize, write_config
+from gpu_check_common import GB, Row, build_model, write_config
+from gpu_check_trainer import measure_trainer, synchronize
 
 
 def precision_row(workdir: Path, args) -> Row:

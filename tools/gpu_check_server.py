@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpu_check import Row, write_config
+from gpu_check_common import Row, write_config
 
 # ---- step 4: a vLLM server, one update, per-token versions, lag-0 log-prob agreement --------------------
 
