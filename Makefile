@@ -19,10 +19,11 @@ TEST_WORKERS ?= 2
 test: setup
 	$(VENV)/bin/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(ARGS)
 
-# Every benchmark and one markdown table of their key rows (runs/bench_all/table.md): tools/bench_all.py.
+# Every benchmark and one markdown table of their key rows (runs/bench_all/table.md, and after a full run
+# docs/performance.md): tools/bench_all.py.
 # `make bench ARGS=--quick` is a smoke test at small sizes; ARGS="--only streams,grading" picks benches.
 bench: setup
-	$(VENV)/bin/python tools/bench_all.py --readme README.md $(ARGS)
+	$(VENV)/bin/python tools/bench_all.py --page docs/performance.md $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check pipelinerl tools tests

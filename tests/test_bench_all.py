@@ -147,32 +147,32 @@ def test_main_quick_writes_table_and_summary(tmp_path):
     assert body["quick"] and body["machine"]["nproc"] >= 1 and body["benches"][0]["rows"][0]["met"]
 
 
-def test_a_full_run_writes_its_table_into_the_readme_between_the_markers(tmp_path, monkeypatch):
-    """--readme: the text between the markers is replaced by the run's table, the rest kept byte for byte; a
-    partial run (--only) leaves the README alone; a README without markers is refused before it is written."""
+def test_a_full_run_writes_its_table_into_the_page_between_the_markers(tmp_path, monkeypatch):
+    """--page: the text between the markers is replaced by the run's table, the rest kept byte for byte; a
+    partial run (--only) leaves the page alone; a page without markers is refused before it is written."""
     (tmp_path / "bench_streams.py").write_text(HEADER + textwrap.dedent("""
         s = Summary("streams")
         s.add("ratio", 0.61, "ratio", ">= 0.5")
         s.write(summary_path)
     """))
     monkeypatch.setattr(bench_all, "BENCHES", {"streams": bench_all.Bench()})
-    readme = tmp_path / "README.md"
+    page = tmp_path / "performance.md"
     before, after = "# Title\n\ntext before\n\n", "\ntext after\n"
-    readme.write_text(f"{before}{bench_all.README_START}\nold table\n{bench_all.README_END}{after}")
+    page.write_text(f"{before}{bench_all.TABLE_START}\nold table\n{bench_all.TABLE_END}{after}")
     out = tmp_path / "out"
     assert bench_all.main(["--only", "streams", "--bench-dir", str(tmp_path), "--out-dir", str(out),
-                           "--readme", str(readme)]) == 0
-    assert "old table" in readme.read_text()  # a partial run
-    assert bench_all.main(["--bench-dir", str(tmp_path), "--out-dir", str(out), "--readme", str(readme)]) == 0
+                           "--page", str(page)]) == 0
+    assert "old table" in page.read_text()  # a partial run
+    assert bench_all.main(["--bench-dir", str(tmp_path), "--out-dir", str(out), "--page", str(page)]) == 0
     table = (out / "table.md").read_text()
-    assert readme.read_text() == f"{before}{bench_all.README_START}\n{table}{bench_all.README_END}{after}"
+    assert page.read_text() == f"{before}{bench_all.TABLE_START}\n{table}{bench_all.TABLE_END}{after}"
     assert "| streams | ratio | 0.61 | ratio | >= 0.5 | yes |" in table and "Machine: " in table
-    readme.write_text("no markers\n")
+    page.write_text("no markers\n")
     with pytest.raises(ValueError, match="no bench table markers"):
-        bench_all.update_readme(readme, table)
-    assert readme.read_text() == "no markers\n"
+        bench_all.update_page(page, table)
+    assert page.read_text() == "no markers\n"
 
 
-def test_the_readme_has_the_bench_markers_in_order():
-    text = (TOOLS.parent / "README.md").read_text()
-    assert 0 <= text.index(bench_all.README_START) < text.index(bench_all.README_END)
+def test_the_performance_page_has_the_bench_markers_in_order():
+    text = (TOOLS.parent / "docs" / "performance.md").read_text()
+    assert 0 <= text.index(bench_all.TABLE_START) < text.index(bench_all.TABLE_END)

@@ -1,7 +1,7 @@
 """The episode runner (envs/runner.py) with the tiny tokenizer and a scripted policy: the tool_sums episode
 token for token, every prefix a server was given is a prefix of the final sequence, and an environment that
 raises, hangs or answers garbage ends only its own episode. Then the actor's stream row of an episode and
-its statistics (actor/episodes.py), and the README's example environment."""
+its statistics (actor/episodes.py), and the docs' example environment (docs/guides/episodes.md)."""
 
 import asyncio
 import time
@@ -223,14 +223,15 @@ def test_an_episode_row_and_its_statistics(tok, task):
     assert s["actor/episode/env_tokens"] == len(item.answer) / 2
 
 
-def test_the_readme_s_environment_example_runs_with_the_real_sandbox():
-    """README.md's "Writing an environment" code: a Python tool call through the sandbox, then the answer."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def test_the_docs_environment_example_runs_with_the_real_sandbox():
+    """docs/guides/episodes.md's "Writing an environment" code: a Python tool call through the sandbox, then the
+    answer."""
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "guides" / "episodes.md").read_text()
     section = readme[readme.index("Writing an environment"):]
     start = section.index("```python\n") + len("```python\n")
     code = section[start:section.index("\n```", start)]
     namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 -- the project's own README
+    exec(compile(code, "episodes.md", "exec"), namespace)  # noqa: S102 -- the project's own docs
     env = namespace["PythonMathEnv"](PromptItem("q", "What is 6*7?", "42"))
     assert [t["function"]["name"] for t in env.tools] == ["python"]
     call = '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'

@@ -1,5 +1,5 @@
-"""Every benchmark, one after the other, and one markdown table of their key rows (the README's performance
-section): `make bench` or
+"""Every benchmark, one after the other, and one markdown table of their key rows (the documentation's
+performance page, docs/performance.md): `make bench` or
 
     python tools/bench_all.py [--quick] [--only streams,grading] [--skip pipeline_vs_conventional]
 
@@ -9,9 +9,9 @@ past its timeout is a FAILED row with the end of its stderr, and the others stil
 machine, and each bench's 1-min load average at its start and end) is printed and written to
 runs/bench_all/table.md, everything to summary.json. Exit status 1 when a bench failed; goals not met are
 reported, not errors. `--quick` runs each bench at small sizes: a smoke test, not numbers to quote.
-`--readme README.md` (what `make bench` passes) also replaces the table between the README's bench markers
-(README_START / README_END), with the machine and each bench's load: only after a full run (no --quick,
---only or --skip), so the README always shows one whole run.
+`--page docs/performance.md` (what `make bench` passes) also replaces the table between that page's bench
+markers (TABLE_START / TABLE_END), with the machine and each bench's load: only after a full run (no --quick,
+--only or --skip), so the page always shows one whole run.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 GRACE_S = 30  # after SIGINT, for a timed-out bench's finally blocks to stop its servers
 STDERR_LINES = 15  # of a failed bench, in the table's notes
-README_START = "<!-- bench table: `make bench` replaces everything down to the end marker -->"
-README_END = "<!-- end of bench table -->"
+TABLE_START = "<!-- bench table: `make bench` replaces everything down to the end marker -->"
+TABLE_END = "<!-- end of bench table -->"
 
 
 @dataclass(frozen=True)
@@ -190,14 +190,14 @@ def render(host: dict, results: list[dict], quick: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_readme(path: Path, table: str) -> None:
-    """Replace what lies between README_START and README_END in `path` with `table`; ValueError when the
+def update_page(path: Path, table: str) -> None:
+    """Replace what lies between TABLE_START and TABLE_END in `path` with `table`; ValueError when the
     markers are missing or out of order (nothing is written then)."""
     text = path.read_text()
-    start, end = text.find(README_START), text.find(README_END)
+    start, end = text.find(TABLE_START), text.find(TABLE_END)
     if start < 0 or end < start:
-        raise ValueError(f"{path} has no bench table markers ({README_START!r} ... {README_END!r})")
-    head = text[:start + len(README_START)]
+        raise ValueError(f"{path} has no bench table markers ({TABLE_START!r} ... {TABLE_END!r})")
+    head = text[:start + len(TABLE_START)]
     path.write_text(f"{head}\n{table}{text[end:]}")
 
 
@@ -221,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=REPO / "runs" / "bench_all",
                         help="the summaries, the benches' output, table.md and summary.json")
     parser.add_argument("--bench-dir", type=Path, default=REPO / "tools", help="folder of the bench_<name>.py")
-    parser.add_argument("--readme", type=Path, help="after a full run, write the table into this README "
-                                                    "between its bench markers (make bench: README.md)")
+    parser.add_argument("--page", type=Path, help="after a full run, write the table into this markdown page "
+                                                  "between its bench markers (make bench: docs/performance.md)")
     args = parser.parse_args(argv)
     try:
         benches = select(args.only, args.skip)
@@ -235,13 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     (args.out_dir / "table.md").write_text(table)
     (args.out_dir / "summary.json").write_text(json.dumps({"machine": host, "quick": args.quick,
                                                            "benches": results}, indent=1))
-    if args.readme is not None:
+    if args.page is not None:
         if args.quick or args.only or args.skip:
-            print(f"bench_all: {args.readme} not updated: only a full run (no --quick, --only, --skip) "
+            print(f"bench_all: {args.page} not updated: only a full run (no --quick, --only, --skip) "
                   "writes its table")
         else:
-            update_readme(args.readme, table)
-            print(f"bench_all: the table is in {args.readme}")
+            update_page(args.page, table)
+            print(f"bench_all: the table is in {args.page}")
     return 1 if any(r["failed"] for r in results) else 0
 
 

@@ -48,7 +48,7 @@ def doc(default: Any, meaning: str, *, unit: str | None = None, null: str | None
 def section(schema: type, meaning: str | None = None) -> Any:
     """A nested section; documented by `meaning`, else by the first sentence of the class's docstring."""
     paragraph = " ".join((schema.__doc__ or "").strip().split("\n\n")[0].split())
-    meaning = meaning or re.split(r"\.(\s|$)", paragraph, maxsplit=1)[0]
+    meaning = meaning or re.split(r"(?<!\be\.g)(?<!\bi\.e)\.(\s|$)", paragraph, maxsplit=1)[0]  # not at e.g. or i.e.
     return dataclasses.field(default_factory=schema, metadata={DOC_KEY: FieldDoc(meaning)})
 
 

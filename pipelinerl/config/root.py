@@ -21,7 +21,7 @@ EPISODE_TASKS = ("math_tir", "tool_sums", "verifiers", "openenv", "agent")  # ta
 @dataclass
 class Config:
     """One run. `run_dir` is the bus every role shares: config, discovery files, streams,
-    checkpoints, TensorBoard and logs all live under it (README: The run directory)."""
+    checkpoints, TensorBoard and logs all live under it (docs/concepts/run-directory.md)."""
 
     run_dir: str = doc(MISSING, "the run directory on a filesystem all nodes see; re-using one resumes it")
     seed: int = doc(0, "seeds sampling, data order and initialisation")

@@ -115,6 +115,8 @@ class Gateway:
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
+        """Serve on a free port of 127.0.0.1 (once: later calls return at once); every route needs an episode's key
+        (`Authorization: Bearer <key>`)."""
         async with self._lock:
             if self.runner is not None:
                 return
@@ -151,6 +153,8 @@ class Gateway:
         return (env, body) if isinstance(body, dict) else _error(400, "the body must be a JSON object")
 
     async def _chat(self, request: web.Request) -> web.Response:
+        """One model turn of the key's episode as an OpenAI chat completion (streamed if asked); its tool calls
+        come back as `tool_calls`."""
         got = await self._request(request)
         if isinstance(got, web.Response):
             return got
@@ -165,6 +169,8 @@ class Gateway:
                                                                                          gone, stop))
 
     async def _text_completions(self, request: web.Request) -> web.Response:
+        """One model turn of the key's episode as an OpenAI text completion of one `prompt` string (a plain-text
+        episode, no chat template)."""
         got = await self._request(request)
         if isinstance(got, web.Response):
             return got
@@ -178,6 +184,7 @@ class Gateway:
         return await _turn(request, env, body, "text", lambda gone, stop: env.text_call(prompt, gone, stop))
 
     async def _reward(self, request: web.Request) -> web.Response:
+        """`{"reward": x}`: the episode's reward, for an agent that returns None."""
         got = await self._request(request)
         if isinstance(got, web.Response):
             return got

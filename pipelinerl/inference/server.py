@@ -180,6 +180,8 @@ def _body_route(operation, max_bytes: int):
 
 
 def control_router(updater: WeightUpdater, token: str) -> APIRouter:
+    """A policy or eval server's weight-update routes: all but `GET /status` need the run's bearer token
+    (RUN_DIR/auth_token)."""
     router = APIRouter()
     auth = [Depends(bearer_auth(token))]
     for path, operation, max_bytes in (("/init_process_group", updater.init_group, SMALL_BODY_BYTES),
@@ -189,10 +191,13 @@ def control_router(updater: WeightUpdater, token: str) -> APIRouter:
 
     @router.post("/release", dependencies=auth)
     async def release() -> JSONResponse:  # any body, or none: never read
+        """End a hold (`POST /hold`) early; "held": whether one was still in force (not an error when none was)."""
         return JSONResponse(await updater.release())
 
     @router.get("/status")
     async def status() -> JSONResponse:
+        """The server's state (read-only): version, ranks, update counters and timings, hold, the tensors an update
+        carries, and the run's public id."""
         return JSONResponse(updater.status())
 
     return router
@@ -204,6 +209,7 @@ def frozen_router(kind: str) -> APIRouter:
     serves = "the run's initial model" if kind == "reference" else "reward.model_path"
 
     async def refuse() -> JSONResponse:
+        """403: a reference or reward server never takes weight updates."""
         return JSONResponse({"error": f"a {kind} server never takes weight updates (it serves {serves}; "
                                       "broadcast to the servers in RUN_DIR/servers/)"}, status_code=403)
 

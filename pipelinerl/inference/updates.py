@@ -135,6 +135,9 @@ class WeightUpdater:
         return {"status": "joined", "ranks": list(range(req.rank_offset, req.rank_offset + self.num_ranks))}
 
     async def update(self, body: object) -> dict:
+        """Load the weights the trainer broadcasts over the group as a new version: pause (running requests are
+        kept), receive into staging, load, set the version, resume. Refused during another operation or without a
+        group (409), while held (423), for a delta against another base (412) or for tensors not the model's (422)."""
         req = _parsed(parse_update_request, body)
         self._check_tensors(req)
         if req.base_version is not None and req.base_version != self.delta_base:

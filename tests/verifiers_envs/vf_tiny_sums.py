@@ -1,8 +1,8 @@
-"""A verifiers (v1) environment written against verifiers' own API, for the tests and the README's example:
-the tool_sums task (three 3-digit numbers summed with a calculator, in the tiny model's alphabet) with the
-calculator as a shared MCP tool server, two reward functions and a stop condition. verifiers loads it by its
-module name (`task.verifiers.env=vf_tiny_sums`, this folder on PYTHONPATH) and starts its tool server as
-`python -m vf_tiny_sums`."""
+"""A verifiers (v1) environment written against verifiers' own API, for the tests and the docs' example
+(docs/guides/environments.md): the tool_sums task (three 3-digit numbers summed with a calculator, in the tiny
+model's alphabet) with the calculator as a shared MCP tool server, two reward functions and a stop condition.
+verifiers loads it by its module name (`task.verifiers.env=vf_tiny_sums`, this folder on PYTHONPATH) and starts
+its tool server as `python -m vf_tiny_sums`."""
 
 import random
 
