@@ -80,6 +80,17 @@ def cmd_streams_inspect(args: argparse.Namespace) -> None:
     print(json.dumps(report, indent=2) if args.json else format_inspect(report))
 
 
+def cmd_status(args: argparse.Namespace) -> None:
+    from pipelinerl.launch.status import show
+
+    try:
+        show(args.run_dir, args.watch, args.json)
+    except FileNotFoundError as err:
+        raise SystemExit(f"pipelinerl status: error: {err}") from None
+    except KeyboardInterrupt:
+        pass
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from pipelinerl.inference.server import serve
     from pipelinerl.rundir import POLICY_KINDS
@@ -230,6 +241,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run directory (its streams/ folder is read, never modified)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_streams_inspect)
+
+    p = sub.add_parser("status", help="how a run is doing, from its run directory alone: roles, restarts, servers' "
+                                      "versions and health, the trainer's step, the actors, long waits, last errors")
+    p.add_argument("run_dir", help="the run directory (read only: works on a login node and on a finished run)")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="S",
+                   help="refresh every S seconds (default 2) until Ctrl-C")
+    p.add_argument("--json", action="store_true", help="print everything as JSON")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("serve", help="run one vLLM inference server with in-flight weight updates")
     _add_config_args(p)

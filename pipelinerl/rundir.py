@@ -15,6 +15,8 @@ RUN_DIR/eval_servers/*        the same for the evaluation servers (`serve --eval
 RUN_DIR/openenv_servers/*     the same for the OpenEnv environment servers the launcher starts
                               (`pipelinerl openenv-serve`, task.openenv.serve): the actor's openenv task
                               opens each episode's session on one of them
+RUN_DIR/status/<name>.json    what one role is doing now (StatusFile), for `pipelinerl status`: the launchers
+                              (roles, restarts, each server's health and /status), trainer rank 0, each actor
 
 Files are published whole by rename/link: parallel filesystems (Lustre, GPFS, NFS) give no reliable locks,
 inotify or append visibility, so writers publish whole files and readers poll.
@@ -23,10 +25,15 @@ inotify or append visibility, so writers publish whole files and readers poll.
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import math
 import os
 import secrets
 import socket
 import stat
+import threading
+import time
 from pathlib import Path
 
 from pipelinerl.atomic import create_file, write_file
@@ -42,6 +49,9 @@ OPENENV_SERVERS_DIR = "openenv_servers"
 SERVER_FOLDERS = {"policy": SERVERS_DIR, "reference": REFERENCE_SERVERS_DIR, "reward": REWARD_SERVERS_DIR,
                   "eval": EVAL_SERVERS_DIR, "openenv": OPENENV_SERVERS_DIR}
 POLICY_KINDS = ("policy", "eval")  # the kinds that serve the policy: they take weight updates, report versions
+STATUS_DIR = "status"
+
+log = logging.getLogger(__name__)
 
 
 def run_fingerprint(token: str) -> str:
@@ -123,3 +133,72 @@ def server_roster(run_dir: str | Path, folder: str = SERVERS_DIR) -> dict[str, i
             except FileNotFoundError:  # removed meanwhile: its server stopped
                 pass
     return roster
+
+
+class StatusFile:
+    """RUN_DIR/status/<name>.json: what one role is doing, for `pipelinerl status`, which reads only the run
+    directory (a login node over the parallel filesystem, a finished run). `update` merges fields and rewrites the
+    file whole (atomically) when `every_s` has passed since the last write; a daemon thread rewrites it at least
+    that often between updates (a trainer step may take minutes), so a file older than a few periods means its
+    process is gone or frozen. `flush` writes now; `close` stops the thread. A wait is a field too: `waiting(what)`
+    keeps the time it began while `what` stays the same, `done_waiting()` ends it. The file carries its writer's
+    host and pid and the wall time of the write (`time`). A failed write (a full disk) is logged once and never
+    stops the role."""
+
+    def __init__(self, run_dir: str | Path, name: str, every_s: float = 2.0):
+        self.path = Path(run_dir) / STATUS_DIR / f"{name.replace('/', '_')}.json"
+        self.every_s = every_s
+        self.fields: dict = {"role": name, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        self._lock = threading.Lock()
+        self._written = -math.inf  # monotonic time of the last write
+        self._failed = False
+        self._stop = threading.Event()
+        if every_s > 0:
+            threading.Thread(target=self._beat, name=f"status-{name}", daemon=True).start()
+
+    def update(self, **fields) -> None:
+        with self._lock:
+            self.fields.update(fields)
+        if time.monotonic() - self._written >= self.every_s:
+            self.flush()
+
+    def waiting(self, what: str, **detail) -> None:
+        """A wait for `what` began, or goes on (`detail`: what it has so far)."""
+        current = self.fields.get("waiting")
+        since = current["since"] if current and current["for"] == what else time.time()
+        self.update(waiting={"for": what, "since": since, **detail})
+
+    def done_waiting(self) -> None:
+        if self.fields.get("waiting") is not None:
+            self.update(waiting=None)
+
+    def flush(self) -> None:
+        with self._lock:
+            self._written = time.monotonic()
+            text = json.dumps({**self.fields, "time": time.time()}, default=str) + "\n"
+        try:
+            write_file(self.path, text, fsync=False)
+        except OSError as err:
+            if not self._failed:
+                log.warning("cannot write %s (%s): `pipelinerl status` will not show this role", self.path, err)
+            self._failed = True
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every_s):
+            # only while the folder is there: a run directory removed under a finished object is not re-created
+            if time.monotonic() - self._written >= self.every_s and self.path.parent.is_dir():
+                self.flush()
+
+
+def read_statuses(run_dir: str | Path) -> dict[str, dict]:
+    """Every role's status file (name -> its fields); unreadable ones (being replaced, garbled) are left out."""
+    found = {}
+    for path in sorted((Path(run_dir) / STATUS_DIR).glob("*.json")):
+        try:
+            found[path.stem] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+    return found

@@ -22,6 +22,7 @@ import httpx
 import pytest
 from helpers import worker_port
 
+from pipelinerl.launch.status import render, snapshot
 from pipelinerl.rundir import list_servers
 
 pytestmark = pytest.mark.slow  # one `pipelinerl run` with 4 restarts (2 servers, the trainer, the actor): ~5 min
@@ -45,7 +46,8 @@ def result(tmp_path_factory, tiny_model_dir):
                  "actor.eval_every_steps=0", "checkpoints.every_steps=2",
                  "checkpoints.keep_last=2", "inference.max_model_len=64",
                  "streams.segment_max_seconds=0.5", f"inference.base_port={PORT}",
-                 f"trainer.broadcast_port={PORT + 50}"]
+                 f"trainer.broadcast_port={PORT + 50}",
+                 "trainer.wait_log_s=5"]  # a killed server's restart (a vLLM start: tens of seconds) is a long wait
     out = tmp_path_factory.mktemp("chaos") / "run"
     res = chaos.run_chaos(str(REPO / "configs" / "tiny_cpu.yaml"), PLAN, out, overrides, timeout_s=1500,
                           stop_after_steps=3)
@@ -64,6 +66,23 @@ def test_the_run_survives_a_kill_of_each_role(result):
     assert 0 <= res.kills[2].redone_steps <= 2, res.table
     cfg = chaos.load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={out}", f"inference.base_port={PORT}"])
     assert chaos.role_leaders(cfg) == {}  # nothing left running
+
+
+def test_pipelinerl_status_showed_the_restarts_and_the_waits_they_caused(result):
+    """What `pipelinerl status` said while chaos waited for each kill to heal (chaos._observe), and at the end."""
+    res, out = result
+    server = res.kills[0]
+    # a restarted vLLM server is "starting" until it announces itself again: tens of seconds of a vLLM start,
+    # against a status file rewritten every 2 s and looked at every 0.5 s; the trainer waits for data all along
+    assert "starting (restarts 1)" in server.seen, server
+    assert any(w.startswith("trainer: the rollouts of step") for w in server.long_waits), server
+    snap = snapshot(out)
+    assert snap["statuses"]["launch"]["state"] == "stopped", snap["statuses"]["launch"]
+    assert {n: snap["roles"][n]["restarts"] for n in ("server0", "actor", "trainer")} == \
+        {"server0": 2, "actor": 1, "trainer": 1}
+    assert snap["statuses"]["trainer"]["state"] == "stopped" and snap["statuses"]["trainer"]["step"] >= 3
+    assert snap["statuses"]["actor0"]["state"] == "stopped" and not snap["long_waits"]
+    assert snap["checkpoint_step"] is not None and "stale" not in render(snap)
 
 
 def test_every_consumed_sample_was_trained_exactly_once(result):

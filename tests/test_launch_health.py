@@ -19,6 +19,7 @@ from pipelinerl.config import ConfigError, load_config, save_config
 from pipelinerl.launch.health import HealthWatch, _Server
 from pipelinerl.launch.local import _roles, placement, wait_for_servers
 from pipelinerl.launch.procs import Role, Supervisor, _group_alive
+from pipelinerl.launch.status import snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 5.0  # launch.server_health_timeout_s of these tests
@@ -110,6 +111,35 @@ def test_a_stopped_server_is_killed_and_restarted(tmp_path, caplog):
         sup.stop_all(grace_s=5)
 
 
+def test_the_status_file_shows_a_silent_server_silent_then_healthy_again(tmp_path):
+    """`pipelinerl status` during a hang the health deadline does not reach (one hour): SIGSTOP shows the server
+    silent in the launcher's status file, SIGCONT healthy again, and nothing is killed."""
+    run_dir = tmp_path / "run"
+    cfg = _config(run_dir, timeout_s=3600.0)
+    port, discovery, runs = worker_port(19530), run_dir / "servers" / "127.0.0.1_x", tmp_path / "runs"
+    discovery.parent.mkdir(parents=True)
+    sup = Supervisor.from_config(cfg)
+
+    def health() -> str:
+        return snapshot(run_dir)["roles"].get("server0", {}).get("health", "")
+
+    try:
+        sup.start(Role("server0", [sys.executable, "-c", HEALTH_SERVER, str(port), str(discovery), str(runs), "1"],
+                       tmp_path / "server0.log", discovery=discovery))
+        _check_until(sup, lambda: health() == "ok", "polled healthy", 60.0)
+        pid = sup.running["server0"][1].pid
+        os.killpg(pid, signal.SIGSTOP)
+        try:
+            _check_until(sup, lambda: health().startswith("silent"), "shown silent", 60.0)
+        finally:
+            os.killpg(pid, signal.SIGCONT)
+        _check_until(sup, lambda: health() == "ok", "healthy again", 60.0)
+        assert sup.running["server0"][1].pid == pid and not sup.restarts.count
+        assert snapshot(run_dir)["roles"]["server0"]["state"] == "running"
+    finally:
+        sup.stop_all(grace_s=5)
+
+
 def test_a_server_not_yet_announced_is_left_to_the_startup_timeout(tmp_path):
     """A stopped server that has not announced itself is never polled, however long: no kill, no restart."""
     cfg = _config(tmp_path / "run", timeout_s=1.0)
@@ -172,6 +202,10 @@ def test_a_stopped_vllm_server_is_killed_and_restarted_by_the_launcher(tmp_path,
     try:
         sup.start(server)
         [url] = wait_for_servers(cfg, sup)
+        # the launcher's status file carries what the server's GET /status says (`pipelinerl status`)
+        _check_until(sup, lambda: snapshot(run_dir)["roles"].get("server0", {}).get("server", {}).get("version") == 0,
+                     "the server's /status in the launcher's status file", 60.0)
+        assert snapshot(run_dir)["roles"]["server0"]["server"]["updating"] is False
         _stopped_and_restarted(sup, caplog, "server0", url, cfg.inference.startup_timeout_s)
         assert server.discovery.read_text().strip() == url  # announced again, at the same address
     finally:

@@ -645,7 +645,7 @@ def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, sub
     resumes. The two ranks together train the stream's samples once."""
     run_dir, max_steps, max_lag = _shared_dir(tmp_path) / "run", 16, 2
     overrides = _tiny_overrides(run_dir, tiny_model_dir, max_steps=max_steps, port=18430) + [
-        f"actor.max_lag={max_lag}", "checkpoints.every_steps=1"]
+        f"actor.max_lag={max_lag}", "checkpoints.every_steps=1", "trainer.wait_log_s=5"]
     started = time.monotonic()
     job = _sbatch(slurm_env, submitted, tmp_path, "run_tiny_flagship.sh", overrides)
     trainer_log, slurm_log = run_dir / "logs" / "trainer_rank0.log", tmp_path / f"slurm-{job}.out"
@@ -682,6 +682,21 @@ def test_flagship_shape_requeued_mid_run_trains_every_sample_once(slurm_env, sub
             len(c) == 2 and c[1] >= 1 for c in _updates_per_server_start(run_dir, node).values()),
             timeout_s=JOB_TIMEOUT_S, log=slurm_log)
         restarted_at = time.monotonic()
+        # `pipelinerl status` on the login node, through the network filesystem, while the actor is stopped: the
+        # trainer's wait for data past trainer.wait_log_s, the restarted servers step, its servers at a version.
+        status = {}
+
+        def stalled_and_shown() -> bool:
+            status.update(json.loads(_on_login(slurm_env, "from pipelinerl.cli import main\n"
+                                                           f"main(['status', {str(run_dir)!r}, '--json'])")))
+            servers = [r for n, r in status["roles"].items() if n.startswith(f"{node}:server")]
+            return (any(w["role"] == "trainer" for w in status["long_waits"]) and len(servers) == SERVERS
+                    and all(r.get("server", {}).get("version", 0) >= 1 for r in servers))
+
+        _wait_until("the trainer's wait and the servers' versions in `pipelinerl status`", stalled_and_shown,
+                    timeout_s=300, poll_s=1.0, log=slurm_log)
+        assert status["roles"][f"servers@{node}"]["restarts"] == 1, status["roles"]
+        assert {"trainer", "actor0"} <= set(status["statuses"]) and status["statuses"]["trainer"]["step"] > 2
         # What Slurm sends signal_seconds before the time limit: USR1 to the batch shell only.
         _slurm(slurm_env, "scancel", "--batch", "--signal=USR1", job)
         signalled = time.monotonic()

@@ -122,9 +122,12 @@ def _gloo_thread_cores() -> dict[int, frozenset[int]]:
     """This process's gloo threads (its TCP loops and workers): thread id -> the cores it may run on."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            if "gloo" in f.read():
-                out[int(tid)] = frozenset(os.sched_getaffinity(int(tid)))
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if "gloo" in f.read():
+                    out[int(tid)] = frozenset(os.sched_getaffinity(int(tid)))
+        except (FileNotFoundError, ProcessLookupError):  # a thread (of any library) that ended since the listing
+            pass
     return out
 
 

@@ -46,7 +46,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -58,6 +58,7 @@ sys.path.insert(0, str(REPO))
 from pipelinerl.config import Config, StreamsConfig, load_config  # noqa: E402
 from pipelinerl.launch.commands import cli, server_port  # noqa: E402
 from pipelinerl.launch.procs import die_with_parent  # noqa: E402
+from pipelinerl.launch.status import snapshot  # noqa: E402
 from pipelinerl.rundir import list_servers  # noqa: E402
 
 KINDS = ("server", "actor", "trainer", "servers", "hang", "reward")
@@ -92,6 +93,9 @@ class Kill:
     lost_groups: int | None = None
     redone_steps: int | None = None  # a trainer: steps trained again since its last checkpoint
     hung: bool = False  # SIGSTOPped (kind `hang`), not killed
+    # what `pipelinerl status` showed after the kill: the role's "state (restarts N)", and each wait past its limit
+    seen: set[str] = field(default_factory=set)
+    long_waits: set[str] = field(default_factory=set)
 
     @property
     def label(self) -> str:
@@ -190,10 +194,20 @@ class Chaos:
         while not done():
             if not self.alive():
                 return False
+            if self.kills:
+                self._observe(self.kills[-1])
             if time.monotonic() > deadline:
                 raise TimeoutError(f"chaos: {what} not within {timeout_s:.0f} s; see {self.run_dir}/logs/")
             time.sleep(poll_s)
         return True
+
+    def _observe(self, kill: Kill) -> None:
+        """What `pipelinerl status` shows of the killed role, and the waits past their limits."""
+        snap = snapshot(self.run_dir)
+        entry = snap["roles"].get(kill.role)
+        if entry is not None:
+            kill.seen.add(f"{entry['state']} (restarts {entry['restarts']})")
+        kill.long_waits |= {f"{w['role']}: {w['for']}" for w in snap["long_waits"]}
 
     def healed(self) -> bool:
         """Every role running, every policy server announced, a trainer step logged after the last kill."""

@@ -226,12 +226,25 @@ AIOHTTP_ADDERS = {"add_get": "GET", "add_post": "POST", "add_put": "PUT", "add_p
                   "add_delete": "DELETE"}
 
 
+def parse(source: str, filename: str) -> ast.Module:
+    """ast.parse, again when CPython 3.11 raises "AST constructor recursion depth mismatch": its AST conversion
+    keeps one recursion counter per interpreter, so a compile() in another thread at the same moment (a lazy import
+    in a library's thread, in a long test process) can fail a correct parse."""
+    for attempt in range(5):
+        try:
+            return ast.parse(source, filename)
+        except SystemError as err:
+            if "recursion depth mismatch" not in str(err) or attempt == 4:
+                raise
+    raise AssertionError("unreachable")
+
+
 def http_page(package: Path = PACKAGE) -> str:
     """The routes of every module under `package` that registers some, one section per module and one table per
     function that registers them."""
     body = []
     for path in sorted(package.rglob("*.py")):
-        module = ast.parse(path.read_text(), str(path))
+        module = parse(path.read_text(), str(path))
         groups = [(name, doc, routes) for name, doc, routes in route_groups(module, path) if routes]
         if not groups:
             continue
@@ -372,7 +385,7 @@ def _class_named(name: str, module: ast.Module) -> ast.ClassDef | None:
         if (isinstance(stmt, ast.ImportFrom) and (stmt.module or "").startswith("pipelinerl.")
                 and any(alias.name == name and alias.asname is None for alias in stmt.names)):
             source = REPO / (stmt.module.replace(".", "/") + ".py")
-            return _class_named(name, ast.parse(source.read_text())) if source.exists() else None
+            return _class_named(name, parse(source.read_text(), str(source))) if source.exists() else None
     return None
 
 

@@ -91,6 +91,7 @@ class Actor:
         self.filtered_writer = (StreamWriter(cfg.run_dir, FILTERED_TOPIC, actor_id, cfg.streams)
                                 if cfg.rl.filter_zero_variance else None)
         self.tb = Scalars(cfg.run_dir, actor_id)
+        self.status = rundir.StatusFile(cfg.run_dir, actor_id)  # for `pipelinerl status` (_log_if_held)
         # Built now, so a missing eval file stops the start (not the first evaluation, hours in).
         self.eval_suites = actor_suites(cfg, self.task) if cfg.actor.eval_every_steps else []
         self.version = 0  # the version every eligible server serves (the oldest they report; -1: none answered)
@@ -436,17 +437,23 @@ class Actor:
         self._log_if_held()
 
     def _log_if_held(self) -> None:
-        """With nothing in flight and the lag bound holding the next group back, a warning every
-        actor.wait_log_s names the version it waits for and what every server reports."""
-        if self.in_flight or self.held_by() != "lag":
+        """The status file (the servers' version, groups in flight, what holds the next group back), and with
+        nothing in flight and the lag bound holding the next group back, a wait there and a warning every
+        actor.wait_log_s naming the version it waits for and what every server reports."""
+        held = self.held_by()
+        self.status.update(version=self.version, groups_in_flight=len(self.in_flight), held_by=held,
+                           prompts_started=self.next_prompt, samples_started=self.started_samples, lost=self.lost)
+        if self.in_flight or held != "lag":
             self.held_since = None
+            self.status.done_waiting()
             return
+        need = self.min_version()
+        self.status.waiting(f"the servers to reach version {need}", serving=self.version)
         now = time.monotonic()
         if self.held_since is None:
             self.held_since, self.held_log = now, now + self.cfg.actor.wait_log_s
         elif now >= self.held_log:
             self.held_log = now + self.cfg.actor.wait_log_s
-            need = self.min_version()
             log.warning("waiting %.0f s to start prompt %d (sample %d): the servers serve version %d and it needs "
                         "version %d, published after trainer step %d; %s", now - self.held_since, self.next_prompt,
                         self.started_samples, self.version, need, need, self.client.pool.describe(need))
@@ -471,6 +478,9 @@ class Actor:
             self.filtered_writer.close()
         self.tb.close()
         self.task.close()
+        self.status.update(state="stopped", waiting=None)
+        self.status.flush()
+        self.status.close()
 
 
 def run_actor(cfg: Config, actor_id: str = "actor0") -> None:

@@ -9,7 +9,9 @@ on a daemon thread, every server of a round at once, and `procs.Supervisor.check
 of one that has not answered 200 for the timeout; the death path then removes its discovery file and
 restarts it like any other death (launch/restarts.py). Both launchers go through it: `pipelinerl run`
 (launch/local.py) and a Slurm node's servers agent (launch/slurm_node.py). A server not yet announced is
-left to inference.startup_timeout_s.
+left to inference.startup_timeout_s. A server that answers is also asked `GET /status` (a policy server's version,
+whether it is updating or held; a kind without the route answers 404 and reports nothing): what the launcher's
+status file shows (`pipelinerl status`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEALTH_PATH = "/health"
+STATUS_PATH = "/status"
+STATUS_TIMEOUT_S = 2.0  # for /status: a slow one must not delay the next round of health polls
+STATUS_FIELDS = ("version", "updating", "held_s", "updates", "last_pause_s")  # of /status, kept for the report
 POLL_S = 5.0  # at most this long between two polls of a server
 REQUEST_TIMEOUT_S = 10.0  # at most this long for one answer (connect and read)
 MAX_PARALLEL = 16  # polls in flight at once: one wedged server must not delay the others' polls
@@ -38,6 +43,7 @@ class _Server:
     last_ok: float  # monotonic time of its last 200 (at first: when it was first seen announced, having
     #   answered its own /health just before it published)
     failing: bool = False  # its latest poll got no 200
+    status: dict | None = None  # STATUS_FIELDS of its latest /status answer
 
 
 class HealthWatch:
@@ -81,6 +87,17 @@ class HealthWatch:
             silent_s = time.monotonic() - server.last_ok
         return (server.url, silent_s) if silent_s >= self.timeout_s else None
 
+    def report(self, name: str, pid: int) -> dict:
+        """For the status file: `health` ("ok", "silent N s", or "not polled yet") and what its latest /status
+        said."""
+        with self._lock:
+            server = self._servers.get((name, pid))
+            if server is None:
+                return {}
+            silent_s = time.monotonic() - server.last_ok
+            health = f"silent {silent_s:.0f} s" if server.failing else "ok"
+            return {"health": health, **({"server": dict(server.status)} if server.status else {})}
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -96,18 +113,25 @@ class HealthWatch:
             while not self._stop.wait(self.poll_s):
                 with self._lock:
                     servers = list(self._servers.values())
-                for server, ok in zip(servers, pool.map(lambda s: _answers(http, s.url), servers)):
+                for server, (ok, status) in zip(servers, pool.map(lambda s: _poll(http, s.url), servers)):
                     with self._lock:  # a server forgotten meanwhile is updated in vain: harmless
                         server.failing = not ok
                         if ok:
-                            server.last_ok = time.monotonic()
+                            server.last_ok, server.status = time.monotonic(), status
 
 
-def _answers(http, url: str) -> bool:
-    """Did `url` answer GET /health with 200 within the client's timeout?"""
+def _poll(http, url: str) -> tuple[bool, dict | None]:
+    """(did `url` answer GET /health with 200 within the client's timeout, STATUS_FIELDS of its GET /status)."""
     import httpx
 
     try:
-        return http.get(url + HEALTH_PATH).status_code == 200
+        if http.get(url + HEALTH_PATH).status_code != 200:
+            return False, None
     except (httpx.HTTPError, httpx.InvalidURL):  # no answer in time, refused, reset; a garbled discovery file
-        return False
+        return False, None
+    try:
+        answer = http.get(url + STATUS_PATH, timeout=STATUS_TIMEOUT_S)
+        body = answer.json() if answer.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):  # healthy but no /status in time, or not JSON: health is what counts
+        body = None
+    return True, ({k: body[k] for k in STATUS_FIELDS if k in body} if isinstance(body, dict) else None)

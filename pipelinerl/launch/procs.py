@@ -6,7 +6,10 @@ SIGKILL, the kernel sends them SIGTERM and nothing is orphaned. A role with CPU 
 affinity before it execs, so every thread and process it starts inherits them. With a restart policy
 (launch/restarts.py) a role that died is started again in its place: same name, log, environment and
 cores, its command recomputed by `restart_argv` (a server: from the latest checkpoint). With a health watch
-(launch/health.py) an announced server that stopped answering is SIGKILLed and then dies the same way.
+(launch/health.py) an announced server that stopped answering is SIGKILLed and then dies the same way. With a
+status file (rundir.StatusFile) every check rewrites the roles' state there: each role's pid, state (running,
+starting: a server not announced yet; exited N; stopped), restarts and log, and a server's URL, kind, health
+and /status: what `pipelinerl status` shows.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from pipelinerl.config import Config
     from pipelinerl.launch.health import HealthWatch
     from pipelinerl.launch.restarts import Restarts
+    from pipelinerl.rundir import StatusFile
 
 log = logging.getLogger(__name__)
 
@@ -97,19 +101,23 @@ class Supervisor:
     that exits past it, and stops the rest in reverse start order. With `health`, a server (a role with one
     discovery file) that announced itself and then stopped answering counts as dead (`_kill_if_hung`)."""
 
-    def __init__(self, restarts: Restarts | None = None, health: HealthWatch | None = None) -> None:
+    def __init__(self, restarts: Restarts | None = None, health: HealthWatch | None = None,
+                 status: StatusFile | None = None) -> None:
         self.running: dict[str, tuple[Role, subprocess.Popen]] = {}
         self.restarts = restarts
         self.health = health
+        self.status = status
 
     @classmethod
     def from_config(cls, cfg: Config, folder: str = "launch") -> Supervisor:
         """A supervisor of servers as `pipelinerl run` and a Slurm node's agent run them: cfg.launch's restart
-        policy (TensorBoard under RUN_DIR/tb/<folder>) and health watch (launch.server_health_timeout_s)."""
+        policy (TensorBoard under RUN_DIR/tb/<folder>), health watch (launch.server_health_timeout_s) and
+        status file (RUN_DIR/status/<folder>.json)."""
         from pipelinerl.launch.health import HealthWatch
         from pipelinerl.launch.restarts import Restarts
+        from pipelinerl.rundir import StatusFile
 
-        return cls(Restarts.from_config(cfg, folder), HealthWatch.from_config(cfg))
+        return cls(Restarts.from_config(cfg, folder), HealthWatch.from_config(cfg), StatusFile(cfg.run_dir, folder))
 
     def start(self, role: Role) -> subprocess.Popen:
         assert role.name not in self.running, role.name
@@ -140,6 +148,35 @@ class Supervisor:
             self._restart(role, proc)
         if self.restarts is not None:
             self.restarts.check_up([role.name for role, _ in self.running.values() if _is_up(role)])
+        self._report()
+
+    def _report(self, stopped: bool = False) -> None:
+        """The roles' state into the status file (when there is one)."""
+        if self.status is None:
+            return
+        roles = {}
+        for role, proc in self.running.values():
+            code = proc.poll()
+            if code is not None:
+                state = f"exited {code}"
+            else:
+                state = "stopped" if stopped else "running" if _is_up(role) else "starting"
+            entry = {"pid": proc.pid, "state": state, "log": str(role.log_path), "restarts": 0}
+            if self.restarts is not None:
+                entry.update(restarts=self.restarts.count.get(role.name, 0), down_s=self.restarts.down_s(role.name))
+            if isinstance(role.discovery, Path):
+                entry["kind"] = role.discovery.parent.name
+                try:
+                    entry["url"] = role.discovery.read_text().strip()
+                except FileNotFoundError:  # not announced (yet, or again)
+                    pass
+                if self.health is not None and code is None:
+                    entry.update(self.health.report(role.name, proc.pid))
+            roles[role.name] = entry
+        self.status.update(roles=roles, **({"state": "stopped"} if stopped else {}))
+        if stopped:
+            self.status.flush()
+            self.status.close()
 
     def _watch_health(self) -> None:
         """Hand the health watch the servers announced now. Only a role with one discovery file is a server:
@@ -205,6 +242,8 @@ class Supervisor:
         """Stop roles newest first: SIGTERM the role's own process, which shuts its children down (vLLM's
         API server stops its engine and frees its shared memory; signalling the engine processes at the
         same time leaks /dev/shm segments), then SIGKILL whatever of the group outlives `grace_s`."""
+        if self.running:
+            self._report(stopped=True)
         for name in reversed(list(self.running)):
             proc = self.running[name][1]
             deadline = time.monotonic() + grace_s

@@ -73,6 +73,11 @@ class Restarts:
         self._write(f"launch/restarts/{name}", self.count[name], self.count[name])
         return True
 
+    def down_s(self, name: str) -> float | None:
+        """How long a restarted role has been down (None: up, or never restarted)."""
+        since = self._down_since.get(name)
+        return None if since is None else time.monotonic() - since
+
     def check_up(self, up: list[str]) -> None:
         """Record the downtime of every restarted role among `up` (the names of the roles up now)."""
         for name in up:

@@ -70,7 +70,7 @@ from pipelinerl.launch.slurm_node import colocated, node_placement
 from pipelinerl.launch.summary import summarize, summary_line
 from pipelinerl.netif import interface_env
 from pipelinerl.plan import check_before_start
-from pipelinerl.rundir import ADVERTISE_ENV, SERVER_FOLDERS, WILDCARDS, bind_host, server_file
+from pipelinerl.rundir import ADVERTISE_ENV, SERVER_FOLDERS, WILDCARDS, StatusFile, bind_host, server_file
 
 log = logging.getLogger(__name__)
 
@@ -408,7 +408,9 @@ def launch(cfg: Config, alloc: Allocation) -> None:
     ensure_model(cfg)
     check_before_start(cfg, trainer_ranks(cfg))  # every role's GPU memory, before any srun
     roles = plan_roles(cfg, alloc, config_path)
-    signals, sup, requeue_now = _Signals(), Supervisor(Restarts.from_config(cfg)), False
+    # The job's steps (servers@NODE, trainer, actors); each node's agent watches and reports its own servers
+    sup = Supervisor(Restarts.from_config(cfg), status=StatusFile(cfg.run_dir, "launch"))
+    signals, requeue_now = _Signals(), False
     try:
         steps = [role for role in roles.values() if role.name.startswith("servers@")]
         side = {**side_server_counts(cfg), "openenv": cfg.task.openenv_servers_started * server_nodes(cfg)}

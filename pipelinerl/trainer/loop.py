@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pipelinerl.config import Config, ConfigError
+from pipelinerl.rundir import StatusFile
 from pipelinerl.trainer.backends import build_trainer
 from pipelinerl.trainer.checkpoints import (
     StopSignals,
@@ -310,12 +311,13 @@ def checkpoint(trainer: Trainer, cfg: Config, dist: DistInfo, state: LoopState) 
 
 
 class StepLogger:
-    """TensorBoard scalars (rank 0) and per-token zarr statistics (every rank, its own arrays)."""
+    """TensorBoard scalars (rank 0), per-token zarr statistics (every rank, its own arrays), and rank 0's status
+    file (RUN_DIR/status/trainer.json: the step, version, samples/s and lag, for `pipelinerl status`)."""
 
-    def __init__(self, cfg: Config, dist: DistInfo, resumed_step: int):
+    def __init__(self, cfg: Config, dist: DistInfo, resumed_step: int, status: StatusFile | None = None):
         from pipelinerl.metrics import Scalars, TokenStats
 
-        self.cfg, self.dist = cfg, dist
+        self.cfg, self.dist, self.status = cfg, dist, status
         self.scalars = Scalars(cfg.run_dir, "trainer") if cfg.logging.tensorboard and dist.is_main else None
         self.tokens = TokenStats(cfg.run_dir, f"rank{dist.rank}") if cfg.logging.zarr_stats else None
         if self.tokens is not None:
@@ -328,6 +330,11 @@ class StepLogger:
             lag, behaviour, current = (torch.cat(parts).numpy() for parts in zip(*token_log))
             if self.tokens is not None:
                 self.tokens.append(step - 1, lag, behaviour, current)
+        if self.status is not None:
+            self.status.update(step=step, step_at=time.time(), max_steps=self.cfg.trainer.max_steps, **{
+                k: stats[k] for k in ("samples_per_s", "samples_seen", "lag_mean", "lag_max", "reward_mean",
+                                   "data_wait_fraction")
+                if k in stats})
         if not self.dist.is_main or step % self.cfg.logging.every_steps:
             return
         if self.scalars is not None:
@@ -339,6 +346,10 @@ class StepLogger:
     def close(self) -> None:
         if self.scalars is not None:
             self.scalars.close()
+        if self.status is not None:
+            self.status.update(state="stopped", waiting=None)
+            self.status.flush()
+            self.status.close()
 
 
 def _sync_due(cfg: Config, step: int) -> bool:
@@ -369,8 +380,9 @@ def train(cfg: Config) -> None:
         signals.install()
     delivery = start_delivery(cfg, dist, publication) if dist.is_main else None
     eval_delivery = start_delivery(cfg, dist, publication, evaluation=True) if evaluation else None
-    data = StepData(cfg, dist, state.cursor, lambda: signals.received is not None, delivery)
-    logger = StepLogger(cfg, dist, state.step)
+    status = StatusFile(cfg.run_dir, "trainer") if dist.is_main else None
+    data = StepData(cfg, dist, state.cursor, lambda: signals.received is not None, delivery, status)
+    logger = StepLogger(cfg, dist, state.step, status)
     try:
         trainer.publish_weights(state.step)  # servers (re)started on older weights catch up before any step
         _run(trainer, data, cfg, dist, state, signals, logger, delivery)
@@ -458,4 +470,6 @@ def _run(trainer: Trainer, data: StepData, cfg: Config, dist: DistInfo, state: L
     if state.last_saved != state.step:
         checkpoint(trainer, cfg, dist, state)
     if delivery is not None:  # the servers outlive the trainer: they should serve (and evaluate) the final weights
+        if logger.status is not None:
+            logger.status.waiting(f"the servers to load the final version {delivery.publication.latest_version()}")
         delivery.wait_for(delivery.publication.latest_version(), cfg.inference.weight_update_timeout_s)

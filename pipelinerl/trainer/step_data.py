@@ -64,12 +64,13 @@ def group_tokens(batch: pa.RecordBatch) -> int:
 class StepData:
     """The trainer's view of the rollout stream: `next_step()` on every rank, in step."""
 
-    def __init__(self, cfg: Config, dist: DistInfo, cursor: dict | None, stop_flag, delivery=None):
+    def __init__(self, cfg: Config, dist: DistInfo, cursor: dict | None, stop_flag, delivery=None, status=None):
         """`stop_flag()` is true once this process received a stop signal; `delivery` (a weights.Delivery): its
-        `failure` stops every rank and `describe()` goes into the wait logs (both read on rank 0 only)."""
+        `failure` stops every rank and `describe()` goes into the wait logs (both read on rank 0 only); `status` (a
+        rundir.StatusFile, rank 0): where a wait for data is recorded while it lasts."""
         from pipelinerl.streams import ROLLOUT_TOPIC, StreamReader
 
-        self.cfg, self.dist, self.stop_flag, self.delivery = cfg, dist, stop_flag, delivery
+        self.cfg, self.dist, self.stop_flag, self.delivery, self.status = cfg, dist, stop_flag, delivery, status
         self.groups = cfg.trainer.samples_per_step // cfg.actor.attempts
         self.reader = StreamReader(cfg.run_dir, ROLLOUT_TOPIC, cfg.streams, cursor=cursor) if dist.is_main else None
 
@@ -81,6 +82,8 @@ class StepData:
         """This rank's groups of the next step, or None when a stop signal came while rank 0 waited.
         Raises StreamStarved on every rank when the data did not come in time."""
         answer = self._read(step) if self.dist.is_main else None
+        if self.status is not None:
+            self.status.done_waiting()
         if self.dist.world_size > 1:
             answer = _scatter(answer)
         elif answer is not None:
@@ -115,6 +118,8 @@ class StepData:
                 log.info("stop signal while waiting for step %d's data (%d of %d groups read)", step,
                          len(batches), self.groups)
                 return [("stop", None)] * world
+            if self.status is not None:
+                self.status.waiting(f"the rollouts of step {step + 1}", groups_read=len(batches), groups=self.groups)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return [("starved", self._starved_message(step, len(batches), before))] * world
