@@ -354,7 +354,7 @@ ROWS = [("samples trained / s", "samples_per_s", "{:.1f}"), ("generated tokens /
         ("occupancy per quarter", "occupancy_quarters", "{}"),
         ("trainer idle fraction", "trainer_idle", "{:.3f}"), ("lag mean (tokens)", "lag_mean", "{:.3f}"),
         ("lag max", "lag_max", "{}"), ("lag mean / max, lag model", "predicted", "{}"),
-        ("ESS (mean of steps)", "ess", "{:.3f}"), ("KL(behaviour||current) k3", "kl_k3", "{:.4f}"),
+        ("ESS (mean of steps)", "ess", "{:.3f}"), ("KL(behaviour||current) k3", "kl_k3", "{:.3g}"),
         ("completion length median", "length_median", "{:.0f}"), ("completion length p99", "length_p99", "{:.0f}"),
         ("model turns per sample", "turns_mean", "{:.2f}"), ("  p99", "turns_p99", "{:.0f}"),
         ("  max", "turns_max", "{}"), ("  samples of > 1 turn", "multi_turn", "{:.3f}"),
@@ -381,7 +381,8 @@ def print_table(results: dict[str, dict], target: float) -> None:
         p, c = pipe.get(key), conv.get(key)
         missing = "not reached" if "target" in key else "-"
         show = [fmt.format(v) if v is not None else missing for v in (p, c)]
-        numbers = isinstance(p, (int, float)) and isinstance(c, (int, float)) and c and key != "target_version"
+        # no ratio to a float-noise denominator (KL(behaviour||current) at lag 0 is ~1e-13)
+        numbers = all(isinstance(v, (int, float)) for v in (p, c)) and abs(c) > 1e-9 and key != "target_version"
         ratio = f"{p / c:.2f}" if numbers else ""
         label = label.replace("target", f"{target:.2f}")
         print(f"{label:<28}{show[0]:>21}{show[1]:>21}{ratio:>11}")

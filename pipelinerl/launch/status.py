@@ -213,7 +213,7 @@ def _detail(wait: dict) -> str:
 
 
 def _ago(st: dict) -> str:
-    return f"updated {st['age_s']:.0f} s ago"
+    return f"updated {max(0.0, st['age_s']):.0f} s ago"  # clocks a little apart (another host) read as now
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
