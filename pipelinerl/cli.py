@@ -45,7 +45,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> None:
         if args.experts:
             raise SystemExit("make-tiny-model: --experts builds a policy; the tiny reward model is dense")
         from pipelinerl.config import TaskConfig
-        from pipelinerl.reward_model import build_tiny_reward_model
+        from pipelinerl.tiny.reward_model import build_tiny_reward_model
 
         r = build_tiny_reward_model(args.out_dir, shape, TaskConfig(name=args.task, seed=args.seed), seed=args.seed)
         kinds = ", ".join(f"{kind} {accuracy:.3f}" for kind, accuracy in r["heldout_by_kind"].items())
@@ -55,13 +55,13 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> None:
         return
     if args.warm_start:
         from pipelinerl.config import TaskConfig
-        from pipelinerl.tasks.warm_start import build_warm_tiny_model
+        from pipelinerl.tiny.warm_start import build_warm_tiny_model
 
         result = build_warm_tiny_model(args.out_dir, shape, TaskConfig(name=args.task, seed=args.seed))
         print(f"tiny {kind} model saved to {args.out_dir}, warm-started on {args.task}: {result['steps']} steps in "
               f"{result['seconds']:.0f} s, held-out greedy success {result['heldout_greedy']:.3f}")
         return
-    from pipelinerl.tiny_model import build_tiny_model
+    from pipelinerl.tiny.model import build_tiny_model
 
     model, _ = build_tiny_model(args.out_dir, shape)
     n_params = sum(p.numel() for p in model.parameters())
@@ -174,7 +174,7 @@ def trainer_ranks(cfg: Config) -> int:
 def cmd_plan(args: argparse.Namespace) -> None:
     import json
 
-    from pipelinerl.plan import SKIPPED, plan_for
+    from pipelinerl.plan.memory import SKIPPED, plan_for
 
     overrides = list(args.overrides)
     if args.gpu_memory_gb is not None:
@@ -192,7 +192,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from pipelinerl.evaluate import run_eval
+    from pipelinerl.eval.command import run_eval
 
     run_eval(args.target, args.overrides, config=args.config, step=args.step, sets=[args.sets], samples=args.samples,
              temperature=args.temperature, greedy=not args.no_greedy, out=args.out)

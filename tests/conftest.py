@@ -59,7 +59,7 @@ def pytest_xdist_make_scheduler(config, log):
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A freshly built (untrained) tiny model, shared by the whole session."""
     from pipelinerl.config import TinyModelConfig
-    from pipelinerl.tiny_model import build_tiny_model
+    from pipelinerl.tiny.model import build_tiny_model
 
     out = tmp_path_factory.mktemp("models") / "tiny"
     build_tiny_model(out, TinyModelConfig(seed=0))
@@ -73,7 +73,7 @@ def moe_model_dir(tmp_path_factory) -> Path:
     import torch
 
     from pipelinerl.config import TinyModelConfig
-    from pipelinerl.tiny_model import build_tiny_model, save_model
+    from pipelinerl.tiny.model import build_tiny_model, save_model
 
     out = tmp_path_factory.mktemp("models") / "moe"
     model, tokenizer = build_tiny_model(out, TinyModelConfig(seed=0, num_experts=8))
@@ -129,7 +129,7 @@ def conventional_g2_run(tmp_path_factory, tiny_model_dir) -> Path:
 def warm_model_dir(tmp_path_factory) -> Path:
     """The tiny model briefly warm-started (held-out greedy >= 0.2): some samples earn a reward."""
     from pipelinerl.config import TaskConfig, TinyModelConfig
-    from pipelinerl.tasks.warm_start import build_warm_tiny_model
+    from pipelinerl.tiny.warm_start import build_warm_tiny_model
 
     out = tmp_path_factory.mktemp("models") / "warm"
     result = build_warm_tiny_model(out, TinyModelConfig(seed=0, warm_start_target=0.2), TaskConfig(name="addition"))
@@ -144,7 +144,7 @@ def tools_model_dir(tmp_path_factory) -> Path:
     so that groups of differing rewards are common. Checked here: a model that solves none or all would stall a
     run with dynamic sampling behind a stream of filtered groups."""
     from pipelinerl.config import TaskConfig, TinyModelConfig
-    from pipelinerl.tasks.warm_start import build_warm_tiny_model
+    from pipelinerl.tiny.warm_start import build_warm_tiny_model
 
     out = tmp_path_factory.mktemp("models") / "tools"
     shape = TinyModelConfig(seed=0, warm_start_steps=56, warm_start_target=1.0, warm_start_check_every=56)

@@ -1,4 +1,4 @@
-"""The actor's evaluation on an evaluation server (actor/eval_servers.py) against a scripted server (httpx's
+"""The actor's evaluation on an evaluation server (eval/servers.py) against a scripted server (httpx's
 MockTransport): the score is kept only when every token came from the held version and the hold was still in
 force at the release; a server that stops answering ends the evaluation instead of leaving it waiting."""
 
@@ -8,11 +8,11 @@ import httpx
 import pytest
 
 from pipelinerl.actor import Completion
-from pipelinerl.actor import eval_servers as module
-from pipelinerl.actor.eval_servers import EvalServers
-from pipelinerl.actor.evals import SampledItem
 from pipelinerl.config import load_config
-from pipelinerl.eval_metrics import ItemOutcome
+from pipelinerl.eval import servers as module
+from pipelinerl.eval.metrics import ItemOutcome
+from pipelinerl.eval.servers import EvalServers
+from pipelinerl.eval.sets import SampledItem
 from pipelinerl.rundir import EVAL_SERVERS_DIR, publish_server
 from pipelinerl.tasks import PromptItem
 

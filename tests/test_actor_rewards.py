@@ -14,7 +14,7 @@ from pipelinerl.actor import CompletionsClient
 from pipelinerl.actor.rewards import RewardModelInputs
 from pipelinerl.config import ConfigError, RewardConfig, load_config
 from pipelinerl.rundir import REWARD_SERVERS_DIR
-from pipelinerl.tiny_model import build_tokenizer
+from pipelinerl.tiny.model import build_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 

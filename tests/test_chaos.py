@@ -121,7 +121,7 @@ def plumbing_reward_model(tmp_path_factory) -> Path:
     """A tiny reward model trained only a few steps (seconds): a kill's property needs a reward server, not a good
     reward model (tests/test_reward_model.py checks the real one)."""
     from pipelinerl.config import TaskConfig, TinyModelConfig
-    from pipelinerl.reward_model import build_tiny_reward_model
+    from pipelinerl.tiny.reward_model import build_tiny_reward_model
 
     out = tmp_path_factory.mktemp("models") / "rm"
     build_tiny_reward_model(out, TinyModelConfig(), TaskConfig(name="addition"), steps=10, seed=0, sft_steps=10)

@@ -63,7 +63,7 @@ def test_the_agent_run_survives_an_actor_kill_training_every_episode_once(result
 
 def test_consumed_rows_are_agent_conversations_within_the_lag_bound(result):
     from pipelinerl.metrics import read_token_stats
-    from pipelinerl.tiny_model import build_tokenizer
+    from pipelinerl.tiny.model import build_tokenizer
 
     res, out = result
     assert res.code == chaos.STOPPED, res.table

@@ -21,7 +21,7 @@ STEPS = 8
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory):
     from pipelinerl.config import TaskConfig, TinyModelConfig
-    from pipelinerl.tasks.warm_start import build_warm_tiny_model
+    from pipelinerl.tiny.warm_start import build_warm_tiny_model
 
     model_dir = tmp_path_factory.mktemp("models") / "moe_warm"
     shape = TinyModelConfig(seed=0, num_experts=8, warm_start_target=0.2)

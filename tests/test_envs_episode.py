@@ -15,7 +15,7 @@ from pipelinerl.envs.episode import NO_LOGPROB, NO_VERSION, Episode, EpisodeLimi
 from pipelinerl.envs.tool_calls import COMPACT_ERROR_REPLY, ToolSpec, call_format
 from pipelinerl.envs.toolbox import Toolbox, calculator_tool
 from pipelinerl.tasks.base import PromptItem
-from pipelinerl.tiny_model import build_tokenizer
+from pipelinerl.tiny.model import build_tokenizer
 
 # A chat template in Qwen2.5's format (written for these tests): a system turn, listing the tools inside
 # <tools></tools> when there are any; assistant tool calls as <tool_call> JSON blocks; consecutive `tool`

@@ -18,7 +18,7 @@ from pipelinerl.envs.runner import ENV_ERROR, run_episode
 from pipelinerl.streams.schema import group_batch
 from pipelinerl.tasks.base import PromptItem
 from pipelinerl.tasks.tool_sums import ToolSumsTask
-from pipelinerl.tiny_model import build_tokenizer
+from pipelinerl.tiny.model import build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_a_busy_slow_calculator_makes_the_item_call_again_as_its_demonstration_d
     demonstration calls k + 1 times within the task's episode limits."""
     from pipelinerl.config.actor import ToolSumsConfig
     from pipelinerl.tasks import tool_sums
-    from pipelinerl.tasks.warm_start import encode_episodes
+    from pipelinerl.tiny.warm_start import encode_episodes
 
     slow = ToolSumsTask(TaskConfig(name="tool_sums", tool_sums=ToolSumsConfig(max_busy=7, latency_s=0.3)))
     counts = [tool_sums.busy_calls(i, 7) for i in slow.train_items]

@@ -24,7 +24,7 @@ from pipelinerl.envs.tool_calls import (
 from pipelinerl.envs.toolbox import CALCULATOR_SPEC, PYTHON_SPEC, Answer, Toolbox, calculator_tool, python_tool
 from pipelinerl.envs.tools.calculator import MAX_LENGTH, CalculatorError, evaluate, evaluate_exact
 from pipelinerl.envs.tools.sandbox import SandboxResult
-from pipelinerl.tiny_model import ALPHABET
+from pipelinerl.tiny.model import ALPHABET
 
 COUNTER = ToolSpec("count", "Count.", {"type": "object", "required": ["n"],
                                        "properties": {"n": {"type": "integer"}, "loud": {"type": "boolean"}}})

@@ -12,7 +12,7 @@ import pytest
 from helpers import worker_port
 
 from pipelinerl.config import ConfigError
-from pipelinerl.eval_metrics import ItemOutcome, format_table, ks_for, mode_report, pass_at_k, summarize
+from pipelinerl.eval.metrics import ItemOutcome, format_table, ks_for, mode_report, pass_at_k, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"
@@ -80,7 +80,7 @@ def test_summary_and_table_on_synthetic_outcomes():
 
 def test_resolve_target_run_dir_and_model_folder(tmp_path):
     from pipelinerl.config import load_config, save_config
-    from pipelinerl.evaluate import resolve_target
+    from pipelinerl.eval.command import resolve_target
 
     run = tmp_path / "run"
     save_config(load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={run}"]), run / "config.yaml")
@@ -112,7 +112,7 @@ def test_sets_requested_and_built_from_the_config(tmp_path):
     """`--sets a,b`: the held-out split greedy and/or sampled, a named set as task.eval_sets says;
     unknown names and a missing file are errors naming what exists."""
     from pipelinerl.config import load_config
-    from pipelinerl.evaluate import check_request, eval_suites
+    from pipelinerl.eval.command import check_request, eval_suites
     from pipelinerl.tasks import get_task
 
     assert check_request(["default,sums", "sums"], 4, True) == ["default", "sums"]
@@ -139,9 +139,9 @@ def test_sets_requested_and_built_from_the_config(tmp_path):
 
 
 def test_the_report_has_a_section_per_set_and_mode(tmp_path):
-    from pipelinerl.actor.evals import EvalSuite
     from pipelinerl.config import load_config
-    from pipelinerl.evaluate import Target, build_report
+    from pipelinerl.eval.command import Target, build_report
+    from pipelinerl.eval.sets import EvalSuite
 
     cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"run_dir={tmp_path}"])
     suites = [EvalSuite("default", [], 1, 0.0), EvalSuite("aime24", [], 2, 0.6)]

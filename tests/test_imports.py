@@ -4,8 +4,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pipelinerl"
-ROLE_PACKAGES = ("actor", "inference", "launch", "trainer", "weights", "streams", "tasks", "rl", "evaluate",
-                 "plan", "plan_shapes", "cli")
+ROLE_PACKAGES = ("actor", "inference", "launch", "trainer", "weights", "streams", "tasks", "rl", "eval",
+                 "plan", "cli")
 
 
 def _graph() -> dict[str, set[str]]:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from pipelinerl.config import TaskConfig, TinyModelConfig
 from pipelinerl.metrics import read_token_stats
 from pipelinerl.tasks import get_task
-from pipelinerl.tasks.warm_start import warm_start
+from pipelinerl.tiny.warm_start import warm_start
 
 pytestmark = pytest.mark.slow  # reads two short `pipelinerl run`s
 

@@ -19,7 +19,7 @@ from pipelinerl.config.actor import OpenEnvConfig
 from pipelinerl.envs.episode import EpisodeLimits
 from pipelinerl.envs.runner import ENV_ERROR, run_episode
 from pipelinerl.tasks import get_task
-from pipelinerl.tiny_model import build_tokenizer
+from pipelinerl.tiny.model import build_tokenizer
 
 ENVS = Path(__file__).parent / "openenv_envs"
 LIMITS = EpisodeLimits(max_turns=4, max_tokens_per_turn=20, max_total_tokens=96)

@@ -27,7 +27,7 @@ from pipelinerl.launch.local import openenv_roles
 from pipelinerl.launch.procs import Supervisor
 from pipelinerl.rundir import OPENENV_SERVERS_DIR, list_servers, publish_server
 from pipelinerl.tasks import get_task
-from pipelinerl.tiny_model import build_tokenizer
+from pipelinerl.tiny.model import build_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "tiny_openenv.yaml"

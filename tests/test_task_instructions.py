@@ -10,7 +10,7 @@ from pipelinerl import cli
 from pipelinerl.config import ConfigError, TaskConfig, load_config
 from pipelinerl.launch.slurm import check_config, dry_run_allocation, plan_roles
 from pipelinerl.launch.slurm_node import node_server_roles
-from pipelinerl.plan import plan_for
+from pipelinerl.plan.memory import plan_for
 from pipelinerl.tasks import get_task
 
 REPO = Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ import pytest
 
 from pipelinerl.config import ConfigError, TaskConfig
 from pipelinerl.tasks import get_task, task_class
-from pipelinerl.tiny_model import ALPHABET
+from pipelinerl.tiny.model import ALPHABET
 
 
 def test_split_is_deterministic_disjoint_and_complete():

@@ -8,7 +8,7 @@ import pytest
 from pipelinerl.config import TaskConfig, load_config
 from pipelinerl.tasks import get_task, task_class
 from pipelinerl.tasks.arithmetic import length_stats, trace_text
-from pipelinerl.tiny_model import ALPHABET
+from pipelinerl.tiny.model import ALPHABET
 
 REPO = Path(__file__).resolve().parent.parent
 

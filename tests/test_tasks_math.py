@@ -144,8 +144,8 @@ def test_reward_options_are_checked():
 def test_named_eval_sets_of_the_math_task(tmp_path, task):
     """tests/data/math_eval.jsonl's {Problem, Answer} rows read with the default field names, worded like
     training prompts and graded by math-verify; a set with its own field names; max_prompts."""
-    from pipelinerl.actor.evals import named_suite
     from pipelinerl.config import load_config
+    from pipelinerl.eval.sets import named_suite
 
     data = Path(__file__).parent / "data"
     (tmp_path / "own.jsonl").write_text(json.dumps({"prompt": "What is 2+2?", "solution": "4"}) + "\n")

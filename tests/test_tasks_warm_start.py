@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipelinerl.config import TaskConfig, TinyModelConfig
 from pipelinerl.envs.runner import run_episode
 from pipelinerl.tasks import get_task
-from pipelinerl.tasks.warm_start import (
+from pipelinerl.tiny.warm_start import (
     _Greedy,
     encode_episodes,
     encode_examples,
@@ -127,7 +127,7 @@ def test_the_warm_start_of_a_slow_tool_task_runs_its_episodes_without_the_delay(
     """task.tool_sums.latency_s delays the actor's tool calls; the warm start (which only teaches the format)
     builds its task without it, the busy answers kept."""
     from pipelinerl.config.actor import ToolSumsConfig
-    from pipelinerl.tasks import warm_start as module
+    from pipelinerl.tiny import warm_start as module
 
     seen = []
     monkeypatch.setattr(module, "warm_start", lambda model_dir, task, shape: seen.append(task) or {})

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelinerl.config import TinyModelConfig
-from pipelinerl.tiny_model import ALPHABET, build_tiny_model
+from pipelinerl.tiny.model import ALPHABET, build_tiny_model
 
 HERE = Path(__file__).resolve().parent
 

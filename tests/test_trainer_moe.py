@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pipelinerl.config import TinyModelConfig
-from pipelinerl.tiny_model import build_tokenizer, tiny_config
+from pipelinerl.tiny.model import build_tokenizer, tiny_config
 from pipelinerl.trainer.moe import RouterTap, find_routers, load_balancing_loss, load_stats, slot_counts
 
 SHAPE = TinyModelConfig(num_experts=8, experts_per_token=2, moe_intermediate_size=32)

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from pipelinerl.config import StreamsConfig
 from pipelinerl.envs.tool_calls import ToolCall, ToolSpec, call_format
 from pipelinerl.streams import StreamReader
-from pipelinerl.tiny_model import build_tokenizer
+from pipelinerl.tiny.model import build_tokenizer
 
 pytestmark = pytest.mark.slow  # a 56-step warm start (~30 s) and one short `pipelinerl run` (~1.5 min)
 

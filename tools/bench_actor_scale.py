@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_summary import Summary  # noqa: E402
 
 from pipelinerl.rundir import publish_server  # noqa: E402
-from pipelinerl.tiny_model import ALPHABET, BOS, EOS, PAD  # noqa: E402
+from pipelinerl.tiny.model import ALPHABET, BOS, EOS, PAD  # noqa: E402
 
 VOCAB = [PAD, BOS, EOS, *ALPHABET]  # the tiny tokenizer's ids (tiny_model.build_tokenizer)
 EOS_ID = VOCAB.index(EOS)
@@ -156,7 +156,7 @@ async def run_round(n: int, url: str, run_dir: str) -> dict:
     from pipelinerl.actor.transport import actor_client
     from pipelinerl.config import load_config
     from pipelinerl.tasks import get_task
-    from pipelinerl.tiny_model import build_tokenizer
+    from pipelinerl.tiny.model import build_tokenizer
 
     cfg = load_config(REPO / "configs" / "tiny_tools.yaml", [f"run_dir={run_dir}", "actor.request_timeout_s=600"])
     task, tok, g = get_task(cfg.task), build_tokenizer(), cfg.actor.attempts

@@ -88,7 +88,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, run_dir: str, steps
 
 
 def bench(name: str, work: Path, steps: int) -> dict:
-    from pipelinerl.tiny_model import build_tiny_model
+    from pipelinerl.tiny.model import build_tiny_model
 
     model_dir, run_dir = work / f"model_{name}", work / f"run_{name}"
     run_dir.mkdir(parents=True, exist_ok=True)

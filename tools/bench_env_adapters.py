@@ -28,7 +28,7 @@ from pipelinerl.config.actor import AgentTaskConfig, VerifiersConfig  # noqa: E4
 from pipelinerl.envs.episode import EpisodeLimits  # noqa: E402
 from pipelinerl.envs.runner import run_episode  # noqa: E402
 from pipelinerl.tasks import get_task  # noqa: E402
-from pipelinerl.tiny_model import build_tokenizer  # noqa: E402
+from pipelinerl.tiny.model import build_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 LIMITS = EpisodeLimits(max_turns=3, max_tokens_per_turn=20, max_total_tokens=96)

@@ -43,7 +43,7 @@ def build_model(out_dir: Path, vocab: int, hidden: int, layers: int, logit_std: 
 
     from pipelinerl.config import TinyModelConfig
     from pipelinerl.dtypes import torch_dtype
-    from pipelinerl.tiny_model import BOS, EOS, PAD, save_model, tiny_qwen2_config
+    from pipelinerl.tiny.model import BOS, EOS, PAD, save_model, tiny_qwen2_config
 
     words = [PAD, BOS, EOS, *(f"w{i}" for i in range(3, vocab))]
     core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token=PAD))

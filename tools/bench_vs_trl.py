@@ -22,7 +22,7 @@ generations, 256 samples = 32 prompts per optimizer step, one step per generatio
 1, as an on-policy step of ours), loss_type="dr_grpo" with rewards not scaled and beta=0 (group-mean
 baseline, a per-token sum over the step's sequences: ours), our lr schedule (pipelinerl/trainer/model.py's
 lr_factor), AdamW with our betas, eps and weight decay, temperature 1, 6 new tokens, and the held-out
-evaluation by a TrainerCallback at the same cadence (tasks/warm_start.py's greedy_success, the one
+evaluation by a TrainerCallback at the same cadence (tiny/warm_start.py's greedy_success, the one
 `pipelinerl run` reports before and after RL), its time counted in TRL's wall time. What cannot be matched
 is in unmatched() (printed and in the JSON).
 
@@ -153,7 +153,7 @@ def trl_worker(config: Path, row: str, seed: int, steps: int, out_dir: Path) -> 
     from trl import GRPOConfig, GRPOTrainer
 
     from pipelinerl.tasks import get_task
-    from pipelinerl.tasks.warm_start import greedy_success
+    from pipelinerl.tiny.warm_start import greedy_success
     from pipelinerl.trainer.model import lr_factor
 
     task = get_task(cfg.task)

@@ -69,7 +69,7 @@ BATCH, NEW_TOKENS = 16, 128
 
 
 def build_model(out: Path, shape: TinyModelConfig = SHAPE):
-    from pipelinerl.tiny_model import build_tiny_model
+    from pipelinerl.tiny.model import build_tiny_model
 
     model, _ = build_tiny_model(out, shape)
     return model

@@ -56,7 +56,7 @@ def build_model(out_dir: Path, shape: str, device: str):
     from transformers import AutoModelForCausalLM
 
     from pipelinerl.config import TinyModelConfig
-    from pipelinerl.tiny_model import build_tokenizer, save_model, tiny_config
+    from pipelinerl.tiny.model import build_tokenizer, save_model, tiny_config
 
     hidden, layers, heads, kv, ffn, vocab = SHAPES[shape]
     experts, top_k, expert_ffn, head_dim = MOE_SHAPES.get(shape, (0, 2, 64, None))

@@ -110,7 +110,7 @@ def server_check(model_dir: Path, workdir: Path, args, moe: bool = False) -> Row
     """Step 4, or with `moe` step 10 on a mixture of experts (its routing returned and compared)."""
     from pipelinerl.config import load_config
     from pipelinerl.launch.procs import free_port
-    from pipelinerl.tiny_model import build_tokenizer
+    from pipelinerl.tiny.model import build_tokenizer
     from pipelinerl.trainer.moe import RouterTap
 
     step = (f"server MoE [{model_dir.name.removeprefix('model_')}]: routed experts + lag-0 routing" if moe else

@@ -19,7 +19,7 @@ from pipelinerl.actor.pacing import take_turn
 from pipelinerl.config import Config
 from pipelinerl.envs.episode import NO_VERSION, EpisodeLimits
 from pipelinerl.envs.runner import EpisodeResult, run_episode
-from pipelinerl.eval_metrics import ItemOutcome
+from pipelinerl.eval.metrics import ItemOutcome
 from pipelinerl.streams import Rollout
 from pipelinerl.tasks import PromptItem, Task
 

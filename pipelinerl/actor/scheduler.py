@@ -40,16 +40,16 @@ from pipelinerl import rundir
 from pipelinerl.actor.client import KEEPALIVE_S, Completion, CompletionsClient
 from pipelinerl.actor.curriculum import Curriculum
 from pipelinerl.actor.episodes import EpisodeStats, episode_rollout, sample_episodes
-from pipelinerl.actor.eval_servers import EvalServers
-from pipelinerl.actor.evals import SampledItem, actor_suites, sample_suite, token_versions
 from pipelinerl.actor.judge import judge_messages, parse_verdict
 from pipelinerl.actor.resume import record_started, resume_position
 from pipelinerl.actor.rewards import RewardModelInputs, check_same_tokenizer
 from pipelinerl.actor.transport import actor_client, ready_process
 from pipelinerl.config import Config
 from pipelinerl.config.actor import DEFAULT_EVAL_SET
-from pipelinerl.eval_metrics import scalars as eval_scalars
-from pipelinerl.eval_metrics import summarize
+from pipelinerl.eval.metrics import scalars as eval_scalars
+from pipelinerl.eval.metrics import summarize
+from pipelinerl.eval.servers import EvalServers
+from pipelinerl.eval.sets import SampledItem, actor_suites, sample_suite, token_versions
 from pipelinerl.streams import EVAL_TOPIC, FILTERED_TOPIC, ROLLOUT_TOPIC, Rollout
 from pipelinerl.tasks import PromptItem, get_task
 
@@ -350,7 +350,7 @@ class Actor:
 
     async def _evaluate_on_eval_server(self, http: httpx.AsyncClient) -> None:
         """An evaluation server serving the due version or a newer one, held at it for every suite
-        (eval_servers.py); an evaluation that failed or was dropped is due again at once."""
+        (eval/servers.py); an evaluation that failed or was dropped is due again at once."""
         picked = await self.eval_servers.pick(http, self.next_eval)
         if picked is None:
             return

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelinerl.tiny_model import ALPHABET
+from pipelinerl.tiny.model import ALPHABET
 
 MAX_CALLS = 8  # calls per turn; more are answered with a ToolError each
 

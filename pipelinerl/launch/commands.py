@@ -96,12 +96,6 @@ def policy_server(cfg: Config, config_path: str, i: int, model: str, version: in
     return _updated_server(cfg, config_path, "policy", i, model, version)
 
 
-def eval_server(cfg: Config, config_path: str, i: int, model: str, version: int) -> tuple[str, list[str]]:
-    """(name, argv) of eval server i (`serve --eval`): a policy server on its own port that announces itself in
-    RUN_DIR/eval_servers, serving `model` at `version` like policy_server."""
-    return _updated_server(cfg, config_path, "eval", i, model, version)
-
-
 def _updated_server(cfg: Config, config_path: str, kind: str, i: int, model: str,
                     version: int) -> tuple[str, list[str]]:
     """(name, argv) of a server that takes weight updates: policy server slot i, or eval server i."""

@@ -52,7 +52,7 @@ from pipelinerl.launch.commands import (
 )
 from pipelinerl.launch.placement import CpuPlacement, Placement, eval_cores, format_ids, split_cpus, split_node
 from pipelinerl.launch.procs import Role, RoleFailed, Supervisor
-from pipelinerl.plan import check_before_start
+from pipelinerl.plan.memory import check_before_start
 from pipelinerl.rundir import OPENENV_SERVERS_DIR, POLICY_KINDS, SERVER_FOLDERS, SERVERS_DIR, list_servers
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def _ensure_teacher(cfg: Config) -> None:
     if not cfg.model.build_tiny_if_missing:
         raise ConfigError(f"config `rl.teacher`: {teacher} has no config.json; point it at an HF-format model with "
                           "the policy's tokenizer (or set model.build_tiny_if_missing=true for a tiny one)")
-    from pipelinerl.tasks.warm_start import build_warm_tiny_model
+    from pipelinerl.tiny.warm_start import build_warm_tiny_model
 
     tiny = dataclasses.replace(cfg.model.tiny, warm_start_target=cfg.model.tiny.teacher_warm_start_target)
     log.info("building the tiny teacher in %s (warm start to %.2f on `%s`)...", teacher, tiny.warm_start_target,
@@ -106,7 +106,7 @@ def _ensure_policy_model(cfg: Config) -> None:
     if not cfg.model.build_tiny_if_missing:
         raise ConfigError(f"config `model.path`: {model_dir} has no config.json; point it at an HF-format model "
                          "(or set model.build_tiny_if_missing=true for the tiny CPU model)")
-    from pipelinerl.tasks.warm_start import build_warm_tiny_model
+    from pipelinerl.tiny.warm_start import build_warm_tiny_model
 
     task = cfg.task if cfg.model.tiny.warm_start_task is None else TaskConfig(name=cfg.model.tiny.warm_start_task,
                                                                               seed=cfg.task.seed)
@@ -124,7 +124,7 @@ def _ensure_reward_model(cfg: Config) -> None:
     if not r.build_tiny_if_missing:
         raise ConfigError(f"config `reward.model_path`: {r.model_path} has no config.json; point it at an HF-format "
                           "sequence classifier (or set reward.build_tiny_if_missing=true for the tiny CPU one)")
-    from pipelinerl.reward_model import build_tiny_reward_model
+    from pipelinerl.tiny.reward_model import build_tiny_reward_model
 
     log.info("building the tiny reward model of `%s` in %s...", cfg.task.name, r.model_path)
     report = build_tiny_reward_model(r.model_path, cfg.model.tiny, cfg.task, seed=cfg.seed)
@@ -347,7 +347,7 @@ def follow_trainer(cfg: Config, sup: Supervisor, urls: list[str]) -> None:
 def report_success(cfg: Config) -> None:
     """Held-out greedy success of the starting model and of the last checkpoint (transformers)."""
     from pipelinerl.tasks import get_task
-    from pipelinerl.tasks.warm_start import heldout_greedy
+    from pipelinerl.tiny.warm_start import heldout_greedy
 
     final, version = serving_weights(cfg)
     task = get_task(cfg.task)

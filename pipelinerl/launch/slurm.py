@@ -69,7 +69,7 @@ from pipelinerl.launch.restarts import Restarts
 from pipelinerl.launch.slurm_node import colocated, node_placement
 from pipelinerl.launch.summary import summarize, summary_line
 from pipelinerl.netif import interface_env
-from pipelinerl.plan import check_before_start
+from pipelinerl.plan.memory import check_before_start
 from pipelinerl.rundir import ADVERTISE_ENV, SERVER_FOLDERS, WILDCARDS, StatusFile, bind_host, server_file
 
 log = logging.getLogger(__name__)

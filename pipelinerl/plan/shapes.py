@@ -1,8 +1,8 @@
-"""The model shapes the memory plan (plan.py) computes with: a decoder-only transformer's dimensions and
+"""The model shapes the memory plan (memory.py) computes with: a decoder-only transformer's dimensions and
 parameter count, from a model folder's config.json, else the shipped configs' built-in table, else the
 config's tiny-model section.
 
-Apart from plan.py, whose arithmetic takes a ModelShape and reads no files: finding a model's shape is the
+Apart from memory.py, whose arithmetic takes a ModelShape and reads no files: finding a model's shape is the
 part that looks at model folders.
 """
 
@@ -120,7 +120,7 @@ def shape_at(path: str, tiny: bool, cfg: Config, key: str) -> tuple[ModelShape, 
     if name in BUILTIN_SHAPES:
         return BUILTIN_SHAPES[name], f"built-in shape of {name} ({config_json} not found)"
     if tiny:
-        from pipelinerl.tiny_model import ALPHABET
+        from pipelinerl.tiny.model import ALPHABET
 
         t = cfg.model.tiny
         vocab = 3 + len(ALPHABET)  # pad, bos, eos + one token per symbol (tiny_model.build_tokenizer)

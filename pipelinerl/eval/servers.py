@@ -24,9 +24,9 @@ import httpx
 
 from pipelinerl import rundir
 from pipelinerl.actor.client import CompletionsClient
-from pipelinerl.actor.evals import SampledItem, token_versions
 from pipelinerl.config import Config
 from pipelinerl.control import ControlError, hold_server, read_status, release_server
+from pipelinerl.eval.sets import SampledItem, token_versions
 
 log = logging.getLogger(__name__)
 

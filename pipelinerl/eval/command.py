@@ -14,8 +14,8 @@ start_servers) with a scratch run directory of their own (a fresh temporary fold
 logs) on free ports from inference.base_port, so a live run on the same machine is never disturbed. The eval sets
 of `--sets a,b` (default: `default`) are read before any server starts (a missing file is an error naming the
 set), sampled through the actor's CompletionsClient and graded with task.reward / task.is_success, exactly as the
-actor evaluates them (pipelinerl/actor/evals.py). The JSON report (per set and mode: pass@k, mean length,
-truncation rate, every item's outcomes; eval_metrics.py) is written atomically and printed as a table. The scratch
+actor evaluates them (pipelinerl/eval/sets.py). The JSON report (per set and mode: pass@k, mean length,
+truncation rate, every item's outcomes; eval/metrics.py) is written atomically and printed as a table. The scratch
 folder is deleted on success and kept (its path logged) when a server fails.
 
 Eval sets:
@@ -161,7 +161,7 @@ def eval_suites(cfg: Config, task, names: list[str], samples: int, greedy: bool)
     """The suites of `--sets`: `default` greedy and/or sampled (`samples` completions per item at
     actor.sampling.temperature), a named set as task.eval_sets defines it, its file read now (before any
     server starts)."""
-    from pipelinerl.actor.evals import held_out_suite, named_suite
+    from pipelinerl.eval.sets import held_out_suite, named_suite
 
     unknown = [n for n in names if n != DEFAULT_EVAL_SET and n not in cfg.task.eval_sets]
     if unknown:
@@ -189,7 +189,7 @@ async def sample_suites(cfg: Config, task, tokenizer, suites: list) -> tuple[lis
     import httpx
 
     from pipelinerl.actor.client import KEEPALIVE_S, CompletionsClient
-    from pipelinerl.actor.evals import sample_suite
+    from pipelinerl.eval.sets import sample_suite
 
     client = CompletionsClient(cfg.actor, cfg.run_dir, reference=False)
     gate = asyncio.Semaphore(cfg.actor.max_groups_in_flight)
@@ -203,7 +203,7 @@ async def sample_suites(cfg: Config, task, tokenizer, suites: list) -> tuple[lis
 
 def build_report(target: Target, cfg: Config, suites: list, outcomes: list[list], version: int) -> dict:
     """The JSON report: where the weights came from and, per set and mode, the metrics and outcomes."""
-    from pipelinerl.eval_metrics import mode_report
+    from pipelinerl.eval.metrics import mode_report
 
     sets: dict[str, dict] = {}
     for suite, items in zip(suites, outcomes):
@@ -217,7 +217,7 @@ def run_eval(target_arg: str, overrides: list[str], *, config: str | None = None
              greedy: bool = True, out: str | None = None) -> dict:
     """Entry point of `pipelinerl eval`: serve the target, sample, grade, write and print the report."""
     from pipelinerl.atomic import write_file
-    from pipelinerl.eval_metrics import format_table
+    from pipelinerl.eval.metrics import format_table
     from pipelinerl.tasks import get_task
 
     names = check_request(list(sets), samples, greedy)

@@ -1,7 +1,7 @@
 """Eval sets, sampled and graded: the task's held-out split (`default`) and the named sets of task.eval_sets.
 
 The actor runs `actor_suites` every actor.eval_every_steps (scheduler.py); `pipelinerl eval --sets` runs the
-suites it names (evaluate.py). Both build their suites here and sample them with `sample_suite`, so a set
+suites it names (eval/command.py). Both build their suites here and sample them with `sample_suite`, so a set
 means the same in both: its items (a file's first max_prompts rows), completions per item and temperature.
 A named set's file is read when its suite is built, at the start of the actor or of `pipelinerl eval`, so
 a missing file stops the start, naming the set's path key; loading a config never reads it (`pipelinerl
@@ -22,7 +22,7 @@ from pipelinerl.config import Config
 from pipelinerl.config.actor import DEFAULT_EVAL_SET
 from pipelinerl.envs.episode import NO_VERSION
 from pipelinerl.envs.runner import EpisodeResult
-from pipelinerl.eval_metrics import ItemOutcome
+from pipelinerl.eval.metrics import ItemOutcome
 from pipelinerl.tasks import PromptItem, Task
 
 

@@ -25,7 +25,7 @@ from pipelinerl.config import TaskConfig, TinyModelConfig
 from pipelinerl.envs.episode import Episode
 from pipelinerl.envs.runner import EpisodeResult, run_episode
 from pipelinerl.tasks.base import PromptItem, Task
-from pipelinerl.tiny_model import build_tiny_model, save_model
+from pipelinerl.tiny.model import build_tiny_model, save_model
 
 BATCH_SIZE = 128
 STEP_TIMEOUT_S = 30.0  # an environment's answer in a demonstration or a greedy episode

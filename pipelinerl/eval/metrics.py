@@ -1,6 +1,6 @@
 """Evaluation metrics of the actor's eval sets and `pipelinerl eval`, pure: per-item outcomes in, pass@k, mean
 length, truncation rate, TensorBoard scalars and the printed table out. No I/O, no servers
-(pipelinerl/actor/evals.py samples and grades the outcomes).
+(pipelinerl/eval/sets.py samples and grades the outcomes).
 
 pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code"):
 with n samples of a prompt of which c succeed, the chance that k drawn without replacement include a

@@ -4,7 +4,7 @@ The first step towards RLHF with served reward models: a real reward model that 
 (`--runner pooling`, `POST /classify`), trained here in about a minute so tests and tiny runs need no hub (on
 this project's 2 cores with little else running: 67 s on 2 torch threads, 120 s on one; with a test suite
 loading them to 9-10: 15 min on 2 threads, whose OpenMP regions wait for a descheduled thread, 3 min on one).
-It has the tiny policy's shape and tokenizer (tiny_model.py) with a one-logit head, and learns what the
+It has the tiny policy's shape and tokenizer (model.py) with a one-logit head, and learns what the
 task's own grader rewards: `reward_text(prompt, answer, finished=True)` high; a wrong answer (one digit
 changed: off by a nonzero amount), a malformed one (a digit too many or too few) or an unfinished one (no
 EOS) low. Labels come from `Task.reward`, so the model learns the task's reward and nothing else.
@@ -34,7 +34,7 @@ import torch
 
 from pipelinerl.config import ConfigError, TaskConfig, TinyModelConfig
 from pipelinerl.tasks.base import PromptItem, Task
-from pipelinerl.tiny_model import build_tokenizer, save_model, tiny_qwen2_config
+from pipelinerl.tiny.model import build_tokenizer, save_model, tiny_qwen2_config
 
 SFT_STEPS = 300  # supervised steps of the backbone: 0.99 held-out greedy on addition (200: 0.52, and a worse RM)
 STEPS = 800  # classifier steps
@@ -187,7 +187,7 @@ def supervised_backbone(tiny_cfg: TinyModelConfig, task_cfg: TaskConfig, sft_ste
     task (no early stop), its score head drawn from `seed`; returns (model, tokenizer, warm start's report)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from pipelinerl.tasks.warm_start import build_warm_tiny_model
+    from pipelinerl.tiny.warm_start import build_warm_tiny_model
 
     shape = replace(tiny_cfg, seed=seed, warm_start_steps=sft_steps, warm_start_target=1.0,
                     warm_start_check_every=max(1, sft_steps))
@@ -208,7 +208,7 @@ def rl_start_policy(tiny_cfg: TinyModelConfig, task_cfg: TaskConfig):
     memory: the one whose mistakes the reward model must score low."""
     from transformers import AutoModelForCausalLM
 
-    from pipelinerl.tasks.warm_start import build_warm_tiny_model
+    from pipelinerl.tiny.warm_start import build_warm_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="tiny-rm-policy-") as tmp:
         build_warm_tiny_model(tmp, tiny_cfg, task_cfg)

@@ -29,7 +29,7 @@ trainer rank  params: b x P, sharded over N by ZeRO-3; grads: the float32 accumu
               with evaluation servers, whose delivery leases a version of its own), with delta updates
               each delivery's encoder base, b x P more each, and with ZeRO's offload_optimizer the float32
               master and Adam moments of the node's ranks (12 B x P x their share).
-              A mixture of experts (plan_shapes.ModelShape): P counts every expert; activations count the FFN
+              A mixture of experts (shapes.ModelShape): P counts every expert; activations count the FFN
               width a token passes through (its k routed experts) and the router's float32 logits; the largest
               tensor (an update bucket's floor) is a layer's fused gate-up experts, E x 2 x I_e x H.
               trainer.backend=fsdp2: float32 master params, float32 grads and Adam m and v, all sharded over
@@ -73,7 +73,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 from pipelinerl.config import Config, ConfigError
-from pipelinerl.plan_shapes import ModelShape, load_shape, reward_shape, shape_at
+from pipelinerl.plan.shapes import ModelShape, load_shape, reward_shape, shape_at
 
 log = logging.getLogger(__name__)
 
