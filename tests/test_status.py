@@ -205,3 +205,17 @@ def test_the_command_prints_the_snapshot(tmp_path, args):
     missing = subprocess.run([sys.executable, "-m", "pipelinerl", "status", str(tmp_path / "nope")],
                              capture_output=True, text=True, timeout=120, cwd=REPO)
     assert missing.returncode != 0 and "no such run directory" in missing.stderr
+
+
+def test_files_that_are_not_status_files_are_left_out_and_never_crash_the_command(tmp_path):
+    """Whatever else lies in RUN_DIR/status or RUN_DIR/logs (garbled, hand-written, a folder named *.log)."""
+    (tmp_path / "status").mkdir()
+    for name, text in {"garbled": "{not json", "a_list": "[1, 2]", "no_time": '{"step": 3}',
+                       "bad_wait": '{"time": 1.0, "waiting": "forever"}', "bad_roles": '{"time": 1.0, "roles": [1]}'
+                       }.items():
+        (tmp_path / "status" / f"{name}.json").write_text(text)
+    _write(tmp_path, "launch", host="h", pid=1, time=time.time(), roles={"x": "not a role", "server0": {"pid": 2}})
+    (tmp_path / "logs" / "folder.log").mkdir(parents=True)
+    snap = snapshot(tmp_path)
+    assert set(snap["statuses"]) == {"launch"} and set(snap["roles"]) == {"server0"} and snap["errors"] == {}
+    assert "server0  ?" in render(snap)

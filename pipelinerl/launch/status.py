@@ -40,8 +40,8 @@ def snapshot(run_dir: str | Path, now: float | None = None) -> dict:
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no such run directory")
     limits = _wait_limits(run_dir)
-    statuses = {name: {**st, "age_s": now - st.get("time", now), "stale": _stale(st, now)}
-                for name, st in read_statuses(run_dir).items()}
+    statuses = {name: {**st, "age_s": now - st["time"], "stale": _stale(st, now)}
+                for name, st in read_statuses(run_dir).items() if _well_formed(st)}
     for st in statuses.values():
         if "step_at" in st:
             st["age_step_s"] = now - st["step_at"]
@@ -52,6 +52,8 @@ def snapshot(run_dir: str | Path, now: float | None = None) -> dict:
         if name.startswith("launch"):
             prefix = "" if name == "launch" else name.removeprefix("launch_") + ":"
             for role, entry in st.get("roles", {}).items():
+                if not isinstance(entry, dict):
+                    continue
                 roles[prefix + role] = {**entry, "launcher": name,
                                         "kind": KINDS.get(entry.get("kind"), entry.get("kind"))}
     waits = []
@@ -63,6 +65,15 @@ def snapshot(run_dir: str | Path, now: float | None = None) -> dict:
             "statuses": statuses, "long_waits": waits, "errors": last_errors(run_dir / "logs")}
 
 
+def _well_formed(status: object) -> bool:
+    """A status file as the roles write it (anything else in the folder is left out, never a crash)."""
+    if not isinstance(status, dict) or not isinstance(status.get("time"), (int, float)):
+        return False
+    wait = status.get("waiting")
+    return (wait is None or isinstance(wait, dict) and isinstance(wait.get("since"), (int, float))) \
+        and isinstance(status.get("roles", {}), dict)
+
+
 def _wait_limits(run_dir: Path) -> dict[str, float]:
     limits = {"trainer": 30.0, "actor": 30.0}  # the config's defaults, where it cannot be read
     try:
@@ -70,7 +81,7 @@ def _wait_limits(run_dir: Path) -> dict[str, float]:
 
         cfg = load_config(run_dir / "config.yaml")
         limits.update(trainer=cfg.trainer.wait_log_s, actor=cfg.actor.wait_log_s)
-    except (OSError, ValueError):
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable, or not a config of this version
         pass
     return limits
 
@@ -105,9 +116,12 @@ def last_errors(logs: Path) -> dict[str, dict]:
     """Each log's last error (its end only: TAIL_BYTES), with the log's path."""
     found = {}
     for path in sorted(logs.glob("*.log")) if logs.is_dir() else []:
-        with open(path, "rb") as f:
-            f.seek(max(0, path.stat().st_size - TAIL_BYTES))
-            error = last_error(f.read().decode(errors="replace").splitlines())
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, path.stat().st_size - TAIL_BYTES))
+                error = last_error(f.read().decode(errors="replace").splitlines())
+        except OSError:  # a folder named *.log, a log not readable by this user
+            continue
         if error is not None:
             found[path.stem] = {"line": error[:300], "log": str(path)}
     return found
@@ -144,7 +158,8 @@ def render(snap: dict) -> str:
             lines.append(f"{name}: pid {st.get('pid')} on {st.get('host')}, {_ago(st)}")
     if snap["roles"]:
         lines += ["", "roles", *_table(["role", "state", "pid", "restarts", "log"],
-                                       [[n, r["state"] + (f" (down {r['down_s']:.0f} s)" if r.get("down_s") else ""),
+                                       [[n, str(r.get("state", "?")) + (f" (down {r['down_s']:.0f} s)"
+                                                                         if r.get("down_s") else ""),
                                          r.get("pid"), r.get("restarts", 0), r.get("log", "")]
                                         for n, r in snap["roles"].items()])]
     servers = {n: r for n, r in snap["roles"].items() if r.get("kind")}
