@@ -194,7 +194,8 @@ def _headline(snap: dict) -> str:
 
 def _role_line(name: str, st: dict) -> str:
     if name == "trainer":
-        parts = [f"step {st.get('step', 0)}" + (f" ({st['age_step_s']:.0f} s ago)" if "age_step_s" in st else ""),
+        parts = [f"step {st.get('step', 0)}" + (f" ({max(0.0, st['age_step_s']):.0f} s ago)" if "age_step_s" in st
+                                                else ""),
                  f"{st['samples_per_s']:.1f} samples/s" if "samples_per_s" in st else "",
                  f"lag mean {st['lag_mean']:.2f} max {st.get('lag_max', 0):.0f}" if "lag_mean" in st else "",
                  f"data wait {st['data_wait_fraction']:.0%}" if "data_wait_fraction" in st else ""]
