@@ -126,14 +126,14 @@ def test_the_status_file_shows_a_silent_server_silent_then_healthy_again(tmp_pat
     try:
         sup.start(Role("server0", [sys.executable, "-c", HEALTH_SERVER, str(port), str(discovery), str(runs), "1"],
                        tmp_path / "server0.log", discovery=discovery))
-        _check_until(sup, lambda: health() == "ok", "polled healthy", 60.0)
+        _check_until(sup, lambda: health() == "ok", "polled healthy", 120.0)
         pid = sup.running["server0"][1].pid
         os.killpg(pid, signal.SIGSTOP)
         try:
-            _check_until(sup, lambda: health().startswith("silent"), "shown silent", 60.0)
+            _check_until(sup, lambda: health().startswith("silent"), "shown silent", 120.0)
         finally:
             os.killpg(pid, signal.SIGCONT)
-        _check_until(sup, lambda: health() == "ok", "healthy again", 60.0)
+        _check_until(sup, lambda: health() == "ok", "healthy again", 120.0)
         assert sup.running["server0"][1].pid == pid and not sup.restarts.count
         assert snapshot(run_dir)["roles"]["server0"]["state"] == "running"
     finally:
