@@ -48,6 +48,17 @@ def test_the_dry_run_prints_the_grid_with_finished_points_and_runs_nothing(study
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dpo", "grpo"]  # nothing written, nothing run
 
 
+def test_the_pipeline_knob_sets_max_lag_and_room_in_flight_for_it(study, tmp_path, capsys):
+    cfg = load_config(CONFIG)
+    groups = cfg.trainer.samples_per_step // cfg.actor.attempts
+    assert study.main([CONFIG, "--objectives", "rloo", "--knob", "pipeline", "--staleness", "0,4", "--out",
+                       str(tmp_path), "--dry-run"]) == 0
+    lines = {li.split()[0]: li for li in capsys.readouterr().out.splitlines()[:-1]}
+    in_flight = max(groups, cfg.actor.max_groups_in_flight)
+    assert f"mode=pipeline actor.max_lag=0 actor.max_groups_in_flight={in_flight} seed=0" in lines["rloo/lag0/seed0"]
+    assert f"actor.max_lag=4 actor.max_groups_in_flight={max(5 * groups, in_flight)} seed=0" in lines["rloo/lag4/seed0"]
+
+
 def test_an_unknown_objective_or_an_impossible_point_is_refused(study, tmp_path, capsys):
     assert study.main([CONFIG, "--objectives", "grpo,ppo2", "--out", str(tmp_path), "--dry-run"]) == 2
     assert "ppo2" in capsys.readouterr().err
