@@ -146,7 +146,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_actor(args: argparse.Namespace) -> None:
-    from pipelinerl.actor import run_actor
+    from pipelinerl.actor.scheduler import run_actor
 
     run_actor(load_config(args.config, args.overrides), args.actor_id)
 

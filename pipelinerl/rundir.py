@@ -173,15 +173,16 @@ class StatusFile:
             self.update(waiting=None)
 
     def flush(self) -> None:
+        # One write at a time: the heartbeat and an update in the same process share the temporary file's name.
         with self._lock:
             self._written = time.monotonic()
-            text = json.dumps({**self.fields, "time": time.time()}, default=str) + "\n"
-        try:
-            write_file(self.path, text, fsync=False)
-        except OSError as err:
-            if not self._failed:
-                log.warning("cannot write %s (%s): `pipelinerl status` will not show this role", self.path, err)
-            self._failed = True
+            try:
+                write_file(self.path, json.dumps({**self.fields, "time": time.time()}, default=str) + "\n",
+                           fsync=False)
+            except OSError as err:
+                if not self._failed:
+                    log.warning("cannot write %s (%s): `pipelinerl status` will not show this role", self.path, err)
+                self._failed = True
 
     def close(self) -> None:
         self._stop.set()

@@ -24,9 +24,10 @@ import torch
 from helpers import worker_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipelinerl.actor import Actor, Completion, ServerPool
+from pipelinerl.actor import Completion, ServerPool
 from pipelinerl.actor import client as client_module
 from pipelinerl.actor.client import CompletionsClient, _completion_logprobs, _parse_choice, _top_k
+from pipelinerl.actor.scheduler import Actor
 from pipelinerl.config import load_config, save_config
 from pipelinerl.launch.local import wait_for_servers
 from pipelinerl.launch.procs import Role, Supervisor

@@ -13,8 +13,7 @@ import httpx
 import pytest
 from test_actor import G, _announce, _choice, _config, _scalars, _status, mock_actor_client
 
-from pipelinerl.actor import Actor
-from pipelinerl.actor.scheduler import informative
+from pipelinerl.actor.scheduler import Actor, informative
 from pipelinerl.config import load_config
 from pipelinerl.streams import FILTERED_TOPIC, ROLLOUT_TOPIC, StreamReader, StreamTimeout
 

@@ -158,7 +158,8 @@ def test_the_actor_asks_the_judge_once_per_completion_and_counts_unparsed_verdic
     """reward.kind=judge: one chat request per completion to the reward server, the rubric filled with the prompt
     and the completion (braces in them kept); SCORE / judge_max_score is the reward, an unparseable verdict 0 and
     counted (actor/judge_unparsed_frac); the task's check is kept as verified_reward."""
-    from pipelinerl.actor import Actor, Completion
+    from pipelinerl.actor import Completion
+    from pipelinerl.actor.scheduler import Actor
     from pipelinerl.config import save_config
 
     cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [

@@ -18,7 +18,8 @@ from helpers import worker_port
 from test_actor import _read_samples, _start_actor, _stop
 from transformers import AutoModelForCausalLM
 
-from pipelinerl.actor import Actor, Completion
+from pipelinerl.actor import Completion
+from pipelinerl.actor.scheduler import Actor
 from pipelinerl.config import load_config, save_config
 from pipelinerl.launch.local import _roles, placement, wait_for_servers
 from pipelinerl.launch.procs import Supervisor

@@ -12,7 +12,8 @@ import torch
 from helpers import worker_port
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from pipelinerl.actor import Actor, Completion
+from pipelinerl.actor import Completion
+from pipelinerl.actor.scheduler import Actor
 from pipelinerl.config import TaskConfig, TinyModelConfig, load_config, save_config
 from pipelinerl.launch.commands import frozen_server, server_env
 from pipelinerl.launch.local import wait_for_servers

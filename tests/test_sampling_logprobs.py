@@ -74,7 +74,7 @@ def server(recompute_server, peaked_model_dir):
 def sample(server, temperature: float) -> list[Sample]:
     """PROMPTS x N completions through the actor's own request, as trainer samples with their behaviour
     log-probs."""
-    from pipelinerl.actor import Actor
+    from pipelinerl.actor.scheduler import Actor
 
     cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [
         f"run_dir={server['run_dir']}", f"model.path={server['model']}", "model.build_tiny_if_missing=false",

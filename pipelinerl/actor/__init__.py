@@ -1,7 +1,8 @@
 """`pipelinerl actor`: prompts in, G attempts each, rewards, whole groups out to the rollout stream.
 
-Parts: `client` (the completions client: server pool, HTTP, retries, parsing), `scheduler` (the `Actor`: lag
-throttle, write ordering, evaluation), `rewards` (reward.kind=model: the reward servers' inputs and scores).
+Parts: `client` (the completions client: server pool, HTTP, retries, parsing), `scheduler` (the `Actor` and
+`run_actor`: lag throttle, write ordering, evaluation), `rewards` (reward.kind=model: the reward servers' inputs
+and scores).
 
 Token in, token out: the actor tokenizes each prompt once with the model's chat template and sends the
 ids to `/v1/completions`; the servers return completion token ids, their log-probs and the policy
@@ -21,6 +22,7 @@ A group is written once, after its scores arrived: a retried scoring request nev
 
 from pipelinerl.actor.client import Completion, CompletionsClient
 from pipelinerl.actor.pool import ServerPool
-from pipelinerl.actor.scheduler import Actor, run_actor
 
-__all__ = ["Actor", "Completion", "CompletionsClient", "ServerPool", "run_actor"]
+# The Actor itself is imported from pipelinerl.actor.scheduler: the scheduler uses pipelinerl.eval, whose eval sets
+# use this package's client, so importing the scheduler here would make `import pipelinerl.eval.sets` circular.
+__all__ = ["Completion", "CompletionsClient", "ServerPool"]
